@@ -1,0 +1,15 @@
+// Logging through spdlog. One logger per process; its prefix carries the rank so that
+// interleaved output of several ranks stays readable: "[dstrain r3] message".
+#pragma once
+
+#include <string>
+
+#include <spdlog/spdlog.h>
+
+namespace dstrain {
+
+// Sets the process-wide logger. Rank 0 logs at `level`; other ranks log warnings and errors
+// only, unless `all_ranks` is true.
+void init_logging(int rank, const std::string& level, bool all_ranks = false);
+
+}  // namespace dstrain

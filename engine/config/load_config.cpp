@@ -1,0 +1,143 @@
+#include "engine/config/load_config.h"
+
+#include <fstream>
+#include <sstream>
+
+#include <yaml-cpp/yaml.h>
+
+#include "engine/common/error.h"
+#include "engine/config/yaml_io.h"
+
+namespace dstrain::config {
+namespace {
+
+struct Override {
+  std::vector<std::string> keys;
+  std::string value;
+  std::string text;
+};
+
+Override parse_override(const std::string& text) {
+  const auto eq = text.find('=');
+  if (eq == std::string::npos || eq == 0)
+    throw ConfigError(fmt::format("--set {}: expected key.path=value, e.g. --set parallel.tensor=2",
+                                  text));
+  Override o{{}, text.substr(eq + 1), text};
+  std::stringstream keys(text.substr(0, eq));
+  for (std::string part; std::getline(keys, part, '.');) {
+    if (part.empty())
+      throw ConfigError(fmt::format("--set {}: empty key in path '{}'", text, text.substr(0, eq)));
+    o.keys.push_back(part);
+  }
+  return o;
+}
+
+void apply_override(YAML::Node& root, const Override& o) {
+  YAML::Node cur;
+  cur.reset(root);
+  std::string path;
+  for (size_t i = 0; i + 1 < o.keys.size(); ++i) {
+    path += (i ? "." : "") + o.keys[i];
+    YAML::Node next = cur[o.keys[i]];
+    if (!next.IsDefined() || next.IsNull()) {
+      cur[o.keys[i]] = YAML::Node(YAML::NodeType::Map);
+      next.reset(cur[o.keys[i]]);
+    } else if (!next.IsMap()) {
+      throw ConfigError(fmt::format("--set {}: {} is a value, not a section, so it has no key '{}'",
+                                    o.text, path, o.keys[i + 1]));
+    }
+    cur.reset(next);
+  }
+  YAML::Node value;
+  try {
+    value = YAML::Load(o.value);
+  } catch (const YAML::Exception& e) {
+    throw ConfigError(fmt::format("--set {}: the value is not valid YAML: {}", o.text, e.msg));
+  }
+  cur[o.keys.back()] = value;
+}
+
+// Records the position of every key in the tree; overridden keys (and everything under them)
+// get the --set text instead.
+void record_positions(const YAML::Node& node, const std::string& path, Source& src,
+                      const std::map<std::string, std::string>& overrides, const std::string* inherited) {
+  if (!node.IsMap()) return;
+  for (auto it = node.begin(); it != node.end(); ++it) {
+    if (!it->first.IsScalar()) continue;
+    const std::string p = path.empty() ? it->first.Scalar() : path + "." + it->first.Scalar();
+    const std::string* over = inherited;
+    if (auto o = overrides.find(p); o != overrides.end()) over = &o->second;
+    if (over) src.set_override(p, *over);
+    else src.set_position(p, it->first.Mark().line, it->first.Mark().column);
+    record_positions(it->second, p, src, overrides, over);
+  }
+}
+
+TrainConfig load_from_node(YAML::Node root, const std::string& name,
+                           const std::vector<std::string>& overrides) {
+  if (!root.IsDefined() || root.IsNull()) {
+    if (overrides.empty())
+      throw ConfigError(fmt::format("{}: the config is empty; valid: a YAML mapping of sections, "
+                                    "see configs/tiny.yaml",
+                                    name));
+    root = YAML::Node(YAML::NodeType::Map);
+  }
+  if (!root.IsMap())
+    throw ConfigError(fmt::format("{}:{}:{}: the config must be a YAML mapping of keys, got {}",
+                                  name, root.Mark().line + 1, root.Mark().column + 1,
+                                  node_text(root)));
+  std::map<std::string, std::string> override_text;
+  for (const auto& text : overrides) {
+    const Override o = parse_override(text);
+    apply_override(root, o);
+    override_text[join(o.keys, ".")] = o.text;
+  }
+  TrainConfig cfg;
+  cfg.source = Source(name);
+  record_positions(root, "", cfg.source, override_text, nullptr);
+  Reader reader(root, "", cfg.source);
+  describe(reader, cfg);
+  reader.finish();
+  validate(cfg);
+  return cfg;
+}
+
+YAML::Node parse_yaml(const std::string& text, const std::string& name) {
+  try {
+    return YAML::Load(text);
+  } catch (const YAML::ParserException& e) {
+    throw ConfigError(fmt::format("{}:{}:{}: malformed YAML: {}", name, e.mark.line + 1,
+                                  e.mark.column + 1, e.msg));
+  }
+}
+
+}  // namespace
+
+TrainConfig load_config_text(const std::string& text, const std::string& name,
+                             const std::vector<std::string>& overrides) {
+  return load_from_node(parse_yaml(text, name), name, overrides);
+}
+
+TrainConfig load_config_file(const std::string& path, const std::vector<std::string>& overrides) {
+  std::ifstream in(path);
+  if (!in) throw ConfigError(fmt::format("{}: cannot open the config file (does it exist?)", path));
+  std::stringstream buf;
+  buf << in.rdbuf();
+  return load_config_text(buf.str(), path, overrides);
+}
+
+std::string to_yaml(const TrainConfig& cfg) {
+  TrainConfig copy = cfg;
+  YAML::Emitter out;
+  out << YAML::BeginMap;
+  Writer w(out);
+  describe(w, copy);
+  out << YAML::EndMap;
+  return std::string(out.c_str()) + "\n";
+}
+
+void fail_at(const TrainConfig& cfg, const std::string& path, const std::string& message) {
+  throw ConfigError(fmt::format("{}: {}: {}", cfg.source.at(path), path, message));
+}
+
+}  // namespace dstrain::config

@@ -1,0 +1,201 @@
+// The typed configuration of a dstrain run (DESIGN §3).
+//
+// Key names follow DeepSpeed where DeepSpeed has the concept (train_batch_size, fp16, bf16,
+// zero_optimization, optimizer, scheduler, ...), Hugging Face DeepSeek config.json inside
+// `model:`, and dstrain's own sections (parallel, data, checkpoint, monitor) elsewhere.
+// The schema itself (which keys exist, their types, defaults and valid values) is written once,
+// in schema.h; this file holds only the structs and their defaults.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "engine/config/source.h"
+
+namespace dstrain::config {
+
+enum class Precision { kFp32, kBf16, kFp16 };
+const char* to_string(Precision p);
+
+// `parallel.data: auto` or a number; 0 means auto (world_size / (tensor * pipeline)).
+struct AutoInt {
+  int64_t value = 0;
+  bool is_auto() const { return value == 0; }
+};
+
+struct RopeScaling {  // HF `rope_scaling` (YaRN only)
+  std::string type = "yarn";
+  double factor = 1.0;
+  int64_t original_max_position_embeddings = 4096;
+  double beta_fast = 32.0;
+  double beta_slow = 1.0;
+  double mscale = 1.0;
+  double mscale_all_dim = 0.0;
+};
+
+// Hugging Face DeepSeek config.json fields (MODEL.md §2). Defaults are those of HF's
+// DeepseekV3Config, i.e. DeepSeek-V3 with max_position_embeddings 4096; a `preset:` replaces
+// them all before the other keys of the section are applied.
+struct ModelConfig {
+  std::string preset;  // "" when the section spells out the model itself
+  std::string model_type = "deepseek_v3";
+  std::vector<std::string> architectures;
+  int64_t vocab_size = 129280;
+  int64_t hidden_size = 7168;
+  int64_t intermediate_size = 18432;
+  int64_t moe_intermediate_size = 2048;
+  int64_t num_hidden_layers = 61;
+  int64_t num_attention_heads = 128;
+  int64_t num_key_value_heads = 128;
+  std::optional<int64_t> q_lora_rank = 1536;  // null: a single q_proj (V2-Lite)
+  int64_t kv_lora_rank = 512;
+  int64_t qk_nope_head_dim = 128;
+  int64_t qk_rope_head_dim = 64;
+  int64_t v_head_dim = 128;
+  std::optional<int64_t> n_routed_experts = 256;  // null: a dense model
+  std::optional<int64_t> n_shared_experts = 1;
+  int64_t num_experts_per_tok = 8;
+  int64_t first_k_dense_replace = 3;
+  int64_t moe_layer_freq = 1;
+  std::string scoring_func = "sigmoid";
+  std::string topk_method = "noaux_tc";
+  int64_t n_group = 8;
+  int64_t topk_group = 4;
+  bool norm_topk_prob = true;
+  double routed_scaling_factor = 2.5;
+  double aux_loss_alpha = 0.001;
+  bool seq_aux = true;
+  double rms_norm_eps = 1e-6;
+  double rope_theta = 10000.0;
+  std::optional<RopeScaling> rope_scaling;
+  bool rope_interleave = true;
+  int64_t max_position_embeddings = 4096;
+  double initializer_range = 0.02;
+  std::string hidden_act = "silu";
+  bool tie_word_embeddings = false;
+  bool attention_bias = false;
+  double attention_dropout = 0.0;
+  std::optional<int64_t> bos_token_id = 0;
+  std::optional<int64_t> eos_token_id = 1;
+  std::optional<int64_t> pad_token_id;
+  int64_t num_nextn_predict_layers = 0;  // MTP modules
+  double bias_update_speed = 0.001;      // dstrain extension: γ of the aux-loss-free bias update
+  double mtp_loss_weight = 0.3;          // dstrain extension: λ of the MTP loss
+
+  // Derived helpers used everywhere the model's shape matters.
+  int64_t qk_head_dim() const { return qk_nope_head_dim + qk_rope_head_dim; }
+  int64_t num_routed() const { return n_routed_experts.value_or(0); }
+  int64_t num_shared() const { return n_shared_experts.value_or(0); }
+  bool is_moe_layer(int64_t layer) const;  // MODEL.md §2 placement rule
+};
+
+struct ParallelConfig {
+  int64_t tensor = 1;
+  int64_t pipeline = 1;
+  int64_t expert = 1;
+  AutoInt data;                      // auto: world_size / (tensor * pipeline)
+  std::vector<int64_t> stage_layers;  // decoder layers per pipeline stage; empty: uniform
+};
+
+struct Fp16Config {  // DeepSpeed `fp16` with its defaults
+  bool enabled = false;
+  bool auto_cast = false;
+  double loss_scale = 0.0;  // 0: dynamic loss scaling
+  int64_t initial_scale_power = 16;
+  int64_t loss_scale_window = 1000;
+  int64_t hysteresis = 2;
+  bool consecutive_hysteresis = false;
+  double min_loss_scale = 1.0;
+};
+
+struct Bf16Config {
+  bool enabled = false;
+};
+
+struct ZeroConfig {
+  int64_t stage = 0;
+};
+
+struct OptimizerParams {  // DeepSpeed Adam / AdamW params
+  double lr = 1e-3;
+  std::vector<double> betas = {0.9, 0.999};
+  double eps = 1e-8;
+  double weight_decay = 0.0;
+  bool adam_w_mode = true;  // DeepSpeed's Adam: decoupled (AdamW) weight decay by default
+};
+
+struct OptimizerConfig {
+  std::string type = "AdamW";
+  OptimizerParams params;
+};
+
+// DeepSpeed scheduler params; which of them exist depends on `type`.
+struct SchedulerParams {
+  double warmup_min_lr = 0.0;      // WarmupLR, WarmupDecayLR
+  double warmup_max_lr = 0.001;    // WarmupLR, WarmupDecayLR
+  int64_t warmup_num_steps = 1000;
+  std::string warmup_type = "log";  // log | linear
+  std::optional<int64_t> total_num_steps;  // WarmupDecayLR, WarmupCosineLR; default train_steps
+  double warmup_min_ratio = 0.0;   // WarmupCosineLR
+  double cos_min_ratio = 0.0001;   // WarmupCosineLR
+};
+
+struct SchedulerConfig {
+  std::string type = "WarmupLR";
+  SchedulerParams params;
+};
+
+struct ActivationCheckpointingConfig {
+  bool enabled = false;  // recompute each decoder layer's forward right before its backward
+};
+
+struct DataConfig {
+  std::string path = "data/tinyshakespeare.txt";
+  std::string format = "text";  // text: raw bytes, token id = byte value (vocab 256)
+  double validation_fraction = 0.05;
+};
+
+struct CheckpointConfig {
+  std::string dir = "checkpoints";
+  int64_t interval = 0;     // steps between saves; 0: only at the end and on SIGTERM/SIGINT
+  int64_t keep_last = 3;
+  std::string resume = "auto";  // auto | none | a checkpoint path
+  bool async = false;
+};
+
+struct MonitorConfig {
+  std::string metrics_file;  // JSON Lines; "" disables
+  std::string tensorboard;   // event-file directory; "" disables
+  std::string log_level = "info";
+};
+
+struct TrainConfig {
+  std::optional<int64_t> train_batch_size;  // sequences per optimizer step, all ranks together
+  std::optional<int64_t> train_micro_batch_size_per_gpu;
+  std::optional<int64_t> gradient_accumulation_steps;
+  int64_t seq_length = 256;
+  int64_t train_steps = 1000;
+  int64_t seed = 42;
+  double gradient_clipping = 0.0;  // 0: no clipping (DeepSpeed's default)
+  int64_t steps_per_print = 10;
+  bool wall_clock_breakdown = false;
+  Fp16Config fp16;
+  Bf16Config bf16;
+  ZeroConfig zero_optimization;
+  OptimizerConfig optimizer;
+  std::optional<SchedulerConfig> scheduler;  // absent: constant learning rate
+  ActivationCheckpointingConfig activation_checkpointing;
+  ModelConfig model;
+  ParallelConfig parallel;
+  DataConfig data;
+  CheckpointConfig checkpoint;
+  MonitorConfig monitor;
+
+  Source source;  // where each key came from, for error messages
+
+  Precision precision() const;
+};
+
+}  // namespace dstrain::config

@@ -1,0 +1,209 @@
+// Cross-key checks that do not depend on the world size, and defaults that depend on other keys.
+#include <filesystem>
+#include <numeric>
+
+#include "engine/common/error.h"
+#include "engine/common/strings.h"
+#include "engine/config/load_config.h"
+
+namespace dstrain::config {
+
+const char* to_string(Precision p) {
+  switch (p) {
+    case Precision::kFp32: return "fp32";
+    case Precision::kBf16: return "bf16";
+    case Precision::kFp16: return "fp16";
+  }
+  return "?";
+}
+
+Precision TrainConfig::precision() const {
+  if (bf16.enabled) return Precision::kBf16;
+  if (fp16.enabled) return Precision::kFp16;
+  return Precision::kFp32;
+}
+
+bool ModelConfig::is_moe_layer(int64_t layer) const {
+  return n_routed_experts.has_value() && layer >= first_k_dense_replace &&
+         layer % moe_layer_freq == 0;
+}
+
+namespace {
+
+std::string divisors_of(int64_t n) {
+  std::vector<std::string> d;
+  for (int64_t i = 1; i <= n && d.size() < 12; ++i)
+    if (n % i == 0) d.push_back(std::to_string(i));
+  return join(d, ", ") + (d.size() == 12 ? ", ..." : "");
+}
+
+void validate_router(const TrainConfig& cfg) {
+  const ModelConfig& m = cfg.model;
+  if (!m.n_routed_experts) return;
+  const int64_t E = *m.n_routed_experts;
+  if (m.num_experts_per_tok > E)
+    fail_at(cfg, "model.num_experts_per_tok",
+            fmt::format("{} experts per token but only {} routed experts (model.n_routed_experts); "
+                        "valid: 1 to {}",
+                        m.num_experts_per_tok, E, E));
+  if (E % m.n_group != 0)
+    fail_at(cfg, "model.n_group",
+            fmt::format("{} groups do not divide model.n_routed_experts = {}; valid: a divisor of "
+                        "{}: {}",
+                        m.n_group, E, E, divisors_of(E)));
+  if (m.topk_group > m.n_group)
+    fail_at(cfg, "model.topk_group",
+            fmt::format("{} is more than model.n_group = {}; valid: 1 to {}", m.topk_group,
+                        m.n_group, m.n_group));
+  const int64_t per_group = E / m.n_group;
+  if (m.topk_method == "noaux_tc" && per_group < 2)
+    fail_at(cfg, "model.n_group",
+            fmt::format("noaux_tc scores a group by its two best experts, but {} groups of {} "
+                        "experts leave {} per group; valid: n_group <= {}",
+                        m.n_group, E, per_group, E / 2));
+  if (m.topk_method != "greedy" && m.num_experts_per_tok > m.topk_group * per_group)
+    fail_at(cfg, "model.num_experts_per_tok",
+            fmt::format("{} experts per token cannot be picked from {} groups of {} experts "
+                        "(model.topk_group x experts per group = {}); valid: at most {}",
+                        m.num_experts_per_tok, m.topk_group, per_group, m.topk_group * per_group,
+                        m.topk_group * per_group));
+  if (m.model_type == "deepseek_v3" && (m.scoring_func != "sigmoid" || m.topk_method != "noaux_tc"))
+    fail_at(cfg, m.scoring_func != "sigmoid" ? "model.scoring_func" : "model.topk_method",
+            fmt::format("model_type deepseek_v3 routes with scoring_func sigmoid and topk_method "
+                        "noaux_tc (got {} / {}), as Hugging Face's DeepseekV3 does; valid: those, "
+                        "or model_type deepseek_v2 for softmax routing",
+                        m.scoring_func, m.topk_method));
+  if (m.model_type == "deepseek_v2" && (m.scoring_func != "softmax" || m.topk_method == "noaux_tc"))
+    fail_at(cfg, m.scoring_func != "softmax" ? "model.scoring_func" : "model.topk_method",
+            fmt::format("model_type deepseek_v2 routes with scoring_func softmax and topk_method "
+                        "greedy or group_limited_greedy (got {} / {}); valid: those, or model_type "
+                        "deepseek_v3 for sigmoid noaux_tc routing",
+                        m.scoring_func, m.topk_method));
+}
+
+void validate_model(const TrainConfig& cfg) {
+  const ModelConfig& m = cfg.model;
+  if (m.num_key_value_heads != m.num_attention_heads)
+    fail_at(cfg, "model.num_key_value_heads",
+            fmt::format("{} differs from model.num_attention_heads = {}; MLA has no grouped KV "
+                        "heads; valid: {}",
+                        m.num_key_value_heads, m.num_attention_heads, m.num_attention_heads));
+  if (m.qk_rope_head_dim % 2 != 0)
+    fail_at(cfg, "model.qk_rope_head_dim",
+            fmt::format("{} is odd; RoPE rotates pairs; valid: an even integer >= 2",
+                        m.qk_rope_head_dim));
+  if (m.tie_word_embeddings)
+    fail_at(cfg, "model.tie_word_embeddings",
+            "true, but DeepSeek models keep lm_head untied from embed_tokens; valid: false");
+  if (m.first_k_dense_replace > m.num_hidden_layers)
+    fail_at(cfg, "model.first_k_dense_replace",
+            fmt::format("{} dense layers requested but the model has {} layers "
+                        "(model.num_hidden_layers); valid: 0 to {}",
+                        m.first_k_dense_replace, m.num_hidden_layers, m.num_hidden_layers));
+  if (m.num_nextn_predict_layers > 0 && !m.n_routed_experts && m.first_k_dense_replace == 0)
+    fail_at(cfg, "model.num_nextn_predict_layers", "MTP needs a decoder layer definition");
+  if (cfg.seq_length > m.max_position_embeddings)
+    fail_at(cfg, "seq_length",
+            fmt::format("{} is longer than model.max_position_embeddings = {}; valid: 1 to {}",
+                        cfg.seq_length, m.max_position_embeddings, m.max_position_embeddings));
+  validate_router(cfg);
+}
+
+void validate_parallel(const TrainConfig& cfg) {
+  const ModelConfig& m = cfg.model;
+  const ParallelConfig& p = cfg.parallel;
+  const auto tp_divides = [&](int64_t n, const char* what) {
+    if (n % p.tensor != 0)
+      fail_at(cfg, "parallel.tensor",
+              fmt::format("{} does not divide {} = {}; valid: a divisor of {}: {}", p.tensor, what,
+                          n, n, divisors_of(n)));
+  };
+  tp_divides(m.num_attention_heads, "model.num_attention_heads");
+  tp_divides(m.vocab_size, "model.vocab_size (vocab-parallel embedding and head)");
+  if (m.first_k_dense_replace > 0 || !m.n_routed_experts)
+    tp_divides(m.intermediate_size, "model.intermediate_size");
+  if (m.n_routed_experts && m.num_shared() > 0)
+    tp_divides(m.num_shared() * m.moe_intermediate_size,
+               "the shared-expert width (n_shared_experts x moe_intermediate_size)");
+  if (p.pipeline > m.num_hidden_layers)
+    fail_at(cfg, "parallel.pipeline",
+            fmt::format("{} pipeline stages but the model has only {} layers "
+                        "(model.num_hidden_layers); valid: 1 to {}",
+                        p.pipeline, m.num_hidden_layers, m.num_hidden_layers));
+  if (p.expert > 1 && !m.n_routed_experts)
+    fail_at(cfg, "parallel.expert",
+            fmt::format("{}, but the model has no routed experts (model.n_routed_experts is null); "
+                        "valid: 1",
+                        p.expert));
+  if (m.n_routed_experts && *m.n_routed_experts % p.expert != 0)
+    fail_at(cfg, "parallel.expert",
+            fmt::format("{} does not divide model.n_routed_experts = {}; valid: a divisor of {}: {}",
+                        p.expert, *m.n_routed_experts, *m.n_routed_experts,
+                        divisors_of(*m.n_routed_experts)));
+  if (!p.data.is_auto() && p.data.value % p.expert != 0)
+    fail_at(cfg, "parallel.expert",
+            fmt::format("{} does not divide parallel.data = {}: expert parallelism splits the "
+                        "data-parallel ranks; valid: a divisor of {}: {}",
+                        p.expert, p.data.value, p.data.value, divisors_of(p.data.value)));
+  if (!p.stage_layers.empty()) {
+    if (static_cast<int64_t>(p.stage_layers.size()) != p.pipeline)
+      fail_at(cfg, "parallel.stage_layers",
+              fmt::format("{} entries for {} pipeline stages (parallel.pipeline); valid: one "
+                          "layer count per stage",
+                          p.stage_layers.size(), p.pipeline));
+    const int64_t sum = std::accumulate(p.stage_layers.begin(), p.stage_layers.end(), int64_t{0});
+    if (sum != m.num_hidden_layers)
+      fail_at(cfg, "parallel.stage_layers",
+              fmt::format("the counts add up to {} layers but the model has {} "
+                          "(model.num_hidden_layers); valid: counts >= 1 that sum to {}",
+                          sum, m.num_hidden_layers, m.num_hidden_layers));
+  }
+}
+
+void validate_training(TrainConfig& cfg) {
+  if (cfg.fp16.enabled && cfg.bf16.enabled)
+    fail_at(cfg, "bf16.enabled",
+            "true while fp16.enabled is also true; valid: at most one of fp16 and bf16 enabled");
+  if (cfg.optimizer.params.betas.size() != 2)
+    fail_at(cfg, "optimizer.params.betas",
+            fmt::format("{} values; valid: a list of two numbers in [0, 1), e.g. [0.9, 0.95]",
+                        cfg.optimizer.params.betas.size()));
+  if (cfg.scheduler && cfg.scheduler->type != "WarmupLR") {
+    SchedulerParams& s = cfg.scheduler->params;
+    if (!s.total_num_steps) s.total_num_steps = cfg.train_steps;
+    if (*s.total_num_steps < s.warmup_num_steps)
+      fail_at(cfg, "scheduler.params.total_num_steps",
+              fmt::format("{} is fewer than scheduler.params.warmup_num_steps = {}; valid: an "
+                          "integer >= {}",
+                          *s.total_num_steps, s.warmup_num_steps, s.warmup_num_steps));
+  }
+  if (cfg.data.format == "text" && cfg.model.vocab_size < 256)
+    fail_at(cfg, "data.format",
+            fmt::format("text gives byte tokens 0..255 but model.vocab_size is {}; valid: a "
+                        "vocab_size >= 256 for text data",
+                        cfg.model.vocab_size));
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  if (!fs::is_regular_file(cfg.data.path, ec))
+    fail_at(cfg, "data.path",
+            fmt::format("'{}' is not a readable file (working directory {}); valid: the path of "
+                        "the training data",
+                        cfg.data.path, fs::current_path(ec).string()));
+  if (fs::file_size(cfg.data.path, ec) == 0)
+    fail_at(cfg, "data.path", fmt::format("'{}' is empty; valid: a file with training data",
+                                          cfg.data.path));
+  const std::string& resume = cfg.checkpoint.resume;
+  if (resume != "auto" && resume != "none" && !fs::exists(resume, ec))
+    fail_at(cfg, "checkpoint.resume",
+            fmt::format("'{}' does not exist; valid: auto, none or the path of a checkpoint", resume));
+}
+
+}  // namespace
+
+void validate(TrainConfig& cfg) {
+  validate_model(cfg);
+  validate_parallel(cfg);
+  validate_training(cfg);
+}
+
+}  // namespace dstrain::config

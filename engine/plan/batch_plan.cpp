@@ -1,0 +1,51 @@
+#include "engine/plan/batch_plan.h"
+
+#include <fmt/format.h>
+
+#include "engine/config/load_config.h"
+
+namespace dstrain::plan {
+
+BatchPlan resolve_batch(const config::TrainConfig& cfg, int64_t dp) {
+  const auto& tb = cfg.train_batch_size;
+  const auto& mb = cfg.train_micro_batch_size_per_gpu;
+  const auto& ga = cfg.gradient_accumulation_steps;
+  BatchPlan b;
+  b.dp = dp;
+  b.seq_length = cfg.seq_length;
+  const auto need_multiple = [&](const char* key, int64_t value, int64_t factor, const std::string& of) {
+    if (value % factor != 0)
+      config::fail_at(cfg, key,
+                      fmt::format("{} is not divisible by {} = {}; valid: a multiple of {}", value,
+                                  of, factor, factor));
+  };
+  if (tb && mb && ga) {
+    if (*tb != *mb * *ga * dp)
+      config::fail_at(cfg, "train_batch_size",
+                      fmt::format("{} != train_micro_batch_size_per_gpu {} x "
+                                  "gradient_accumulation_steps {} x data-parallel size {} = {}; "
+                                  "valid: {}, or leave one of the three unset",
+                                  *tb, *mb, *ga, dp, *mb * *ga * dp, *mb * *ga * dp));
+    b.global = *tb, b.micro = *mb, b.accumulation = *ga;
+  } else if (tb && mb) {
+    need_multiple("train_batch_size", *tb, *mb * dp,
+                  fmt::format("train_micro_batch_size_per_gpu {} x data-parallel size {}", *mb, dp));
+    b.global = *tb, b.micro = *mb, b.accumulation = *tb / (*mb * dp);
+  } else if (tb && ga) {
+    need_multiple("train_batch_size", *tb, *ga * dp,
+                  fmt::format("gradient_accumulation_steps {} x data-parallel size {}", *ga, dp));
+    b.global = *tb, b.accumulation = *ga, b.micro = *tb / (*ga * dp);
+  } else if (tb) {
+    need_multiple("train_batch_size", *tb, dp, "the data-parallel size");
+    b.global = *tb, b.accumulation = 1, b.micro = *tb / dp;
+  } else if (mb) {
+    b.micro = *mb, b.accumulation = ga.value_or(1), b.global = *mb * b.accumulation * dp;
+  } else {
+    config::fail_at(cfg, "train_batch_size",
+                    "neither train_batch_size nor train_micro_batch_size_per_gpu is set; valid: "
+                    "set at least one of them (DeepSpeed's batch triangle)");
+  }
+  return b;
+}
+
+}  // namespace dstrain::plan

@@ -1,0 +1,89 @@
+#include "engine/plan/parallel_plan.h"
+
+#include <fmt/format.h>
+
+#include "engine/common/error.h"
+#include "engine/config/load_config.h"
+
+namespace dstrain::plan {
+namespace {
+
+Degrees resolve_degrees(const config::TrainConfig& cfg, int world_size) {
+  const config::ParallelConfig& p = cfg.parallel;
+  const int64_t model_parallel = p.tensor * p.pipeline;
+  if (world_size < 1)
+    throw dstrain::ConfigError(fmt::format("world size {} is not a rank count; valid: 1 or more", world_size));
+  if (world_size % model_parallel != 0)
+    config::fail_at(cfg, "parallel.tensor",
+                    fmt::format("world size {} is not a multiple of parallel.tensor {} x "
+                                "parallel.pipeline {} = {}; valid: a world size that is a multiple "
+                                "of {} (mpirun -np / --world-size), or other degrees",
+                                world_size, p.tensor, p.pipeline, model_parallel, model_parallel));
+  const int64_t dp = world_size / model_parallel;
+  if (!p.data.is_auto() && p.data.value != dp)
+    config::fail_at(cfg, "parallel.data",
+                    fmt::format("tensor {} x pipeline {} x data {} = {} ranks, but the world size "
+                                "is {}; valid: data: {} or data: auto",
+                                p.tensor, p.pipeline, p.data.value, model_parallel * p.data.value,
+                                world_size, dp));
+  if (dp % p.expert != 0)
+    config::fail_at(cfg, "parallel.expert",
+                    fmt::format("{} does not divide the data-parallel size {} (world {} / tensor "
+                                "{} / pipeline {}): expert parallelism splits the data-parallel "
+                                "ranks; valid: a divisor of {}",
+                                p.expert, dp, world_size, p.tensor, p.pipeline, dp));
+  return Degrees{static_cast<int>(p.tensor), static_cast<int>(p.pipeline), static_cast<int>(dp),
+                 static_cast<int>(p.expert)};
+}
+
+}  // namespace
+
+ShardSpec ParallelPlan::shard(size_t param_index, int rank) const {
+  const Coord c = grid.coord(rank);
+  const ParamInfo& p = params[param_index];
+  if (param_stage[param_index] != c.pp) return ShardSpec{false, {}, {}};
+  return shard_of(p, config.model.num_routed(), c.tp, degrees.tp, c.ep, degrees.ep);
+}
+
+MemoryEstimate ParallelPlan::memory(int stage, int zero_stage, config::Precision precision) const {
+  const StageLoad& s = stage_loads.at(stage);
+  return estimate_memory(s.dense_params, s.expert_params, degrees.dp, degrees.edp(), zero_stage,
+                         precision);
+}
+
+ParallelPlan make_plan(const config::TrainConfig& cfg, int world_size) {
+  ParallelPlan plan;
+  plan.config = cfg;
+  plan.degrees = resolve_degrees(cfg, world_size);
+  plan.grid = RankGrid(plan.degrees);
+  plan.batch = resolve_batch(cfg, plan.degrees.dp);
+  config::TrainConfig& resolved = plan.config;
+  resolved.parallel.data.value = plan.degrees.dp;
+  resolved.train_batch_size = plan.batch.global;
+  resolved.train_micro_batch_size_per_gpu = plan.batch.micro;
+  resolved.gradient_accumulation_steps = plan.batch.accumulation;
+
+  const config::ModelConfig& m = cfg.model;
+  plan.stages = assign_stages(m, cfg.parallel);
+  plan.params = build_param_table(m);
+  plan.counts = count_params(m, plan.params);
+  plan.flops = flops_per_token(m, cfg.seq_length);
+  plan.stage_loads.assign(plan.stages.size(), StageLoad{});
+  plan.param_stage.reserve(plan.params.size());
+  for (const ParamInfo& p : plan.params) {
+    const int stage = stage_of_layer(plan.stages, p.layer);
+    plan.param_stage.push_back(stage);
+    // Every rank of a stage holds the same amount: measure it at tp = 0, ep = 0, with expert
+    // counts divided evenly (E % ep == 0 is validated).
+    const ShardSpec s = shard_of(p, m.num_routed(), 0, plan.degrees.tp, 0, 1);
+    StageLoad& load = plan.stage_loads[stage];
+    if (p.buffer) load.buffers += p.numel();
+    else if (p.shard == Shard::kExpert)
+      load.expert_params += s.local_numel();  // summed over all experts, divided below
+    else load.dense_params += s.local_numel();
+  }
+  for (StageLoad& load : plan.stage_loads) load.expert_params /= plan.degrees.ep;
+  return plan;
+}
+
+}  // namespace dstrain::plan

@@ -1,0 +1,136 @@
+#include "engine/plan/report.h"
+
+#include <algorithm>
+#include <sstream>
+
+#include <fmt/format.h>
+
+#include "engine/common/strings.h"
+
+namespace dstrain::plan {
+namespace {
+
+using config::Precision;
+
+void model_section(std::ostringstream& o, const ParallelPlan& p) {
+  const config::ModelConfig& m = p.config.model;
+  int64_t moe_layers = 0;
+  for (int64_t i = 0; i < m.num_hidden_layers; ++i) moe_layers += m.is_moe_layer(i) ? 1 : 0;
+  o << fmt::format("model      {}{}: {} layers ({} dense, {} MoE), hidden {}, {} heads, vocab {}\n",
+                   m.model_type, m.preset.empty() ? "" : " (preset " + m.preset + ")",
+                   m.num_hidden_layers, m.num_hidden_layers - moe_layers, moe_layers, m.hidden_size,
+                   m.num_attention_heads, m.vocab_size);
+  if (m.n_routed_experts)
+    o << fmt::format("           {} routed experts, top-{} ({} / {}, {} groups keep {}), {} shared\n",
+                     *m.n_routed_experts, m.num_experts_per_tok, m.scoring_func, m.topk_method,
+                     m.n_group, m.topk_group, m.num_shared());
+  if (m.num_nextn_predict_layers > 0)
+    o << fmt::format("           {} MTP module(s)\n", m.num_nextn_predict_layers);
+  const ParamCounts& c = p.counts;
+  o << fmt::format("parameters total {} | activated {} ({} excl. embedding)\n",
+                   with_commas(c.total), with_commas(c.activated),
+                   with_commas(c.activated_excl_embedding));
+  if (c.mtp_total > 0)
+    o << fmt::format("           MTP modules {} (activated {}); not included above\n",
+                     with_commas(c.mtp_total), with_commas(c.mtp_activated));
+}
+
+void batch_section(std::ostringstream& o, const ParallelPlan& p) {
+  const BatchPlan& b = p.batch;
+  o << fmt::format("batch      train_batch_size {} = micro {} x accumulation {} x data-parallel {}\n",
+                   b.global, b.micro, b.accumulation, b.dp);
+  o << fmt::format("           seq_length {}: {} tokens per step, {} per micro-batch per rank\n",
+                   b.seq_length, with_commas(b.tokens_per_step()), with_commas(b.micro * b.seq_length));
+}
+
+void groups_section(std::ostringstream& o, const ParallelPlan& p, const ReportOptions& opts) {
+  const Degrees& d = p.degrees;
+  o << fmt::format("layout     world {} = tensor {} x pipeline {} x data {}; expert {} inside "
+                   "data (expert-data {})\n",
+                   d.world(), d.tp, d.pp, d.dp, d.ep, d.edp());
+  o << "           rank = ((pp * DP) + dp) * TP + tp; ep = dp % EP, edp = dp / EP\n";
+  for (Axis a : kAllAxes) {
+    const int n = p.grid.num_groups(a);
+    o << fmt::format("  {:<4} {} group(s) of {}:", axis_name(a), n, p.grid.group_size(a));
+    const int shown = static_cast<int>(std::min<size_t>(n, opts.max_groups_shown));
+    for (int g = 0; g < shown; ++g) o << " [" << format_rank_list(p.grid.group(a, g), 8) << "]";
+    if (shown < n) o << fmt::format(" ... ({} more)", n - shown);
+    o << "\n";
+  }
+}
+
+void stages_section(std::ostringstream& o, const ParallelPlan& p) {
+  o << "stages     (parameters held by each rank of the stage)\n";
+  for (size_t s = 0; s < p.stages.size(); ++s) {
+    const StageRange& r = p.stages[s];
+    std::string extra;
+    if (r.has_embedding) extra += " + embedding";
+    if (r.has_head) extra += p.config.model.num_nextn_predict_layers > 0
+                                 ? " + final norm, lm_head, MTP"
+                                 : " + final norm, lm_head";
+    const StageLoad& load = p.stage_loads[s];
+    o << fmt::format("  stage {:<3} layers {}-{} ({}){}: {} params per rank ({} dense, {} expert)\n",
+                     s, r.first_layer, r.end_layer - 1, r.num_layers(), extra,
+                     with_commas(load.params()), with_commas(load.dense_params),
+                     with_commas(load.expert_params));
+  }
+}
+
+void flops_section(std::ostringstream& o, const ParallelPlan& p) {
+  const FlopsPerToken& f = p.flops;
+  const double tokens = static_cast<double>(p.batch.tokens_per_step());
+  o << fmt::format("FLOPs      per token: forward {}FLOP, train {}FLOP (3x forward{})\n",
+                   human_count(f.forward), human_count(f.train),
+                   p.config.activation_checkpointing.enabled
+                       ? fmt::format("; {}FLOP executed with recomputation",
+                                     human_count(f.train_recompute))
+                       : "");
+  o << fmt::format("           per layer: attention projections {}, attention core {} (S/2 "
+                   "context), dense MLP {}, MoE {}\n",
+                   human_count(f.attn_proj), human_count(f.attn_core), human_count(f.dense),
+                   human_count(f.moe));
+  o << fmt::format("           per step: {}FLOP ({} tokens)\n", human_count(f.train * tokens),
+                   with_commas(static_cast<int64_t>(tokens)));
+}
+
+void memory_section(std::ostringstream& o, const ParallelPlan& p) {
+  const int zero = static_cast<int>(p.config.zero_optimization.stage);
+  const Precision prec = p.config.precision();
+  o << fmt::format("memory     per rank, weights + gradients + optimizer state (configured: "
+                   "ZeRO-{}, {})\n",
+                   zero, config::to_string(prec));
+  for (size_t s = 0; s < p.stages.size(); ++s) {
+    const MemoryEstimate e = p.memory(static_cast<int>(s), zero, prec);
+    o << fmt::format("  stage {:<3} weights {}, gradients {}, optimizer {}: total {}\n", s,
+                     human_bytes(e.weights), human_bytes(e.gradients), human_bytes(e.optimizer),
+                     human_bytes(e.total()));
+  }
+  int worst = 0;
+  for (size_t s = 1; s < p.stages.size(); ++s)
+    if (p.memory(static_cast<int>(s), zero, prec).total() > p.memory(worst, zero, prec).total())
+      worst = static_cast<int>(s);
+  o << fmt::format("  by ZeRO stage and precision (stage {}, the largest):\n", worst);
+  o << fmt::format("  {:<8} {:>14} {:>14} {:>14}\n", "", "fp32", "bf16", "fp16");
+  for (int z = 0; z <= 2; ++z) {
+    o << fmt::format("  ZeRO-{:<3}", z);
+    for (Precision pr : {Precision::kFp32, Precision::kBf16, Precision::kFp16})
+      o << fmt::format(" {:>14}", human_bytes(p.memory(worst, z, pr).total()));
+    o << "\n";
+  }
+  o << "  (activations and workspace not included)\n";
+}
+
+}  // namespace
+
+std::string dry_run_report(const ParallelPlan& plan, const ReportOptions& opts) {
+  std::ostringstream o;
+  model_section(o, plan);
+  batch_section(o, plan);
+  groups_section(o, plan, opts);
+  stages_section(o, plan);
+  flops_section(o, plan);
+  memory_section(o, plan);
+  return o.str();
+}
+
+}  // namespace dstrain::plan

@@ -1,0 +1,73 @@
+#include "launcher/cli.h"
+
+#include <charconv>
+#include <stdexcept>
+
+namespace dstrain::launcher {
+
+std::string usage() {
+  return R"(usage: dstrain CONFIG.yaml [options]
+       mpirun -np N dstrain CONFIG.yaml [options]
+
+options:
+  --set KEY.PATH=VALUE  override one config key (repeatable), e.g. --set parallel.tensor=2
+  --dry-run             print the resolved plan (batch math, rank groups, layers per stage,
+                        parameters, FLOPs, memory per rank) and exit; allocates nothing
+  --world-size N        plan for N ranks instead of the MPI world (with --dry-run/--print-config)
+  --print-config        print the fully resolved config, defaults included, and exit
+  --check-comm          build every process group's communicator, check its members, and exit
+  --ranks-needed        print the rank count the config needs (parallel.data must be a number)
+  --version             print the version
+  -h, --help            this help
+)";
+}
+
+Options parse_args(const std::vector<std::string>& args) {
+  Options o;
+  for (size_t i = 0; i < args.size(); ++i) {
+    const std::string& a = args[i];
+    const auto value = [&](const char* flag) -> std::string {
+      if (i + 1 >= args.size()) throw std::invalid_argument(std::string(flag) + " needs a value");
+      return args[++i];
+    };
+    if (a == "--set") {
+      o.overrides.push_back(value("--set"));
+    } else if (a.rfind("--set=", 0) == 0) {
+      o.overrides.push_back(a.substr(6));
+    } else if (a == "--dry-run") {
+      o.dry_run = true;
+    } else if (a == "--print-config") {
+      o.print_config = true;
+    } else if (a == "--ranks-needed") {
+      o.ranks_needed = true;
+    } else if (a == "--check-comm") {
+      o.check_comm = true;
+    } else if (a == "--world-size") {
+      const std::string v = value("--world-size");
+      int n = 0;
+      auto [ptr, ec] = std::from_chars(v.data(), v.data() + v.size(), n);
+      if (ec != std::errc() || ptr != v.data() + v.size() || n < 1)
+        throw std::invalid_argument("--world-size needs a rank count >= 1, got '" + v + "'");
+      o.world_size = n;
+    } else if (a == "-h" || a == "--help") {
+      o.help = true;
+    } else if (a == "--version") {
+      o.version = true;
+    } else if (!a.empty() && a[0] == '-') {
+      throw std::invalid_argument("unknown option '" + a + "' (see dstrain --help)");
+    } else if (o.config_path.empty()) {
+      o.config_path = a;
+    } else {
+      throw std::invalid_argument("more than one config file given: '" + o.config_path + "' and '" +
+                                  a + "'");
+    }
+  }
+  if (!o.help && !o.version && o.config_path.empty())
+    throw std::invalid_argument("no config file given (see dstrain --help)");
+  if (o.world_size && !o.dry_run && !o.print_config)
+    throw std::invalid_argument("--world-size plans for another rank count; use it with --dry-run "
+                                "or --print-config");
+  return o;
+}
+
+}  // namespace dstrain::launcher

@@ -1,0 +1,161 @@
+// dstrain: `mpirun -np N dstrain CONFIG.yaml [--set k=v ...] [--dry-run | --print-config |
+// --check-comm]`. Loads and validates the config on every rank, makes the plan for the world
+// size, builds one communicator per process group, and reports. Any error on any rank ends the
+// job on every rank with a non-zero exit and one clear line — never a hang.
+#include <cstdio>
+#include <iostream>
+#include <optional>
+
+#include "engine/common/error.h"
+#include "engine/common/logging.h"
+#include "engine/common/strings.h"
+#include "engine/comm/mpi_check.h"
+#include "engine/config/load_config.h"
+#include "engine/plan/parallel_plan.h"
+#include "engine/plan/report.h"
+#include "engine/runtime/groups.h"
+#include "launcher/cli.h"
+
+namespace {
+
+using namespace dstrain;
+
+constexpr const char* kVersion = "0.1.0";
+
+// Every rank reaches this point with or without an error of its own. If all failed, they
+// failed on the same input, and rank 0 speaks for them; otherwise each failing rank speaks.
+// Returns true when the job must stop.
+bool agree_on_failure(const std::optional<std::string>& error, int rank, int world) {
+  int mine = error ? 1 : 0, failed = 0;
+  MPI_Allreduce(&mine, &failed, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD);
+  if (failed == 0) return false;
+  if (error && (failed < world ? true : rank == 0)) {
+    const std::string who = failed < world ? fmt::format("rank {}: ", rank) : "";
+    std::fprintf(stderr, "dstrain: error: %s%s\n", who.c_str(), error->c_str());
+    std::fflush(stderr);
+  }
+  return true;
+}
+
+std::optional<plan::ParallelPlan> load_plan(const launcher::Options& opts, int world,
+                                            std::optional<std::string>& error) {
+  try {
+    const config::TrainConfig cfg = config::load_config_file(opts.config_path, opts.overrides);
+    return plan::make_plan(cfg, opts.world_size.value_or(world));
+  } catch (const Error& e) {
+    error = e.what();
+  }
+  return std::nullopt;
+}
+
+// Builds the communicators of this rank and checks them against the plan.
+std::optional<std::string> setup_groups(const plan::ParallelPlan& p, int rank,
+                                        std::vector<comm::ProcessGroup>& groups) {
+  try {
+    groups = comm::create_groups(runtime::group_specs(p.grid, rank), MPI_COMM_WORLD);
+    for (const auto& g : groups) g.verify();
+  } catch (const Error& e) {
+    return std::string(e.what());
+  }
+  return std::nullopt;
+}
+
+// --check-comm: one line per rank, gathered to rank 0 so the output is in rank order.
+void report_groups(const plan::ParallelPlan& p, int rank, int world,
+                   const std::vector<comm::ProcessGroup>& groups) {
+  const plan::Coord c = p.grid.coord(rank);
+  std::string line = fmt::format("rank {:>4} (pp {} dp {} tp {} ep {} edp {}):", rank, c.pp, c.dp,
+                                 c.tp, c.ep, c.edp);
+  for (const auto& g : groups)
+    line += fmt::format(" {}[{}]", g.name(), format_rank_list(g.world_ranks(), 8));
+  line.resize(256, ' ');
+  std::vector<char> all(rank == 0 ? 256 * world : 0);
+  MPI_Gather(line.data(), 256, MPI_CHAR, all.data(), 256, MPI_CHAR, 0, MPI_COMM_WORLD);
+  if (rank != 0) return;
+  for (int r = 0; r < world; ++r) {
+    std::string l(all.data() + 256 * r, 256);
+    l.erase(l.find_last_not_of(' ') + 1);
+    std::cout << l << "\n";
+  }
+  std::cout << fmt::format("communicators: {} ranks, {} groups each, all members verified\n",
+                           world, groups.size());
+}
+
+// --ranks-needed: what dsrun passes to mpirun -np. Needs no MPI.
+int print_ranks_needed(const launcher::Options& opts) {
+  try {
+    const config::TrainConfig cfg = config::load_config_file(opts.config_path, opts.overrides);
+    const config::ParallelConfig& p = cfg.parallel;
+    if (p.data.is_auto())
+      config::fail_at(cfg, "parallel.data",
+                      "auto, so the rank count is whatever mpirun starts; valid: a number to size "
+                      "the job from the config, or pass the rank count yourself (dsrun -np N)");
+    std::cout << p.tensor * p.pipeline * p.data.value << "\n";
+    return 0;
+  } catch (const Error& e) {
+    std::fprintf(stderr, "dstrain: error: %s\n", e.what());
+    return 1;
+  }
+}
+
+int run(const launcher::Options& opts, int rank, int world) {
+  std::optional<std::string> error;
+  std::optional<plan::ParallelPlan> p = load_plan(opts, world, error);
+  if (agree_on_failure(error, rank, world)) return 1;
+  if (opts.print_config || opts.dry_run) {
+    if (rank == 0) {
+      if (opts.print_config) std::cout << config::to_yaml(p->config);
+      if (opts.dry_run) {
+        std::cout << fmt::format("dstrain {} dry run of {} for {} ranks{}\n", kVersion,
+                                 opts.config_path, p->degrees.world(),
+                                 opts.world_size ? " (--world-size)" : "");
+        std::cout << plan::dry_run_report(*p);
+      }
+    }
+    return 0;
+  }
+  init_logging(rank, p->config.monitor.log_level);
+  std::vector<comm::ProcessGroup> groups;
+  if (agree_on_failure(setup_groups(*p, rank, groups), rank, world)) return 1;
+  if (opts.check_comm) {
+    report_groups(*p, rank, world, groups);
+    return 0;
+  }
+  if (rank == 0)
+    std::fprintf(stderr,
+                 "dstrain: error: this build has no training loop yet; the config and the %d "
+                 "communicators are valid. Use --dry-run, --print-config or --check-comm.\n",
+                 world);
+  return 3;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  launcher::Options opts;
+  try {
+    opts = launcher::parse_args(std::vector<std::string>(argv + 1, argv + argc));
+  } catch (const std::invalid_argument& e) {
+    std::fprintf(stderr, "dstrain: error: %s\n", e.what());
+    return 2;
+  }
+  if (opts.help) {
+    std::cout << launcher::usage();
+    return 0;
+  }
+  if (opts.version) {
+    std::cout << "dstrain " << kVersion << "\n";
+    return 0;
+  }
+  if (opts.ranks_needed) return print_ranks_needed(opts);
+  try {
+    comm::MpiEnvironment mpi(&argc, &argv);
+    return run(opts, mpi.rank(), mpi.size());
+  } catch (const std::exception& e) {
+    // Not a user error: an MPI failure or an internal bug. Take the whole job down.
+    std::fprintf(stderr, "dstrain: fatal: %s\n", e.what());
+    std::fflush(stderr);
+    MPI_Abort(MPI_COMM_WORLD, 1);
+    return 1;
+  }
+}
