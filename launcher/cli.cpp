@@ -17,6 +17,7 @@ options:
   --print-config        print the fully resolved config, defaults included, and exit
   --check-comm          build every process group's communicator, check its members, and exit
   --ranks-needed        print the rank count the config needs (parallel.data must be a number)
+  --config-reference    print every config key (type, default, valid values) as Markdown
   --version             print the version
   -h, --help            this help
 )";
@@ -38,6 +39,8 @@ Options parse_args(const std::vector<std::string>& args) {
       o.dry_run = true;
     } else if (a == "--print-config") {
       o.print_config = true;
+    } else if (a == "--config-reference") {
+      o.config_reference = true;
     } else if (a == "--ranks-needed") {
       o.ranks_needed = true;
     } else if (a == "--check-comm") {
@@ -62,7 +65,7 @@ Options parse_args(const std::vector<std::string>& args) {
                                   a + "'");
     }
   }
-  if (!o.help && !o.version && o.config_path.empty())
+  if (!o.help && !o.version && !o.config_reference && o.config_path.empty())
     throw std::invalid_argument("no config file given (see dstrain --help)");
   if (o.world_size && !o.dry_run && !o.print_config)
     throw std::invalid_argument("--world-size plans for another rank count; use it with --dry-run "

@@ -11,6 +11,7 @@
 #include "engine/common/strings.h"
 #include "engine/comm/mpi_check.h"
 #include "engine/config/load_config.h"
+#include "engine/config/yaml_io.h"
 #include "engine/plan/parallel_plan.h"
 #include "engine/plan/report.h"
 #include "engine/runtime/groups.h"
@@ -141,6 +142,10 @@ int main(int argc, char** argv) {
   }
   if (opts.help) {
     std::cout << launcher::usage();
+    return 0;
+  }
+  if (opts.config_reference) {
+    std::cout << config::config_reference_markdown();
     return 0;
   }
   if (opts.version) {

@@ -6,6 +6,7 @@
 #include <yaml-cpp/yaml.h>
 
 #include "engine/common/error.h"
+#include "engine/common/strings.h"
 #include "engine/config/yaml_io.h"
 
 namespace dstrain::config {
@@ -32,7 +33,9 @@ Override parse_override(const std::string& text) {
   return o;
 }
 
-void apply_override(YAML::Node& root, const Override& o) {
+// Applies one override; returns the paths of the sections it had to create on the way.
+std::vector<std::string> apply_override(YAML::Node& root, const Override& o) {
+  std::vector<std::string> created;
   YAML::Node cur;
   cur.reset(root);
   std::string path;
@@ -42,6 +45,7 @@ void apply_override(YAML::Node& root, const Override& o) {
     if (!next.IsDefined() || next.IsNull()) {
       cur[o.keys[i]] = YAML::Node(YAML::NodeType::Map);
       next.reset(cur[o.keys[i]]);
+      created.push_back(path);
     } else if (!next.IsMap()) {
       throw ConfigError(fmt::format("--set {}: {} is a value, not a section, so it has no key '{}'",
                                     o.text, path, o.keys[i + 1]));
@@ -55,6 +59,7 @@ void apply_override(YAML::Node& root, const Override& o) {
     throw ConfigError(fmt::format("--set {}: the value is not valid YAML: {}", o.text, e.msg));
   }
   cur[o.keys.back()] = value;
+  return created;
 }
 
 // Records the position of every key in the tree; overridden keys (and everything under them)
@@ -89,7 +94,7 @@ TrainConfig load_from_node(YAML::Node root, const std::string& name,
   std::map<std::string, std::string> override_text;
   for (const auto& text : overrides) {
     const Override o = parse_override(text);
-    apply_override(root, o);
+    for (const std::string& created : apply_override(root, o)) override_text.emplace(created, o.text);
     override_text[join(o.keys, ".")] = o.text;
   }
   TrainConfig cfg;

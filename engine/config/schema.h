@@ -129,7 +129,6 @@ void describe(V& v, ParallelConfig& c) {
 template <class V>
 void describe(V& v, Fp16Config& c) {
   v.field("enabled", c.enabled);
-  v.field("auto_cast", c.auto_cast);
   v.field("loss_scale", c.loss_scale, non_negative());
   v.field("initial_scale_power", c.initial_scale_power, int_range(0, 62));
   v.field("loss_scale_window", c.loss_scale_window, at_least(1));

@@ -101,7 +101,6 @@ struct ParallelConfig {
 
 struct Fp16Config {  // DeepSpeed `fp16` with its defaults
   bool enabled = false;
-  bool auto_cast = false;
   double loss_scale = 0.0;  // 0: dynamic loss scaling
   int64_t initial_scale_power = 16;
   int64_t loss_scale_window = 1000;

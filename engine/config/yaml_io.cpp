@@ -15,11 +15,22 @@ bool is_plain_scalar(const YAML::Node& n) { return n.IsScalar(); }
 
 }  // namespace
 
+namespace {
+void set_flow_style(YAML::Node n) {
+  if (n.IsMap() || n.IsSequence()) {
+    n.SetStyle(YAML::EmitterStyle::Flow);
+    for (auto it = n.begin(); it != n.end(); ++it) set_flow_style(n.IsMap() ? it->second : *it);
+  }
+}
+}  // namespace
+
 std::string node_text(const YAML::Node& n) {
   if (!n || n.IsNull()) return "null";
   if (n.IsScalar()) return n.Scalar().empty() ? "\"\"" : n.Scalar();
+  YAML::Node copy = YAML::Clone(n);
+  set_flow_style(copy);
   YAML::Emitter out;
-  out << YAML::Flow << n;
+  out << copy;
   return out.c_str();
 }
 
@@ -156,6 +167,10 @@ void Reader::finish() {
       // A key in the wrong section: compare with the last component of every valid path.
       for (const auto& p : all_key_paths()) {
         const std::string last = p.substr(p.rfind('.') + 1);
+        if (p == child(key)) {  // e.g. a scheduler param of another scheduler type
+          hint = "it belongs to another type of this section; ";
+          break;
+        }
         if (last == key || edit_distance(key, last) <= 1) {
           hint = fmt::format("did you mean '{}'? ", p);
           break;

@@ -223,3 +223,26 @@ class KeyCollector {
 };
 
 }  // namespace dstrain::config
+
+namespace dstrain::config {
+
+// One row of the config reference: generated from the schema, so the docs cannot drift.
+struct KeyDoc {
+  std::string path;
+  std::string meaning;
+  std::string type;
+  std::string default_value;
+  std::string valid;
+};
+
+// One line on what a key does ("" for an unknown path).
+const std::string& key_meaning(const std::string& path);
+
+// Every key with its type, default and valid values, in schema order. Scheduler params are
+// listed for every scheduler type, with the types they apply to in `valid`.
+std::vector<KeyDoc> config_reference();
+
+// The reference as a Markdown table (what `dstrain --config-reference` prints).
+std::string config_reference_markdown();
+
+}  // namespace dstrain::config

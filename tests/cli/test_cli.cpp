@@ -1,0 +1,179 @@
+// The dstrain executable as a user runs it: exit codes, one-line errors on every rank count,
+// --dry-run / --print-config / --check-comm, and the dsrun wrapper. Runs in the source tree.
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <sstream>
+#include <sys/wait.h>
+
+namespace {
+
+struct Result {
+  int rc = -1;
+  std::string out, err;
+};
+
+std::string slurp(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+Result run(const std::string& args) {
+  const std::string dir = ::testing::TempDir();
+  const std::string out = dir + "/cli_out.txt", err = dir + "/cli_err.txt";
+  const std::string cmd = args + " >" + out + " 2>" + err + " </dev/null";
+  const int status = std::system(cmd.c_str());
+  Result r;
+  r.rc = WIFEXITED(status) ? WEXITSTATUS(status) : 128;
+  r.out = slurp(out);
+  r.err = slurp(err);
+  return r;
+}
+
+const std::string kDstrain = DSTRAIN_BIN;
+const std::string kDsrun = DSRUN_BIN;
+std::string mpirun(int np) {
+  return std::string(MPIEXEC) + " --oversubscribe --allow-run-as-root -np " + std::to_string(np) +
+         " ";
+}
+
+int count(const std::string& text, const std::string& what) {
+  int n = 0;
+  for (size_t pos = text.find(what); pos != std::string::npos; pos = text.find(what, pos + 1)) ++n;
+  return n;
+}
+
+std::vector<std::string> lines_with(const std::string& text, const std::string& prefix) {
+  std::vector<std::string> out;
+  std::stringstream s(text);
+  for (std::string line; std::getline(s, line);)
+    if (line.rfind(prefix, 0) == 0) out.push_back(line);
+  return out;
+}
+
+TEST(Cli, HelpAndUsageErrors) {
+  Result r = run(kDstrain + " --help");
+  EXPECT_EQ(r.rc, 0);
+  EXPECT_NE(r.out.find("usage: dstrain CONFIG.yaml"), std::string::npos);
+  r = run(kDstrain);
+  EXPECT_EQ(r.rc, 2);
+  EXPECT_EQ(r.err, "dstrain: error: no config file given (see dstrain --help)\n");
+  r = run(kDstrain + " configs/tiny.yaml --frobnicate");
+  EXPECT_EQ(r.rc, 2);
+  EXPECT_EQ(r.err, "dstrain: error: unknown option '--frobnicate' (see dstrain --help)\n");
+  r = run(kDstrain + " configs/tiny.yaml --world-size 8");
+  EXPECT_EQ(r.rc, 2);
+}
+
+TEST(Cli, DryRunOfEveryPreset) {
+  const std::pair<const char*, const char*> presets[] = {
+      {"tiny", "125,664"}, {"small", "15,797,120"}, {"medium", "263,850,240"},
+      {"deepseek-v2-lite --world-size 64", "15,706,484,224"},
+      {"deepseek-v3 --world-size 2048", "671,026,404,352"}};
+  for (const auto& [args, total] : presets) {
+    const std::string name(args, std::string(args).find(' ') == std::string::npos
+                                     ? std::string(args).size()
+                                     : std::string(args).find(' '));
+    const Result r = run(kDstrain + " configs/" + name + ".yaml" +
+                         std::string(args).substr(name.size()) + " --dry-run");
+    EXPECT_EQ(r.rc, 0) << r.err;
+    EXPECT_NE(r.out.find(std::string("parameters total ") + total), std::string::npos) << r.out;
+    EXPECT_NE(r.out.find("memory     per rank"), std::string::npos);
+    EXPECT_TRUE(r.err.empty()) << r.err;
+  }
+}
+
+TEST(Cli, DryRunUnderMpiPlansForTheWorld) {
+  const Result r = run(mpirun(4) + kDstrain + " configs/tiny.yaml --set parallel.tensor=2 --dry-run");
+  EXPECT_EQ(r.rc, 0) << r.err;
+  EXPECT_EQ(count(r.out, "dry run of configs/tiny.yaml for 4 ranks"), 1) << r.out;  // rank 0 only
+  EXPECT_NE(r.out.find("world 4 = tensor 2 x pipeline 1 x data 2"), std::string::npos);
+}
+
+TEST(Cli, PrintConfigRoundTripsThroughTheBinary) {
+  const Result a = run(kDstrain + " configs/tiny.yaml --print-config --set parallel.data=2 "
+                                  "--world-size 2");
+  ASSERT_EQ(a.rc, 0) << a.err;
+  const std::string path = ::testing::TempDir() + "/printed.yaml";
+  std::ofstream(path) << a.out;
+  const Result b = run(kDstrain + " " + path + " --print-config --world-size 2");
+  ASSERT_EQ(b.rc, 0) << b.err;
+  EXPECT_EQ(a.out, b.out);
+  EXPECT_NE(a.out.find("gradient_accumulation_steps: 1"), std::string::npos);
+  EXPECT_NE(a.out.find("train_micro_batch_size_per_gpu: 4"), std::string::npos);
+}
+
+TEST(Cli, BadConfigIsOneLineAndExitCodeOne) {
+  const Result r = run(kDstrain + " configs/tiny.yaml --set parallel.tensor=3");
+  EXPECT_EQ(r.rc, 1);
+  EXPECT_EQ(count(r.err, "\n"), 1) << r.err;
+  EXPECT_EQ(r.err.rfind("dstrain: error: --set parallel.tensor=3: parallel.tensor: 3 does not "
+                        "divide model.num_attention_heads = 4",
+                        0),
+            0u)
+      << r.err;
+  const Result missing = run(kDstrain + " configs/nope.yaml --dry-run");
+  EXPECT_EQ(missing.rc, 1);
+  EXPECT_EQ(missing.err,
+            "dstrain: error: configs/nope.yaml: cannot open the config file (does it exist?)\n");
+}
+
+// Every rank fails on the same input: the job ends (no hang), non-zero, one error line in all.
+TEST(Cli, BadConfigUnderMpiEndsEveryRankWithOneLine) {
+  const Result r = run(mpirun(2) + kDstrain + " configs/tiny.yaml --set zero_optimization.stage=7");
+  EXPECT_NE(r.rc, 0);
+  const auto errors = lines_with(r.err, "dstrain: error:");
+  ASSERT_EQ(errors.size(), 1u) << r.err;
+  EXPECT_NE(errors[0].find("zero_optimization.stage: invalid value 7: valid: an integer from 0 to 2"),
+            std::string::npos);
+}
+
+TEST(Cli, WorldSizeThatDoesNotFitTheDegrees) {
+  const Result r = run(mpirun(3) + kDstrain + " configs/tiny.yaml --set parallel.tensor=2");
+  EXPECT_NE(r.rc, 0);
+  const auto errors = lines_with(r.err, "dstrain: error:");
+  ASSERT_EQ(errors.size(), 1u) << r.err;
+  EXPECT_NE(errors[0].find("world size 3 is not a multiple of parallel.tensor 2 x parallel.pipeline "
+                           "1 = 2"),
+            std::string::npos);
+}
+
+TEST(Cli, CheckCommBuildsAndVerifiesEveryGroup) {
+  const Result r = run(mpirun(8) + kDstrain +
+                       " configs/tiny.yaml --set parallel.tensor=2 --set parallel.pipeline=2 "
+                       "--set parallel.expert=2 --check-comm");
+  ASSERT_EQ(r.rc, 0) << r.err;
+  EXPECT_EQ(lines_with(r.out, "rank ").size(), 8u) << r.out;
+  EXPECT_NE(r.out.find("rank    5 (pp 1 dp 0 tp 1 ep 0 edp 0): tp[4 5] dp[5 7] pp[1 5] ep[5 7] "
+                       "edp[5]"),
+            std::string::npos)
+      << r.out;
+  EXPECT_NE(r.out.find("communicators: 8 ranks, 5 groups each, all members verified"),
+            std::string::npos);
+}
+
+TEST(Cli, WithoutAModeItSaysTrainingIsNotInThisBuild) {
+  const Result r = run(kDstrain + " configs/tiny.yaml");
+  EXPECT_EQ(r.rc, 3);
+  EXPECT_NE(r.err.find("this build has no training loop yet"), std::string::npos) << r.err;
+}
+
+TEST(Dsrun, SizesTheJobFromTheConfigOrFromNp) {
+  Result r = run(kDsrun + " configs/tiny.yaml --set parallel.data=2 --check-comm");
+  EXPECT_EQ(r.rc, 0) << r.err;
+  EXPECT_NE(r.out.find("communicators: 2 ranks"), std::string::npos) << r.out;
+  r = run(kDsrun + " -np 4 configs/tiny.yaml --set parallel.pipeline=2 --check-comm");
+  EXPECT_EQ(r.rc, 0) << r.err;
+  EXPECT_NE(r.out.find("communicators: 4 ranks"), std::string::npos) << r.out;
+  r = run(kDsrun + " configs/tiny.yaml --check-comm");
+  EXPECT_EQ(r.rc, 1);
+  EXPECT_NE(r.err.find("parallel.data: auto, so the rank count is whatever mpirun starts"),
+            std::string::npos)
+      << r.err;
+}
+
+}  // namespace

@@ -1,0 +1,100 @@
+// Communicators under MPI: for every layout that fits the world size this test is launched
+// with (mpirun -np 1/2/4/8), each rank builds its five groups and checks them — members in
+// plan order (allgather of world ranks), and a sum all-reduce over each group.
+#include <gtest/gtest.h>
+#include <mpi.h>
+
+#include <cstdio>
+
+#include "engine/comm/mpi_check.h"
+#include "engine/comm/process_groups.h"
+#include "engine/runtime/groups.h"
+
+namespace dstrain {
+namespace {
+
+int world_rank() {
+  int r = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &r);
+  return r;
+}
+int world_size() {
+  int s = 0;
+  MPI_Comm_size(MPI_COMM_WORLD, &s);
+  return s;
+}
+
+std::vector<plan::Degrees> layouts_for(int world) {
+  std::vector<plan::Degrees> out;
+  for (int tp = 1; tp <= world; ++tp)
+    for (int pp = 1; pp <= world; ++pp) {
+      if (world % (tp * pp)) continue;
+      const int dp = world / (tp * pp);
+      for (int ep = 1; ep <= dp; ++ep)
+        if (dp % ep == 0) out.push_back({tp, pp, dp, ep});
+    }
+  return out;
+}
+
+TEST(ProcessGroups, MatchThePlanForEveryLayout) {
+  const int world = world_size(), me = world_rank();
+  const auto layouts = layouts_for(world);
+  ASSERT_FALSE(layouts.empty());
+  for (const plan::Degrees& d : layouts) {
+    const plan::RankGrid grid(d);
+    const auto specs = runtime::group_specs(grid, me);
+    std::vector<comm::ProcessGroup> groups = comm::create_groups(specs, MPI_COMM_WORLD);
+    ASSERT_EQ(groups.size(), 5u);
+    for (size_t i = 0; i < groups.size(); ++i) {
+      const comm::ProcessGroup& g = groups[i];
+      ASSERT_NO_THROW(g.verify()) << g.name();
+      EXPECT_EQ(g.size(), grid.group_size(plan::kAllAxes[i]));
+      EXPECT_EQ(g.world_ranks()[g.rank()], me);
+      int64_t sum = 0, mine = me;
+      DS_MPI_CHECK(MPI_Allreduce(&mine, &sum, 1, MPI_INT64_T, MPI_SUM, g.comm()));
+      int64_t expected = 0;
+      for (int r : g.world_ranks()) expected += r;
+      EXPECT_EQ(sum, expected) << g.name() << " tp" << d.tp << " pp" << d.pp << " dp" << d.dp;
+    }
+  }
+}
+
+TEST(ProcessGroups, SpecWithoutThisRankIsRejected) {
+  comm::GroupSpec bad{"tp", 0, {world_size()}};  // a rank that does not exist
+  EXPECT_THROW(comm::ProcessGroup(bad, MPI_COMM_WORLD), CommError);
+}
+
+}  // namespace
+}  // namespace dstrain
+
+// On ranks other than 0, print only failures, prefixed with the rank.
+class FailurePrinter : public ::testing::EmptyTestEventListener {
+ public:
+  explicit FailurePrinter(int rank) : rank_(rank) {}
+  void OnTestPartResult(const ::testing::TestPartResult& r) override {
+    if (r.failed())
+      std::fprintf(stderr, "[rank %d] %s:%d: %s\n", rank_, r.file_name() ? r.file_name() : "?",
+                   r.line_number(), r.summary());
+  }
+
+ private:
+  int rank_;
+};
+
+// Runs the tests on every rank; the process fails if any rank failed; rank 0 prints the report.
+int main(int argc, char** argv) {
+  MPI_Init(&argc, &argv);
+  MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
+  ::testing::InitGoogleTest(&argc, argv);
+  int rank = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  if (rank != 0) {
+    auto& listeners = ::testing::UnitTest::GetInstance()->listeners();
+    delete listeners.Release(listeners.default_result_printer());
+    listeners.Append(new FailurePrinter(rank));
+  }
+  int failed = RUN_ALL_TESTS() != 0 ? 1 : 0, any = 0;
+  MPI_Allreduce(&failed, &any, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+  MPI_Finalize();
+  return any;
+}

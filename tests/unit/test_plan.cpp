@@ -1,0 +1,209 @@
+// make_plan and its parts: DeepSpeed's batch triangle, stage assignment, FLOPs (MODEL.md §8),
+// memory by ZeRO stage, and the dry-run report.
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include "engine/config/presets.h"
+#include "engine/plan/parallel_plan.h"
+#include "engine/plan/report.h"
+#include "tests/unit/test_helpers.h"
+
+namespace dstrain::plan {
+namespace {
+
+using testing::load;
+
+config::TrainConfig with_batch(std::optional<int64_t> tb, std::optional<int64_t> mb,
+                               std::optional<int64_t> ga) {
+  config::TrainConfig c = load(testing::base_yaml());
+  c.train_batch_size = tb;
+  c.train_micro_batch_size_per_gpu = mb;
+  c.gradient_accumulation_steps = ga;
+  return c;
+}
+
+TEST(BatchPlan, AnyTwoGiveTheThird) {
+  struct Row {
+    std::optional<int64_t> tb, mb, ga;
+    int64_t dp, global, micro, accum;
+  };
+  const Row rows[] = {
+      {32, 4, 2, 4, 32, 4, 2},           {32, 4, std::nullopt, 4, 32, 4, 2},
+      {32, std::nullopt, 2, 4, 32, 4, 2}, {4, 2, 2, 1, 4, 2, 2},
+      {std::nullopt, 4, 2, 4, 32, 4, 2}, {32, std::nullopt, std::nullopt, 4, 32, 8, 1},
+      {std::nullopt, 4, std::nullopt, 4, 16, 4, 1},
+  };
+  for (const Row& r : rows) {
+    const BatchPlan b = resolve_batch(with_batch(r.tb, r.mb, r.ga), r.dp);
+    EXPECT_EQ(b.global, r.global);
+    EXPECT_EQ(b.micro, r.micro);
+    EXPECT_EQ(b.accumulation, r.accum);
+    EXPECT_EQ(b.global, b.micro * b.accumulation * r.dp);
+  }
+}
+
+TEST(BatchPlan, TokensPerStep) {
+  const BatchPlan b = resolve_batch(load(testing::base_yaml() + "seq_length: 100\n"), 2);
+  EXPECT_EQ(b.tokens_per_step(), 800);
+}
+
+TEST(Stages, UniformWithRemainderOnEarlyStages) {
+  config::ModelConfig m = config::model_preset("deepseek-v3");
+  config::ParallelConfig p;
+  p.pipeline = 16;
+  const auto stages = assign_stages(m, p);
+  ASSERT_EQ(stages.size(), 16u);
+  int64_t next = 0;
+  for (size_t s = 0; s < stages.size(); ++s) {
+    EXPECT_EQ(stages[s].first_layer, next);
+    EXPECT_EQ(stages[s].num_layers(), s < 13 ? 4 : 3);
+    EXPECT_EQ(stages[s].has_embedding, s == 0);
+    EXPECT_EQ(stages[s].has_head, s == 15);
+    next = stages[s].end_layer;
+  }
+  EXPECT_EQ(next, 61);
+}
+
+TEST(Plan, ExplicitStageLayersAndParamPlacement) {
+  const auto cfg = load("train_batch_size: 8\nmodel:\n  preset: small\n"
+                        "parallel:\n  pipeline: 2\n  stage_layers: [3, 1]\n",
+                        {"model.num_nextn_predict_layers=1"});
+  const ParallelPlan p = make_plan(cfg, 2);
+  ASSERT_EQ(p.stages.size(), 2u);
+  EXPECT_EQ(p.stages[0].num_layers(), 3);
+  EXPECT_EQ(p.stages[1].num_layers(), 1);
+  for (size_t i = 0; i < p.params.size(); ++i) {
+    const ParamInfo& info = p.params[i];
+    int expected = info.layer < 0 ? 0 : info.layer < 3 ? 0 : 1;  // MTP (layer 4) and head: last
+    EXPECT_EQ(p.param_stage[i], expected) << info.name;
+  }
+}
+
+// Per rank, the stage load equals the sum of the rank's shards; per parameter, the shards of all
+// ranks add up to the number of copies its shard rule implies.
+TEST(Plan, ShardsAddUpPerRankAndPerParameter) {
+  for (const std::string sets : {"1,1,1", "2,1,1", "1,2,2", "2,2,2", "4,1,4"}) {
+    const int tp = sets[0] - '0', pp = sets[2] - '0', ep = sets[4] - '0';
+    const auto cfg = load("train_batch_size: 16\nmodel:\n  preset: small\n",
+                          {"parallel.tensor=" + std::to_string(tp),
+                           "parallel.pipeline=" + std::to_string(pp),
+                           "parallel.expert=" + std::to_string(ep)});
+    const int world = tp * pp * ep * 2;
+    const ParallelPlan p = make_plan(cfg, world);
+    const int dp = p.degrees.dp;
+    EXPECT_EQ(dp, 2 * ep);
+    std::vector<int64_t> per_param(p.params.size(), 0);
+    for (int r = 0; r < world; ++r) {
+      int64_t held = 0;
+      for (size_t i = 0; i < p.params.size(); ++i) {
+        if (p.params[i].buffer) continue;
+        const int64_t n = p.shard(i, r).local_numel();
+        held += n;
+        per_param[i] += n;
+      }
+      EXPECT_EQ(held, p.stage_loads[p.stage_of_rank(r)].params()) << sets << " rank " << r;
+    }
+    for (size_t i = 0; i < p.params.size(); ++i) {
+      const ParamInfo& info = p.params[i];
+      if (info.buffer) continue;
+      const int64_t copies = info.shard == Shard::kReplicated ? tp * dp
+                             : info.shard == Shard::kExpert   ? tp * (dp / ep)
+                                                              : dp;
+      ASSERT_EQ(per_param[i], info.numel() * copies) << info.name << " " << sets;
+    }
+  }
+}
+
+TEST(Plan, ResolvedConfigCarriesTheBatchTriangleAndDataDegree) {
+  const ParallelPlan p = make_plan(load(testing::base_yaml()), 4);
+  EXPECT_EQ(p.config.parallel.data.value, 4);
+  EXPECT_EQ(p.config.train_micro_batch_size_per_gpu, 2);
+  EXPECT_EQ(p.config.gradient_accumulation_steps, 1);
+}
+
+TEST(Plan, ShardOfARankOnAnotherStageHoldsNothing) {
+  const auto cfg = load(testing::base_yaml() + "parallel:\n  pipeline: 2\n");
+  const ParallelPlan p = make_plan(cfg, 2);
+  // params[0] is the embedding: stage 0 (rank 0) holds it, stage 1 (rank 1) does not.
+  EXPECT_TRUE(p.shard(0, 0).held);
+  EXPECT_FALSE(p.shard(0, 1).held);
+}
+
+// MODEL.md §8's table, at its sequence lengths.
+TEST(Flops, MatchTheModelSpecTable) {
+  const FlopsPerToken tiny = flops_per_token(config::model_preset("tiny"), 128);
+  EXPECT_EQ(tiny.attn_proj, 36'864);
+  EXPECT_EQ(tiny.attn_core, 20'480);
+  EXPECT_EQ(tiny.moe, 37'376);
+  EXPECT_EQ(tiny.forward, 233'984);
+  EXPECT_EQ(tiny.train, 701'952);
+  const auto near = [](double got, double want, double rel) {
+    return std::fabs(got - want) <= rel * want;
+  };
+  const FlopsPerToken small = flops_per_token(config::model_preset("small"), 256);
+  EXPECT_EQ(small.attn_proj, 225'280);
+  EXPECT_EQ(small.attn_core, 81'920);
+  EXPECT_EQ(small.moe, 1'490'944);
+  EXPECT_TRUE(near(small.forward, 7.012e6, 1e-3)) << small.forward;
+  EXPECT_TRUE(near(small.train, 21.04e6, 1e-3)) << small.train;
+  const FlopsPerToken medium = flops_per_token(config::model_preset("medium"), 2048);
+  EXPECT_TRUE(near(medium.attn_proj, 3.883e6, 1e-3));
+  EXPECT_TRUE(near(medium.attn_core, 3.932e6, 1e-3));
+  EXPECT_TRUE(near(medium.moe, 9.486e6, 1e-3));
+  EXPECT_TRUE(near(medium.forward, 224.9e6, 1e-3));
+  const FlopsPerToken lite = flops_per_token(config::model_preset("deepseek-v2-lite"), 4096);
+  EXPECT_TRUE(near(lite.attn_proj, 27.53e6, 1e-3));
+  EXPECT_TRUE(near(lite.moe, 138.7e6, 1e-3));
+  EXPECT_TRUE(near(lite.forward, 5.469e9, 1e-3));
+  config::ModelConfig v3 = config::model_preset("deepseek-v3");
+  v3.num_nextn_predict_layers = 0;  // the table's row is "V3 (no MTP)"
+  const FlopsPerToken f3 = flops_per_token(v3, 4096);
+  EXPECT_TRUE(near(f3.attn_proj, 374.2e6, 1e-3));
+  EXPECT_TRUE(near(f3.attn_core, 167.8e6, 1e-3));
+  EXPECT_TRUE(near(f3.moe, 796.4e6, 1e-3));
+  EXPECT_TRUE(near(f3.forward, 83.48e9, 1e-3));
+  EXPECT_TRUE(near(f3.train, 250.5e9, 1e-3));
+}
+
+// MTP adds per module F_attn_proj + F_attn_core + F_moe + 4H^2 + 2HV (MODEL.md §8).
+TEST(Flops, MtpModuleAddsItsLayerProjectionAndHead) {
+  config::ModelConfig m = config::model_preset("tiny");
+  const FlopsPerToken base = flops_per_token(m, 128);
+  m.num_nextn_predict_layers = 1;
+  const FlopsPerToken with_mtp = flops_per_token(m, 128);
+  EXPECT_EQ(with_mtp.forward - base.forward,
+            base.attn_proj + base.attn_core + base.moe + 4.0 * 64 * 64 + 2.0 * 64 * 256);
+}
+
+TEST(Memory, ZeroShardsOptimizerStateThenGradients) {
+  const int64_t dense = 1'000'000, expert = 400'000, dp = 4, edp = 2;
+  using config::Precision;
+  const MemoryEstimate z0 = estimate_memory(dense, expert, dp, edp, 0, Precision::kFp32);
+  const MemoryEstimate z1 = estimate_memory(dense, expert, dp, edp, 1, Precision::kFp32);
+  const MemoryEstimate z2 = estimate_memory(dense, expert, dp, edp, 2, Precision::kFp32);
+  EXPECT_EQ(z0.weights, 4.0 * 1'400'000);
+  EXPECT_EQ(z0.optimizer, 8.0 * 1'400'000);
+  EXPECT_EQ(z1.optimizer, 8.0 * (dense / dp + expert / edp));  // unsharded bytes / DP
+  EXPECT_EQ(z1.gradients, z0.gradients);
+  EXPECT_EQ(z2.gradients, 4.0 * (dense / dp + expert / edp));
+  EXPECT_EQ(z2.weights, z0.weights);
+  const MemoryEstimate b1 = estimate_memory(dense, expert, dp, edp, 1, Precision::kBf16);
+  EXPECT_EQ(b1.weights, 2.0 * 1'400'000);
+  EXPECT_EQ(b1.optimizer, 12.0 * (dense / dp + expert / edp));  // fp32 master + m + v
+}
+
+TEST(Report, NamesEveryFigureAUserChecks) {
+  const auto cfg = config::load_config_file("configs/deepseek-v3.yaml");
+  const std::string r = dry_run_report(make_plan(cfg, 2048));
+  for (const char* s : {"671,026,404,352", "37,552,282,624", "11,610,067,968",
+                        "train_batch_size 15360 = micro 1 x accumulation 120 x data-parallel 128",
+                        "world 2048 = tensor 1 x pipeline 16 x data 128; expert 64",
+                        "dp   16 group(s) of 128", "ep   32 group(s) of 64",
+                        "edp  1024 group(s) of 2: [0 64] [1 65]", "stage 15  layers 58-60 (3)",
+                        "ZeRO-1", "per step"})
+    EXPECT_NE(r.find(s), std::string::npos) << s << "\n" << r;
+}
+
+}  // namespace
+}  // namespace dstrain::plan
