@@ -11,7 +11,8 @@ packages=(
   libyaml-cpp-dev                       # config files
   libspdlog-dev libfmt-dev              # logging
   libgtest-dev                          # tests (GoogleTest, run through CTest)
-  libopenblas-dev                       # CPU GEMM
+  libopenblas-openmp-dev                # CPU GEMM (OpenMP build: safe inside parallel regions)
+  libdnnl-dev                           # oneDNN: the other CPU GEMM, measured against OpenBLAS
 )
 
 missing=()

@@ -1,0 +1,168 @@
+// The CPU backend: BLAS (OpenBLAS, OpenMP build, or oneDNN) for GEMMs, the templated kernels of
+// cpu_ops.h instantiated for float, OpenMP threads owned by the backend.
+#include <dnnl.h>
+#include <omp.h>
+
+#include <stdexcept>
+#include <string>
+
+#include "dstrain/kernels/backend.h"
+#include "kernels/cpu/blas_gemm.h"
+#include "kernels/cpu/cpu_ops.h"
+
+extern "C" void openblas_set_num_threads(int);
+
+namespace dstrain::kernels {
+
+const char* to_string(GemmLibrary lib) {
+  return lib == GemmLibrary::kOneDnn ? "oneDNN" : "OpenBLAS";
+}
+
+namespace {
+
+class CpuBackend final : public Backend {
+ public:
+  CpuBackend(int threads, GemmLibrary gemm) : gemm_(gemm) {
+    threads_ = threads > 0 ? threads : omp_get_max_threads();
+    omp_set_num_threads(threads_);
+    openblas_set_num_threads(threads_);
+  }
+
+  std::string name() const override {
+    return std::string("cpu (") + to_string(gemm_) + ", " + std::to_string(threads_) + " threads)";
+  }
+  int num_threads() const override { return threads_; }
+
+  void gemm(float* C, const float* A, const float* B, int64_t M, int64_t N, int64_t K, bool ta,
+            bool tb, float alpha, float beta) override {
+    if (M == 0 || N == 0) return;
+    if (K == 0) {  // BLAS leaves C untouched for K = 0; C = beta * C is what the math says
+      for (int64_t i = 0; i < M * N; ++i) C[i] = beta == 0.0f ? 0.0f : beta * C[i];
+      return;
+    }
+    if (gemm_ == GemmLibrary::kOneDnn) {
+      const dnnl_status_t st = dnnl_sgemm(ta ? 'T' : 'N', tb ? 'T' : 'N', M, N, K, alpha, A,
+                                          ta ? M : K, B, tb ? K : N, beta, C, N);
+      if (st != dnnl_success) throw std::runtime_error("dnnl_sgemm failed");
+      return;
+    }
+    cpu::blas_gemm(C, A, B, M, N, K, ta, tb, alpha, beta);
+  }
+
+  void gemm_grouped(float* const* C, const float* const* A, const float* const* B,
+                    const int64_t* M, int64_t count, int64_t N, int64_t K, bool ta, bool tb,
+                    float alpha, float beta) override {
+    // Many small problems: one per thread at a time (the BLAS runs single-threaded inside an
+    // OpenMP region). Few problems: one after the other, each with all threads.
+    if (count < 2 * threads_) {
+      for (int64_t i = 0; i < count; ++i) gemm(C[i], A[i], B[i], M[i], N, K, ta, tb, alpha, beta);
+      return;
+    }
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int64_t i = 0; i < count; ++i) gemm(C[i], A[i], B[i], M[i], N, K, ta, tb, alpha, beta);
+  }
+
+  void rmsnorm_forward(float* y, float* rstd, const float* x, const float* w, int64_t rows,
+                       int64_t C, float eps) override {
+    cpu::rmsnorm_forward(y, rstd, x, w, rows, C, eps);
+  }
+  void rmsnorm_backward(float* dx, float* dw, const float* dy, const float* x, const float* w,
+                        const float* rstd, int64_t rows, int64_t C) override {
+    cpu::rmsnorm_backward(dx, dw, dy, x, w, rstd, rows, C);
+  }
+  void rope_forward(float* out, int64_t out_ts, int64_t out_hs, const float* in, int64_t in_ts,
+                    int64_t in_hs, const float* cos, const float* sin, int64_t N, int64_t S,
+                    int64_t heads, int64_t dr, bool interleave) override {
+    cpu::rope_forward(out, out_ts, out_hs, in, in_ts, in_hs, cos, sin, N, S, heads, dr, interleave);
+  }
+  void rope_backward(float* din, int64_t in_ts, int64_t in_hs, const float* dout, int64_t out_ts,
+                     int64_t out_hs, const float* cos, const float* sin, int64_t N, int64_t S,
+                     int64_t heads, int64_t dr, bool interleave, bool accumulate) override {
+    cpu::rope_backward(din, in_ts, in_hs, dout, out_ts, out_hs, cos, sin, N, S, heads, dr,
+                       interleave, accumulate);
+  }
+  void attention_forward(float* O, float* lse, const float* Q, const float* K, const float* V,
+                         int64_t B, int64_t S, int64_t nh, int64_t dqk, int64_t dv,
+                         float scale) override {
+    if (dv > 512) throw std::invalid_argument("attention: v_head_dim > 512 is not supported");
+    cpu::attention_forward(O, lse, Q, K, V, B, S, nh, dqk, dv, scale);
+  }
+  void attention_backward(float* dQ, float* dK, float* dV, const float* dO, const float* Q,
+                          const float* K, const float* V, const float* O, const float* lse,
+                          int64_t B, int64_t S, int64_t nh, int64_t dqk, int64_t dv,
+                          float scale) override {
+    cpu::attention_backward(dQ, dK, dV, dO, Q, K, V, O, lse, B, S, nh, dqk, dv, scale);
+  }
+  void swiglu_forward(float* M, const float* GU, int64_t N, int64_t I) override {
+    cpu::swiglu_forward(M, GU, N, I);
+  }
+  void swiglu_backward(float* dGU, const float* dM, const float* GU, int64_t N, int64_t I) override {
+    cpu::swiglu_backward(dGU, dM, GU, N, I);
+  }
+  void router_forward(int32_t* idx, float* w, float* scores, const float* logits, const float* bias,
+                      int64_t N, const RouterParams& p) override {
+    if (p.num_experts > 1024) throw std::invalid_argument("router: more than 1024 experts");
+    cpu::router_forward(idx, w, scores, logits, bias, N, p);
+  }
+  void router_backward(float* dlogits, const float* dw, const float* dscores_extra,
+                       const float* scores, const int32_t* idx, int64_t N,
+                       const RouterParams& p) override {
+    cpu::router_backward(dlogits, dw, dscores_extra, scores, idx, N, p);
+  }
+  void gather_rows(float* out, const float* in, const int32_t* src, int64_t n, int64_t H) override {
+    cpu::gather_rows(out, in, src, n, H);
+  }
+  void moe_combine(float* out, const float* Y, const float* w, const int32_t* pos, int64_t N,
+                   int64_t k, int64_t H) override {
+    cpu::moe_combine(out, Y, w, pos, N, k, H);
+  }
+  void moe_combine_backward(float* dY, float* dw, const float* dout, const float* Y, const float* w,
+                            const int32_t* pos, int64_t N, int64_t k, int64_t H) override {
+    cpu::moe_combine_backward(dY, dw, dout, Y, w, pos, N, k, H);
+  }
+  void moe_dispatch_backward(float* dx, const float* dXp, const int32_t* pos, int64_t N, int64_t k,
+                             int64_t H) override {
+    cpu::moe_dispatch_backward(dx, dXp, pos, N, k, H);
+  }
+  void cross_entropy(float* loss, float* logits, const int32_t* target, int64_t rows, int64_t V,
+                     float grad_scale) override {
+    cpu::cross_entropy(loss, logits, target, rows, V, grad_scale);
+  }
+  void embedding_forward(float* out, const float* table, const int32_t* ids, int64_t N,
+                         int64_t H) override {
+    cpu::embedding_forward(out, table, ids, N, H);
+  }
+  void embedding_backward(float* dtable, const float* dout, const int32_t* ids, int64_t N,
+                          int64_t H, int64_t V) override {
+    cpu::embedding_backward(dtable, dout, ids, N, H, V);
+  }
+  void adamw(float* param, const float* grad, float* m, float* v, int64_t n,
+             const AdamWParams& p) override {
+    cpu::adamw(param, grad, m, v, n, p);
+  }
+  void add(float* y, const float* x, int64_t n) override { cpu::add(y, x, n); }
+  void fill(float* y, float value, int64_t n) override {
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < n; ++i) y[i] = value;
+  }
+  void copy_strided(float* dst, int64_t ds, const float* src, int64_t ss, int64_t rows,
+                    int64_t cols) override {
+    cpu::copy_strided(dst, ds, src, ss, rows, cols);
+  }
+  void add_strided(float* dst, int64_t ds, const float* src, int64_t ss, int64_t rows,
+                   int64_t cols) override {
+    cpu::add_strided(dst, ds, src, ss, rows, cols);
+  }
+
+ private:
+  int threads_ = 1;
+  GemmLibrary gemm_;
+};
+
+}  // namespace
+
+std::unique_ptr<Backend> make_cpu_backend(int num_threads, GemmLibrary gemm) {
+  return std::make_unique<CpuBackend>(num_threads, gemm);
+}
+
+}  // namespace dstrain::kernels

@@ -1,0 +1,476 @@
+// CPU kernels as templates over the element type: the backend instantiates them for float,
+// the tests also for double (finite-difference gradient checks). Threaded with OpenMP over
+// rows, tokens or (sequence, head) pairs; the inner loops are written so the compiler
+// vectorises them. No op allocates.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+
+#include "dstrain/kernels/backend.h"
+
+namespace dstrain::kernels::cpu {
+
+// ---- RMSNorm -------------------------------------------------------------------------------
+
+template <class T>
+void rmsnorm_forward(T* y, T* rstd, const T* x, const T* w, int64_t rows, int64_t C, T eps) {
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* xr = x + r * C;
+    T* yr = y + r * C;
+    T ss = 0;
+    for (int64_t c = 0; c < C; ++c) ss += xr[c] * xr[c];
+    const T rs = T(1) / std::sqrt(ss / T(C) + eps);
+    rstd[r] = rs;
+    for (int64_t c = 0; c < C; ++c) yr[c] = w[c] * (xr[c] * rs);
+  }
+}
+
+template <class T>
+void rmsnorm_backward(T* dx, T* dw, const T* dy, const T* x, const T* w, const T* rstd,
+                      int64_t rows, int64_t C) {
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* xr = x + r * C;
+    const T* dyr = dy + r * C;
+    T* dxr = dx + r * C;
+    const T rs = rstd[r];
+    T dot = 0;
+    for (int64_t c = 0; c < C; ++c) dot += dyr[c] * w[c] * xr[c] * rs;
+    dot /= T(C);
+    for (int64_t c = 0; c < C; ++c) dxr[c] = rs * (dyr[c] * w[c] - xr[c] * rs * dot);
+  }
+  // dw: column blocks per thread, rows inside (no two threads touch the same dw element).
+  constexpr int64_t kBlock = 16;
+  const int64_t blocks = (C + kBlock - 1) / kBlock;
+#pragma omp parallel for schedule(static)
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t c0 = b * kBlock, c1 = std::min(C, c0 + kBlock);
+    T acc[kBlock] = {};
+    for (int64_t r = 0; r < rows; ++r) {
+      const T rs = rstd[r];
+      const T* xr = x + r * C;
+      const T* dyr = dy + r * C;
+      for (int64_t c = c0; c < c1; ++c) acc[c - c0] += dyr[c] * xr[c] * rs;
+    }
+    for (int64_t c = c0; c < c1; ++c) dw[c] += acc[c - c0];
+  }
+}
+
+// ---- RoPE (MODEL.md §3.4.1) ----------------------------------------------------------------
+
+template <class T>
+void rope_forward(T* out, int64_t out_ts, int64_t out_hs, const T* in, int64_t in_ts,
+                  int64_t in_hs, const T* cos, const T* sin, int64_t N, int64_t S, int64_t heads,
+                  int64_t dr, bool interleave) {
+  const int64_t half = dr / 2;
+#pragma omp parallel for schedule(static)
+  for (int64_t t = 0; t < N; ++t) {
+    const T* c = cos + (t % S) * half;
+    const T* s = sin + (t % S) * half;
+    for (int64_t h = 0; h < heads; ++h) {
+      const T* x = in + t * in_ts + h * in_hs;
+      T* o = out + t * out_ts + h * out_hs;
+      for (int64_t j = 0; j < half; ++j) {
+        const T a = interleave ? x[2 * j] : x[j];
+        const T b = interleave ? x[2 * j + 1] : x[j + half];
+        o[j] = a * c[j] - b * s[j];
+        o[j + half] = b * c[j] + a * s[j];
+      }
+    }
+  }
+}
+
+template <class T>
+void rope_backward(T* din, int64_t in_ts, int64_t in_hs, const T* dout, int64_t out_ts,
+                   int64_t out_hs, const T* cos, const T* sin, int64_t N, int64_t S, int64_t heads,
+                   int64_t dr, bool interleave, bool accumulate) {
+  const int64_t half = dr / 2;
+#pragma omp parallel for schedule(static)
+  for (int64_t t = 0; t < N; ++t) {
+    const T* c = cos + (t % S) * half;
+    const T* s = sin + (t % S) * half;
+    for (int64_t h = 0; h < heads; ++h) {
+      const T* g = dout + t * out_ts + h * out_hs;
+      T* dx = din + t * in_ts + h * in_hs;
+      for (int64_t j = 0; j < half; ++j) {
+        const T ga = g[j], gb = g[j + half];
+        const T da = ga * c[j] + gb * s[j];
+        const T db = -ga * s[j] + gb * c[j];
+        T& xa = interleave ? dx[2 * j] : dx[j];
+        T& xb = interleave ? dx[2 * j + 1] : dx[j + half];
+        xa = accumulate ? xa + da : da;
+        xb = accumulate ? xb + db : db;
+      }
+    }
+  }
+}
+
+// ---- Causal attention (one pass, online softmax; memory O(S) per (b, h), none stored) -------
+
+template <class T>
+void attention_forward(T* O, T* lse, const T* Q, const T* K, const T* V, int64_t B, int64_t S,
+                       int64_t nh, int64_t dqk, int64_t dv, T scale) {
+  constexpr int64_t kMaxDv = 512;
+  const int64_t qs = nh * dqk, vs = nh * dv;  // token strides
+#pragma omp parallel for collapse(2) schedule(dynamic, 1)
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t h = 0; h < nh; ++h) {
+      const T* Qb = Q + b * S * qs + h * dqk;
+      const T* Kb = K + b * S * qs + h * dqk;
+      const T* Vb = V + b * S * vs + h * dv;
+      T* Ob = O + b * S * vs + h * dv;
+      for (int64_t i = 0; i < S; ++i) {
+        const T* q = Qb + i * qs;
+        T acc[kMaxDv];
+        for (int64_t d = 0; d < dv; ++d) acc[d] = 0;
+        T m = -std::numeric_limits<T>::infinity(), l = 0;
+        for (int64_t j = 0; j <= i; ++j) {
+          const T* k = Kb + j * qs;
+          T s = 0;
+          for (int64_t d = 0; d < dqk; ++d) s += q[d] * k[d];
+          s *= scale;
+          if (s > m) {
+            const T r = std::exp(m - s);
+            l *= r;
+            for (int64_t d = 0; d < dv; ++d) acc[d] *= r;
+            m = s;
+          }
+          const T p = std::exp(s - m);
+          l += p;
+          const T* v = Vb + j * vs;
+          for (int64_t d = 0; d < dv; ++d) acc[d] += p * v[d];
+        }
+        T* o = Ob + i * vs;
+        const T inv = T(1) / l;
+        for (int64_t d = 0; d < dv; ++d) o[d] = acc[d] * inv;
+        lse[(b * nh + h) * S + i] = m + std::log(l);
+      }
+    }
+  }
+}
+
+template <class T>
+void attention_backward(T* dQ, T* dK, T* dV, const T* dO, const T* Q, const T* K, const T* V,
+                        const T* O, const T* lse, int64_t B, int64_t S, int64_t nh, int64_t dqk,
+                        int64_t dv, T scale) {
+  const int64_t qs = nh * dqk, vs = nh * dv;
+#pragma omp parallel for collapse(2) schedule(dynamic, 1)
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t h = 0; h < nh; ++h) {
+      const int64_t qoff = b * S * qs + h * dqk, voff = b * S * vs + h * dv;
+      for (int64_t i = 0; i < S; ++i) {
+        for (int64_t d = 0; d < dqk; ++d) dQ[qoff + i * qs + d] = dK[qoff + i * qs + d] = 0;
+        for (int64_t d = 0; d < dv; ++d) dV[voff + i * vs + d] = 0;
+      }
+      for (int64_t i = 0; i < S; ++i) {
+        const T* q = Q + qoff + i * qs;
+        const T* dout = dO + voff + i * vs;
+        const T* o = O + voff + i * vs;
+        T* dq = dQ + qoff + i * qs;
+        T Di = 0;
+        for (int64_t d = 0; d < dv; ++d) Di += dout[d] * o[d];
+        const T L = lse[(b * nh + h) * S + i];
+        for (int64_t j = 0; j <= i; ++j) {
+          const T* k = K + qoff + j * qs;
+          const T* v = V + voff + j * vs;
+          T s = 0, dp = 0;
+          for (int64_t d = 0; d < dqk; ++d) s += q[d] * k[d];
+          for (int64_t d = 0; d < dv; ++d) dp += dout[d] * v[d];
+          const T p = std::exp(s * scale - L);
+          T* dvj = dV + voff + j * vs;
+          for (int64_t d = 0; d < dv; ++d) dvj[d] += p * dout[d];
+          const T ds = p * (dp - Di) * scale;
+          T* dkj = dK + qoff + j * qs;
+          for (int64_t d = 0; d < dqk; ++d) {
+            dq[d] += ds * k[d];
+            dkj[d] += ds * q[d];
+          }
+        }
+      }
+    }
+  }
+}
+
+// ---- SwiGLU on a fused [G | U] row --------------------------------------------------------
+
+template <class T>
+inline T sigmoid(T x) {
+  return T(1) / (T(1) + std::exp(-x));
+}
+
+template <class T>
+void swiglu_forward(T* M, const T* GU, int64_t N, int64_t I) {
+#pragma omp parallel for schedule(static)
+  for (int64_t t = 0; t < N; ++t) {
+    const T* g = GU + t * 2 * I;
+    const T* u = g + I;
+    T* m = M + t * I;
+    for (int64_t i = 0; i < I; ++i) m[i] = g[i] * sigmoid(g[i]) * u[i];
+  }
+}
+
+template <class T>
+void swiglu_backward(T* dGU, const T* dM, const T* GU, int64_t N, int64_t I) {
+#pragma omp parallel for schedule(static)
+  for (int64_t t = 0; t < N; ++t) {
+    const T* g = GU + t * 2 * I;
+    const T* u = g + I;
+    const T* dm = dM + t * I;
+    T* dg = dGU + t * 2 * I;
+    T* du = dg + I;
+    for (int64_t i = 0; i < I; ++i) {
+      const T sg = sigmoid(g[i]);
+      du[i] = dm[i] * g[i] * sg;
+      dg[i] = dm[i] * u[i] * sg * (T(1) + g[i] * (T(1) - sg));
+    }
+  }
+}
+
+// ---- Router (MODEL.md §3.6 and §4) ----------------------------------------------------------
+
+// Index of the largest of n values with mask[i] true, the lowest index on ties; -1 if none.
+template <class T>
+inline int64_t argmax_masked(const T* v, const bool* mask, int64_t n) {
+  int64_t best = -1;
+  for (int64_t i = 0; i < n; ++i)
+    if (mask[i] && (best < 0 || v[i] > v[best])) best = i;
+  return best;
+}
+
+template <class T>
+void router_forward(int32_t* idx, T* w, T* scores, const T* logits, const T* bias, int64_t N,
+                    const RouterParams& p) {
+  const int64_t E = p.num_experts, k = p.top_k, G = p.n_group, per_group = E / G;
+  constexpr int64_t kMaxE = 1024;
+#pragma omp parallel for schedule(static)
+  for (int64_t t = 0; t < N; ++t) {
+    const T* l = logits + t * E;
+    T* s = scores + t * E;
+    if (p.scoring == ScoringFunc::kSigmoid) {
+      for (int64_t e = 0; e < E; ++e) s[e] = sigmoid(l[e]);
+    } else {
+      T mx = l[0];
+      for (int64_t e = 1; e < E; ++e) mx = std::max(mx, l[e]);
+      T sum = 0;
+      for (int64_t e = 0; e < E; ++e) sum += (s[e] = std::exp(l[e] - mx));
+      for (int64_t e = 0; e < E; ++e) s[e] /= sum;
+    }
+    // Selection values: scores, bias-corrected for noaux_tc.
+    T c[kMaxE];
+    bool allowed[kMaxE];
+    for (int64_t e = 0; e < E; ++e) {
+      c[e] = s[e] + ((p.method == TopkMethod::kNoauxTc && bias) ? bias[e] : T(0));
+      allowed[e] = true;
+    }
+    if (p.method != TopkMethod::kGreedy && p.topk_group < G) {
+      T group_score[kMaxE];
+      for (int64_t g = 0; g < G; ++g) {
+        const T* cg = c + g * per_group;
+        T best = -std::numeric_limits<T>::infinity(), second = best;
+        for (int64_t e = 0; e < per_group; ++e) {
+          if (cg[e] > best) {
+            second = best;
+            best = cg[e];
+          } else if (cg[e] > second) {
+            second = cg[e];
+          }
+        }
+        group_score[g] = p.method == TopkMethod::kNoauxTc ? best + second : best;
+      }
+      bool keep[kMaxE] = {};
+      bool open[kMaxE];
+      for (int64_t g = 0; g < G; ++g) open[g] = true;
+      for (int64_t r = 0; r < p.topk_group; ++r) {
+        const int64_t g = argmax_masked(group_score, open, G);
+        keep[g] = true;
+        open[g] = false;
+      }
+      for (int64_t e = 0; e < E; ++e) allowed[e] = keep[e / per_group];
+    }
+    T sum = 0;
+    for (int64_t j = 0; j < k; ++j) {
+      const int64_t e = argmax_masked(c, allowed, E);
+      allowed[e] = false;
+      idx[t * k + j] = static_cast<int32_t>(e);
+      w[t * k + j] = s[e];
+      sum += s[e];
+    }
+    const bool normalise = p.v2_weights ? (p.norm_topk_prob && k > 1) : p.norm_topk_prob;
+    const T scale = normalise ? (p.v2_weights ? T(1) : T(p.routed_scaling_factor)) /
+                                    (sum + T(1e-20))
+                              : T(p.routed_scaling_factor);
+    for (int64_t j = 0; j < k; ++j) w[t * k + j] *= scale;
+  }
+}
+
+template <class T>
+void router_backward(T* dlogits, const T* dw, const T* dscores_extra, const T* scores,
+                     const int32_t* idx, int64_t N, const RouterParams& p) {
+  const int64_t E = p.num_experts, k = p.top_k;
+  const bool normalise = p.v2_weights ? (p.norm_topk_prob && k > 1) : p.norm_topk_prob;
+  const T gamma = p.v2_weights && normalise ? T(1) : T(p.routed_scaling_factor);
+  constexpr int64_t kMaxE = 1024;
+#pragma omp parallel for schedule(static)
+  for (int64_t t = 0; t < N; ++t) {
+    const T* s = scores + t * E;
+    T ds[kMaxE];
+    for (int64_t e = 0; e < E; ++e) ds[e] = dscores_extra ? dscores_extra[t * E + e] : T(0);
+    const int32_t* id = idx + t * k;
+    const T* g = dw + t * k;
+    if (normalise) {
+      T Z = T(1e-20), dot = 0;
+      for (int64_t j = 0; j < k; ++j) Z += s[id[j]];
+      for (int64_t j = 0; j < k; ++j) dot += g[j] * s[id[j]];
+      for (int64_t j = 0; j < k; ++j) ds[id[j]] += gamma / Z * (g[j] - dot / Z);
+    } else {
+      for (int64_t j = 0; j < k; ++j) ds[id[j]] += gamma * g[j];
+    }
+    T* dl = dlogits + t * E;
+    if (p.scoring == ScoringFunc::kSigmoid) {
+      for (int64_t e = 0; e < E; ++e) dl[e] = ds[e] * s[e] * (T(1) - s[e]);
+    } else {
+      T dot = 0;
+      for (int64_t e = 0; e < E; ++e) dot += ds[e] * s[e];
+      for (int64_t e = 0; e < E; ++e) dl[e] = s[e] * (ds[e] - dot);
+    }
+  }
+}
+
+// ---- MoE data movement ----------------------------------------------------------------------
+
+template <class T>
+void gather_rows(T* out, const T* in, const int32_t* src, int64_t n, int64_t H) {
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < n; ++i) std::copy(in + src[i] * H, in + (src[i] + 1) * H, out + i * H);
+}
+
+template <class T>
+void moe_combine(T* out, const T* Y, const T* w, const int32_t* pos, int64_t N, int64_t k, int64_t H) {
+#pragma omp parallel for schedule(static)
+  for (int64_t t = 0; t < N; ++t) {
+    T* o = out + t * H;
+    for (int64_t j = 0; j < k; ++j) {
+      const T wj = w[t * k + j];
+      const T* y = Y + int64_t(pos[t * k + j]) * H;
+      for (int64_t c = 0; c < H; ++c) o[c] += wj * y[c];
+    }
+  }
+}
+
+template <class T>
+void moe_combine_backward(T* dY, T* dw, const T* dout, const T* Y, const T* w, const int32_t* pos,
+                          int64_t N, int64_t k, int64_t H) {
+#pragma omp parallel for schedule(static)
+  for (int64_t t = 0; t < N; ++t) {
+    const T* g = dout + t * H;
+    for (int64_t j = 0; j < k; ++j) {
+      const int64_t row = pos[t * k + j];
+      const T* y = Y + row * H;
+      T* dy = dY + row * H;
+      const T wj = w[t * k + j];
+      T dot = 0;
+      for (int64_t c = 0; c < H; ++c) {
+        dot += g[c] * y[c];
+        dy[c] = wj * g[c];
+      }
+      dw[t * k + j] = dot;
+    }
+  }
+}
+
+template <class T>
+void moe_dispatch_backward(T* dx, const T* dXp, const int32_t* pos, int64_t N, int64_t k, int64_t H) {
+#pragma omp parallel for schedule(static)
+  for (int64_t t = 0; t < N; ++t) {
+    T* d = dx + t * H;
+    for (int64_t j = 0; j < k; ++j) {
+      const T* src = dXp + int64_t(pos[t * k + j]) * H;
+      for (int64_t c = 0; c < H; ++c) d[c] += src[c];
+    }
+  }
+}
+
+// ---- Loss, embedding, optimizer, element-wise -----------------------------------------------
+
+template <class T>
+void cross_entropy(T* loss, T* logits, const int32_t* target, int64_t rows, int64_t V, T grad_scale) {
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < rows; ++r) {
+    T* l = logits + r * V;
+    const int32_t y = target[r];
+    if (y < 0) {
+      loss[r] = 0;
+      std::fill(l, l + V, T(0));
+      continue;
+    }
+    T mx = l[0];
+    for (int64_t v = 1; v < V; ++v) mx = std::max(mx, l[v]);
+    T sum = 0;
+    for (int64_t v = 0; v < V; ++v) sum += std::exp(l[v] - mx);
+    const T lse = mx + std::log(sum);
+    loss[r] = lse - l[y];
+    for (int64_t v = 0; v < V; ++v) l[v] = std::exp(l[v] - lse) * grad_scale;
+    l[y] -= grad_scale;
+  }
+}
+
+template <class T>
+void embedding_forward(T* out, const T* table, const int32_t* ids, int64_t N, int64_t H) {
+  gather_rows(out, table, ids, N, H);
+}
+
+template <class T>
+void embedding_backward(T* dtable, const T* dout, const int32_t* ids, int64_t N, int64_t H, int64_t) {
+  // Column blocks per thread: repeated ids accumulate without races.
+  constexpr int64_t kBlock = 64;
+  const int64_t blocks = (H + kBlock - 1) / kBlock;
+#pragma omp parallel for schedule(static)
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t c0 = b * kBlock, c1 = std::min(H, c0 + kBlock);
+    for (int64_t t = 0; t < N; ++t) {
+      T* d = dtable + int64_t(ids[t]) * H;
+      const T* g = dout + t * H;
+      for (int64_t c = c0; c < c1; ++c) d[c] += g[c];
+    }
+  }
+}
+
+template <class T>
+void adamw(T* param, const T* grad, T* m, T* v, int64_t n, const AdamWParams& p) {
+  const T b1 = p.beta1, b2 = p.beta2;
+  const T bc1 = T(1) - std::pow(b1, T(p.step)), bc2 = T(1) - std::pow(b2, T(p.step));
+  const T step_size = T(p.lr) / bc1, inv_sqrt_bc2 = T(1) / std::sqrt(bc2);
+  const T decay = T(1) - T(p.lr) * T(p.weight_decay), eps = p.eps;
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < n; ++i) {
+    const T g = grad[i];
+    const T mi = m[i] = b1 * m[i] + (T(1) - b1) * g;
+    const T vi = v[i] = b2 * v[i] + (T(1) - b2) * g * g;
+    param[i] = param[i] * decay - step_size * mi / (std::sqrt(vi) * inv_sqrt_bc2 + eps);
+  }
+}
+
+template <class T>
+void add(T* y, const T* x, int64_t n) {
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < n; ++i) y[i] += x[i];
+}
+
+template <class T>
+void copy_strided(T* dst, int64_t ds, const T* src, int64_t ss, int64_t rows, int64_t cols) {
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < rows; ++r) std::copy(src + r * ss, src + r * ss + cols, dst + r * ds);
+}
+
+template <class T>
+void add_strided(T* dst, int64_t ds, const T* src, int64_t ss, int64_t rows, int64_t cols) {
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) dst[r * ds + c] += src[r * ss + c];
+}
+
+}  // namespace dstrain::kernels::cpu

@@ -1,0 +1,142 @@
+// The kernel interface: every piece of math the model needs, forward and backward, behind one
+// abstract class so the same model code runs on the CPU backend (BLAS + OpenMP, also the test
+// oracle) and, later, the CUDA backend. Conventions (STYLE §4.6): outputs first, inputs next,
+// sizes and scalars last; all tensors row-major fp32 on the backend's device; no op allocates;
+// the backend object owns its threads (and, on GPU, its stream).
+//
+// Shape letters: N tokens (= B*S), B sequences, S positions, H hidden, nh heads, dqk / dv head
+// widths, dr RoPE width, I an MLP width, E routed experts, k experts per token, V vocabulary.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+namespace dstrain::kernels {
+
+enum class ScoringFunc : uint8_t { kSigmoid, kSoftmax };
+enum class TopkMethod : uint8_t { kNoauxTc, kGreedy, kGroupLimitedGreedy };
+
+struct RouterParams {
+  int64_t num_experts = 0;   // E
+  int64_t top_k = 0;         // k
+  int64_t n_group = 1;       // G
+  int64_t topk_group = 1;    // g
+  ScoringFunc scoring = ScoringFunc::kSigmoid;
+  TopkMethod method = TopkMethod::kNoauxTc;
+  bool norm_topk_prob = true;
+  float routed_scaling_factor = 1.0f;
+  bool v2_weights = false;   // deepseek_v2: normalise instead of scaling when norm_topk_prob, k > 1
+};
+
+struct AdamWParams {
+  float lr = 1e-3f, beta1 = 0.9f, beta2 = 0.999f, eps = 1e-8f, weight_decay = 0.0f;
+  int64_t step = 1;          // 1-based, for bias correction
+};
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  virtual std::string name() const = 0;
+  virtual int num_threads() const = 0;
+
+  // C[M,N] = alpha * op(A) * op(B) + beta * C; op(A) is [M,K], op(B) is [K,N]; row-major,
+  // A is [M,K] (or [K,M] when trans_a), B is [K,N] (or [N,K] when trans_b).
+  virtual void gemm(float* C, const float* A, const float* B, int64_t M, int64_t N, int64_t K,
+                    bool trans_a, bool trans_b, float alpha, float beta) = 0;
+  // The same for `count` independent problems (expert GEMMs): A_i, B_i, C_i with M_i rows;
+  // K, N, transposes and alpha/beta shared. Problems run in parallel across threads.
+  virtual void gemm_grouped(float* const* C, const float* const* A, const float* const* B,
+                            const int64_t* M, int64_t count, int64_t N, int64_t K, bool trans_a,
+                            bool trans_b, float alpha, float beta) = 0;
+
+  // y = w * x * rstd, rstd = 1/sqrt(mean(x^2) + eps); x, y [rows, C]; rstd [rows] saved.
+  virtual void rmsnorm_forward(float* y, float* rstd, const float* x, const float* w, int64_t rows,
+                               int64_t C, float eps) = 0;
+  // dx = rstd * (dxh - xh * mean(dxh * xh)), dxh = dy * w; dw += sum_rows dy * xh. dx overwritten.
+  virtual void rmsnorm_backward(float* dx, float* dw, const float* dy, const float* x,
+                                const float* w, const float* rstd, int64_t rows, int64_t C) = 0;
+
+  // RoPE in the Hugging Face DeepSeek layout (MODEL.md §3.4.1): per token t and head h, the
+  // dr-vector at in + t*in_ts + h*in_hs (pairs (x[2j], x[2j+1]) when interleave) rotated by
+  // position t % S, written de-interleaved to out + t*out_ts + h*out_hs. cos/sin [S, dr/2].
+  virtual void rope_forward(float* out, int64_t out_ts, int64_t out_hs, const float* in,
+                            int64_t in_ts, int64_t in_hs, const float* cos, const float* sin,
+                            int64_t N, int64_t S, int64_t heads, int64_t dr, bool interleave) = 0;
+  // Inverse rotation; `accumulate` adds into din instead of overwriting.
+  virtual void rope_backward(float* din, int64_t in_ts, int64_t in_hs, const float* dout,
+                             int64_t out_ts, int64_t out_hs, const float* cos, const float* sin,
+                             int64_t N, int64_t S, int64_t heads, int64_t dr, bool interleave,
+                             bool accumulate) = 0;
+
+  // Causal attention per sequence and head: Q, K [B,S,nh,dqk], V [B,S,nh,dv] -> O [B,S,nh,dv],
+  // lse [B,nh,S] (log-sum-exp of the scaled scores, all backward needs besides Q, K, V, O).
+  virtual void attention_forward(float* O, float* lse, const float* Q, const float* K,
+                                 const float* V, int64_t B, int64_t S, int64_t nh, int64_t dqk,
+                                 int64_t dv, float scale) = 0;
+  virtual void attention_backward(float* dQ, float* dK, float* dV, const float* dO,
+                                  const float* Q, const float* K, const float* V, const float* O,
+                                  const float* lse, int64_t B, int64_t S, int64_t nh, int64_t dqk,
+                                  int64_t dv, float scale) = 0;
+
+  // M = silu(G) * U with GU [N, 2I] = [G | U] per row; M [N, I].
+  virtual void swiglu_forward(float* M, const float* GU, int64_t N, int64_t I) = 0;
+  virtual void swiglu_backward(float* dGU, const float* dM, const float* GU, int64_t N, int64_t I) = 0;
+
+  // Router: scores [N,E] from logits; selection idx [N,k] (group-limited, bias-corrected for
+  // noaux_tc) and weights w [N,k] (MODEL.md §3.6). bias may be null.
+  virtual void router_forward(int32_t* idx, float* w, float* scores, const float* logits,
+                              const float* bias, int64_t N, const RouterParams& p) = 0;
+  // dlogits [N,E] from dw [N,k] and an extra score gradient dscores_extra [N,E] (balance
+  // loss; may be null). Selection is constant.
+  virtual void router_backward(float* dlogits, const float* dw, const float* dscores_extra,
+                               const float* scores, const int32_t* idx, int64_t N,
+                               const RouterParams& p) = 0;
+
+  // rows: out[i] = in[src[i]] for i < n (width H).
+  virtual void gather_rows(float* out, const float* in, const int32_t* src, int64_t n, int64_t H) = 0;
+  // MoE combine: out[t] += sum_j w[t,j] * Y[pos[t,j]], t < N, j < k.
+  virtual void moe_combine(float* out, const float* Y, const float* w, const int32_t* pos,
+                           int64_t N, int64_t k, int64_t H) = 0;
+  // Backward of moe_combine: dY[pos[t,j]] = w[t,j] * dout[t]; dw[t,j] = <dout[t], Y[pos[t,j]]>.
+  virtual void moe_combine_backward(float* dY, float* dw, const float* dout, const float* Y,
+                                    const float* w, const int32_t* pos, int64_t N, int64_t k,
+                                    int64_t H) = 0;
+  // Backward of the dispatch gather: dx[t] += sum_j dXp[pos[t,j]].
+  virtual void moe_dispatch_backward(float* dx, const float* dXp, const int32_t* pos, int64_t N,
+                                     int64_t k, int64_t H) = 0;
+
+  // Fused softmax cross-entropy in fp32: per row, loss[r] = logsumexp(logits[r]) -
+  // logits[r, target[r]]; logits is overwritten by (softmax - onehot) * grad_scale. Rows whose
+  // target is -100 get loss 0 and a zero gradient.
+  virtual void cross_entropy(float* loss, float* logits, const int32_t* target, int64_t rows,
+                             int64_t V, float grad_scale) = 0;
+
+  // Embedding: out[t] = table[ids[t]]; backward dtable[ids[t]] += dout[t].
+  virtual void embedding_forward(float* out, const float* table, const int32_t* ids, int64_t N,
+                                 int64_t H) = 0;
+  virtual void embedding_backward(float* dtable, const float* dout, const int32_t* ids, int64_t N,
+                                  int64_t H, int64_t V) = 0;
+
+  // One AdamW step (decoupled decay, bias correction) over n elements.
+  virtual void adamw(float* param, const float* grad, float* m, float* v, int64_t n,
+                     const AdamWParams& p) = 0;
+
+  // Element-wise helpers.
+  virtual void add(float* y, const float* x, int64_t n) = 0;  // y += x
+  virtual void fill(float* y, float value, int64_t n) = 0;
+  virtual void copy_strided(float* dst, int64_t dst_stride, const float* src, int64_t src_stride,
+                            int64_t rows, int64_t cols) = 0;  // dst[r, :cols] = src[r, :cols]
+  virtual void add_strided(float* dst, int64_t dst_stride, const float* src, int64_t src_stride,
+                           int64_t rows, int64_t cols) = 0;   // dst[r, :cols] += src[r, :cols]
+};
+
+enum class GemmLibrary { kOpenBlas, kOneDnn };
+const char* to_string(GemmLibrary lib);
+
+// num_threads <= 0: all cores (OMP_NUM_THREADS if set).
+std::unique_ptr<Backend> make_cpu_backend(int num_threads = 0,
+                                          GemmLibrary gemm = GemmLibrary::kOpenBlas);
+
+}  // namespace dstrain::kernels

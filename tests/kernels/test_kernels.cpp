@@ -1,0 +1,427 @@
+// Every CPU kernel against a naive reference on odd shapes (float, through the Backend), and
+// every backward against central finite differences (the kernels instantiated in double).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <functional>
+#include <numeric>
+#include <random>
+#include <vector>
+
+#include "dstrain/kernels/backend.h"
+#include "kernels/cpu/blas_gemm.h"
+#include "kernels/cpu/cpu_ops.h"
+
+namespace dstrain::kernels {
+namespace {
+
+using Vec = std::vector<double>;
+using FVec = std::vector<float>;
+
+Vec randn(size_t n, uint32_t seed, double scale = 1.0) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<double> d(0.0, scale);
+  Vec v(n);
+  for (auto& x : v) x = d(rng);
+  return v;
+}
+FVec to_f(const Vec& v) { return FVec(v.begin(), v.end()); }
+
+double max_rel_err(const FVec& got, const Vec& want) {
+  double scale = 1e-12, err = 0;
+  for (double w : want) scale = std::max(scale, std::fabs(w));
+  for (size_t i = 0; i < want.size(); ++i) err = std::max(err, std::fabs(got[i] - want[i]));
+  return err / scale;
+}
+
+// Central finite differences of loss(x) against an analytic gradient; both in double.
+void expect_gradient(const std::function<double(const Vec&)>& loss, Vec x, const Vec& analytic,
+                     const char* what, double tol = 1e-6) {
+  ASSERT_EQ(x.size(), analytic.size());
+  const double h = 1e-6;
+  double worst = 0, scale = 1e-12;
+  for (double a : analytic) scale = std::max(scale, std::fabs(a));
+  for (size_t i = 0; i < x.size(); ++i) {
+    const double orig = x[i];
+    x[i] = orig + h;
+    const double up = loss(x);
+    x[i] = orig - h;
+    const double down = loss(x);
+    x[i] = orig;
+    worst = std::max(worst, std::fabs((up - down) / (2 * h) - analytic[i]));
+  }
+  EXPECT_LT(worst / scale, tol) << what << ": worst gradient error " << worst << " (scale " << scale << ")";
+}
+
+double dot(const Vec& a, const Vec& b) { return std::inner_product(a.begin(), a.end(), b.begin(), 0.0); }
+
+class Kernels : public ::testing::TestWithParam<GemmLibrary> {
+ protected:
+  std::unique_ptr<Backend> be = make_cpu_backend(2, GetParam());
+};
+
+TEST_P(Kernels, GemmAllTransposesOddShapes) {
+  for (int ta = 0; ta < 2; ++ta) {
+    for (int tb = 0; tb < 2; ++tb) {
+      const int64_t M = 7, N = 13, K = 5;
+      const Vec A = randn(M * K, 1), B = randn(K * N, 2), C0 = randn(M * N, 3);
+      Vec want(M * N);
+      for (int64_t i = 0; i < M; ++i)
+        for (int64_t j = 0; j < N; ++j) {
+          double s = 0;
+          for (int64_t k = 0; k < K; ++k)
+            s += (ta ? A[k * M + i] : A[i * K + k]) * (tb ? B[j * K + k] : B[k * N + j]);
+          want[i * N + j] = 1.5 * s + 0.5 * C0[i * N + j];
+        }
+      FVec C = to_f(C0);
+      be->gemm(C.data(), to_f(A).data(), to_f(B).data(), M, N, K, ta, tb, 1.5f, 0.5f);
+      EXPECT_LT(max_rel_err(C, want), 1e-6) << "ta " << ta << " tb " << tb;
+    }
+  }
+}
+
+TEST_P(Kernels, GroupedGemmEqualsSeparateGemms) {
+  const int64_t N = 9, K = 6, count = 7;
+  std::vector<FVec> A, B, C, Cref;
+  std::vector<int64_t> M;
+  for (int64_t i = 0; i < count; ++i) {
+    M.push_back(i % 3 == 0 ? 0 : 3 + i);  // empty experts happen
+    A.push_back(to_f(randn(M.back() * K, 10 + i)));
+    B.push_back(to_f(randn(N * K, 20 + i)));
+    C.push_back(FVec(M.back() * N, 1.0f));
+    Cref.push_back(C.back());
+    be->gemm(Cref.back().data(), A.back().data(), B.back().data(), M.back(), N, K, false, true, 1.0f, 1.0f);
+  }
+  std::vector<float*> c;
+  std::vector<const float*> a, b;
+  for (int64_t i = 0; i < count; ++i) c.push_back(C[i].data()), a.push_back(A[i].data()), b.push_back(B[i].data());
+  be->gemm_grouped(c.data(), a.data(), b.data(), M.data(), count, N, K, false, true, 1.0f, 1.0f);
+  for (int64_t i = 0; i < count; ++i) EXPECT_EQ(C[i], Cref[i]);
+}
+
+TEST_P(Kernels, RmsNormForward) {
+  const int64_t rows = 5, C = 37;
+  const Vec x = randn(rows * C, 4), w = randn(C, 5);
+  Vec want(rows * C);
+  for (int64_t r = 0; r < rows; ++r) {
+    double ms = 0;
+    for (int64_t c = 0; c < C; ++c) ms += x[r * C + c] * x[r * C + c] / C;
+    for (int64_t c = 0; c < C; ++c) want[r * C + c] = w[c] * x[r * C + c] / std::sqrt(ms + 1e-6);
+  }
+  FVec y(rows * C), rstd(rows);
+  be->rmsnorm_forward(y.data(), rstd.data(), to_f(x).data(), to_f(w).data(), rows, C, 1e-6f);
+  EXPECT_LT(max_rel_err(y, want), 1e-6);
+}
+
+TEST(KernelGradients, RmsNorm) {
+  const int64_t rows = 3, C = 11;
+  const Vec x = randn(rows * C, 6), w = randn(C, 7), R = randn(rows * C, 8);
+  const auto loss_x = [&](const Vec& xx) {
+    Vec y(rows * C), rs(rows);
+    cpu::rmsnorm_forward(y.data(), rs.data(), xx.data(), w.data(), rows, C, 1e-6);
+    return dot(y, R);
+  };
+  const auto loss_w = [&](const Vec& ww) {
+    Vec y(rows * C), rs(rows);
+    cpu::rmsnorm_forward(y.data(), rs.data(), x.data(), ww.data(), rows, C, 1e-6);
+    return dot(y, R);
+  };
+  Vec y(rows * C), rs(rows), dx(rows * C), dw(C, 0.0);
+  cpu::rmsnorm_forward(y.data(), rs.data(), x.data(), w.data(), rows, C, 1e-6);
+  cpu::rmsnorm_backward(dx.data(), dw.data(), R.data(), x.data(), w.data(), rs.data(), rows, C);
+  expect_gradient(loss_x, x, dx, "rmsnorm dx");
+  expect_gradient(loss_w, w, dw, "rmsnorm dw");
+}
+
+std::pair<Vec, Vec> rope_tables(int64_t S, int64_t dr, double theta) {
+  Vec c(S * dr / 2), s(S * dr / 2);
+  for (int64_t p = 0; p < S; ++p)
+    for (int64_t j = 0; j < dr / 2; ++j) {
+      const float inv = 1.0f / std::pow(float(theta), float(2 * j) / float(dr));
+      const float ang = float(p) * inv;
+      c[p * dr / 2 + j] = std::cos(ang);
+      s[p * dr / 2 + j] = std::sin(ang);
+    }
+  return {c, s};
+}
+
+// MODEL.md §3.4.1's worked example.
+TEST_P(Kernels, RopeWorkedExample) {
+  const auto [c, s] = rope_tables(3, 4, 10000.0);
+  const FVec x = {1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3, 4};  // positions 0, 1, 2
+  FVec out(12);
+  be->rope_forward(out.data(), 4, 0, x.data(), 4, 0, to_f(c).data(), to_f(s).data(), 3, 3, 1, 4, true);
+  const float want[12] = {1, 3, 2, 4, -1.1426397f, 2.9598507f, 1.9220756f, 4.0297995f,
+                          -2.2347417f, 2.9194054f, 0.0770038f, 4.0591960f};
+  for (int i = 0; i < 12; ++i) EXPECT_NEAR(out[i], want[i], 2e-6) << i;
+}
+
+TEST(KernelGradients, RopeBothLayouts) {
+  const int64_t N = 6, S = 3, heads = 2, dr = 8;
+  const auto [c, s] = rope_tables(S, dr, 10000.0);
+  for (bool interleave : {true, false}) {
+    const Vec x = randn(N * heads * dr, 9), R = randn(N * heads * dr, 10);
+    const auto loss = [&](const Vec& xx) {
+      Vec out(N * heads * dr);
+      cpu::rope_forward(out.data(), heads * dr, dr, xx.data(), heads * dr, dr, c.data(), s.data(),
+                        N, S, heads, dr, interleave);
+      return dot(out, R);
+    };
+    Vec dx(N * heads * dr);
+    cpu::rope_backward(dx.data(), heads * dr, dr, R.data(), heads * dr, dr, c.data(), s.data(), N,
+                       S, heads, dr, interleave, false);
+    expect_gradient(loss, x, dx, interleave ? "rope interleaved" : "rope half");
+  }
+}
+
+// Naive causal attention: the full score matrix, then softmax.
+Vec naive_attention(const Vec& Q, const Vec& K, const Vec& V, int64_t B, int64_t S, int64_t nh,
+                    int64_t dqk, int64_t dv, double scale) {
+  Vec O(B * S * nh * dv, 0.0);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < nh; ++h)
+      for (int64_t i = 0; i < S; ++i) {
+        Vec p(S, 0.0);
+        double mx = -1e300, sum = 0;
+        for (int64_t j = 0; j <= i; ++j) {
+          double sc = 0;
+          for (int64_t d = 0; d < dqk; ++d)
+            sc += Q[((b * S + i) * nh + h) * dqk + d] * K[((b * S + j) * nh + h) * dqk + d];
+          p[j] = sc * scale;
+          mx = std::max(mx, p[j]);
+        }
+        for (int64_t j = 0; j <= i; ++j) sum += (p[j] = std::exp(p[j] - mx));
+        for (int64_t j = 0; j <= i; ++j)
+          for (int64_t d = 0; d < dv; ++d)
+            O[((b * S + i) * nh + h) * dv + d] += p[j] / sum * V[((b * S + j) * nh + h) * dv + d];
+      }
+  return O;
+}
+
+TEST_P(Kernels, AttentionForward) {
+  const int64_t B = 2, S = 9, nh = 3, dqk = 7, dv = 5;
+  const Vec Q = randn(B * S * nh * dqk, 11), K = randn(B * S * nh * dqk, 12), V = randn(B * S * nh * dv, 13);
+  const double scale = 1.0 / std::sqrt(double(dqk));
+  FVec O(B * S * nh * dv), lse(B * nh * S);
+  be->attention_forward(O.data(), lse.data(), to_f(Q).data(), to_f(K).data(), to_f(V).data(), B,
+                        S, nh, dqk, dv, float(scale));
+  EXPECT_LT(max_rel_err(O, naive_attention(Q, K, V, B, S, nh, dqk, dv, scale)), 1e-5);
+}
+
+TEST(KernelGradients, Attention) {
+  const int64_t B = 2, S = 5, nh = 2, dqk = 4, dv = 3;
+  const double scale = 0.7;
+  const Vec Q = randn(B * S * nh * dqk, 14), K = randn(B * S * nh * dqk, 15),
+            V = randn(B * S * nh * dv, 16), R = randn(B * S * nh * dv, 17);
+  const auto run = [&](const Vec& q, const Vec& k, const Vec& v) {
+    Vec O(B * S * nh * dv), lse(B * nh * S);
+    cpu::attention_forward(O.data(), lse.data(), q.data(), k.data(), v.data(), B, S, nh, dqk, dv, scale);
+    return std::make_pair(O, lse);
+  };
+  const auto [O, lse] = run(Q, K, V);
+  Vec dQ(Q.size()), dK(K.size()), dV(V.size());
+  cpu::attention_backward(dQ.data(), dK.data(), dV.data(), R.data(), Q.data(), K.data(), V.data(),
+                          O.data(), lse.data(), B, S, nh, dqk, dv, scale);
+  expect_gradient([&](const Vec& q) { return dot(run(q, K, V).first, R); }, Q, dQ, "attention dQ");
+  expect_gradient([&](const Vec& k) { return dot(run(Q, k, V).first, R); }, K, dK, "attention dK");
+  expect_gradient([&](const Vec& v) { return dot(run(Q, K, v).first, R); }, V, dV, "attention dV");
+}
+
+TEST(KernelGradients, SwiGlu) {
+  const int64_t N = 4, I = 9;
+  const Vec GU = randn(N * 2 * I, 18), R = randn(N * I, 19);
+  const auto loss = [&](const Vec& gu) {
+    Vec M(N * I);
+    cpu::swiglu_forward(M.data(), gu.data(), N, I);
+    return dot(M, R);
+  };
+  Vec dGU(GU.size());
+  cpu::swiglu_backward(dGU.data(), R.data(), GU.data(), N, I);
+  expect_gradient(loss, GU, dGU, "swiglu");
+}
+
+RouterParams v3_params(int64_t E, int64_t k, int64_t G, int64_t g) {
+  RouterParams p;
+  p.num_experts = E, p.top_k = k, p.n_group = G, p.topk_group = g;
+  p.scoring = ScoringFunc::kSigmoid, p.method = TopkMethod::kNoauxTc;
+  p.norm_topk_prob = true, p.routed_scaling_factor = 2.5f;
+  return p;
+}
+
+// Brute-force reference of the selection rules of MODEL.md §3.6.
+std::vector<int> naive_select(const Vec& s, const Vec& bias, const RouterParams& p) {
+  const int64_t E = p.num_experts, per = E / p.n_group;
+  Vec c(E);
+  for (int64_t e = 0; e < E; ++e) c[e] = s[e] + (p.method == TopkMethod::kNoauxTc ? bias[e] : 0.0);
+  std::vector<int> groups(p.n_group);
+  std::iota(groups.begin(), groups.end(), 0);
+  const auto gscore = [&](int g) {
+    Vec v(c.begin() + g * per, c.begin() + (g + 1) * per);
+    std::sort(v.rbegin(), v.rend());
+    return p.method == TopkMethod::kNoauxTc ? v[0] + v[1] : v[0];
+  };
+  std::stable_sort(groups.begin(), groups.end(), [&](int a, int b) { return gscore(a) > gscore(b); });
+  std::vector<int> experts;
+  for (int64_t e = 0; e < E; ++e) {
+    const bool kept = p.method == TopkMethod::kGreedy ||
+                      std::find(groups.begin(), groups.begin() + p.topk_group, e / per) !=
+                          groups.begin() + p.topk_group;
+    if (kept) experts.push_back(int(e));
+  }
+  std::stable_sort(experts.begin(), experts.end(), [&](int a, int b) { return c[a] > c[b]; });
+  experts.resize(p.top_k);
+  return experts;
+}
+
+TEST_P(Kernels, RouterSelectionAndWeights) {
+  const int64_t N = 40;
+  struct Case { RouterParams p; bool bias; };
+  RouterParams greedy = v3_params(6, 2, 1, 1);
+  greedy.scoring = ScoringFunc::kSoftmax, greedy.method = TopkMethod::kGreedy;
+  greedy.norm_topk_prob = false, greedy.routed_scaling_factor = 1.0f, greedy.v2_weights = true;
+  RouterParams limited = v3_params(8, 3, 4, 2);
+  limited.scoring = ScoringFunc::kSoftmax, limited.method = TopkMethod::kGroupLimitedGreedy;
+  limited.norm_topk_prob = false, limited.routed_scaling_factor = 16.0f, limited.v2_weights = true;
+  const Case cases[] = {{v3_params(8, 2, 4, 2), true}, {v3_params(8, 3, 2, 1), true},
+                        {v3_params(4, 2, 2, 2), false}, {greedy, false}, {limited, false}};
+  for (const Case& cs : cases) {
+    const RouterParams& p = cs.p;
+    const int64_t E = p.num_experts, k = p.top_k;
+    const Vec logits = randn(N * E, 20), bias = randn(E, 21, cs.bias ? 0.3 : 0.0);
+    std::vector<int32_t> idx(N * k);
+    FVec w(N * k), scores(N * E);
+    be->router_forward(idx.data(), w.data(), scores.data(), to_f(logits).data(),
+                       cs.bias ? to_f(bias).data() : nullptr, N, p);
+    for (int64_t t = 0; t < N; ++t) {
+      Vec s(E);
+      for (int64_t e = 0; e < E; ++e) s[e] = scores[t * E + e];
+      const auto want = naive_select(s, bias, p);
+      double sum = 0;
+      for (int64_t j = 0; j < k; ++j) {
+        ASSERT_EQ(idx[t * k + j], want[j]) << "token " << t;
+        sum += s[want[j]];
+      }
+      for (int64_t j = 0; j < k; ++j) {
+        const double raw = s[want[j]];
+        const double expect = p.v2_weights ? raw * p.routed_scaling_factor
+                                           : raw / (sum + 1e-20) * p.routed_scaling_factor;
+        EXPECT_NEAR(w[t * k + j], expect, 1e-5);
+      }
+    }
+  }
+}
+
+TEST(KernelGradients, RouterWeightsAndExtraScoreGradient) {
+  const int64_t N = 5;
+  RouterParams softmax_norm = v3_params(6, 3, 1, 1);
+  softmax_norm.scoring = ScoringFunc::kSoftmax, softmax_norm.method = TopkMethod::kGreedy;
+  softmax_norm.v2_weights = true;  // V2 remote-code rule: normalise, no scaling
+  for (const RouterParams& p : {v3_params(8, 2, 4, 2), softmax_norm}) {
+    const int64_t E = p.num_experts, k = p.top_k;
+    const Vec logits = randn(N * E, 22), Rw = randn(N * k, 23), Rs = randn(N * E, 24);
+    std::vector<int32_t> idx(N * k);
+    Vec w(N * k), s(N * E);
+    cpu::router_forward(idx.data(), w.data(), s.data(), logits.data(), (const double*)nullptr, N, p);
+    // The selection is a constant of the backward: keep it fixed in the loss.
+    const auto loss = [&](const Vec& l) {
+      Vec ss(N * E), ww(N * k);
+      std::vector<int32_t> id2(N * k);
+      cpu::router_forward(id2.data(), ww.data(), ss.data(), l.data(), (const double*)nullptr, N, p);
+      EXPECT_EQ(id2, idx);
+      return dot(ww, Rw) + dot(ss, Rs);
+    };
+    Vec dl(N * E);
+    cpu::router_backward(dl.data(), Rw.data(), Rs.data(), s.data(), idx.data(), N, p);
+    expect_gradient(loss, logits, dl, "router");
+  }
+}
+
+TEST(KernelGradients, MoeCombineAndDispatch) {
+  const int64_t N = 4, k = 2, H = 5, rows = N * k;
+  const Vec Y = randn(rows * H, 25), w = randn(N * k, 26), R = randn(N * H, 27), X = randn(N * H, 28);
+  const std::vector<int32_t> pos = {3, 0, 5, 1, 7, 2, 4, 6};
+  const auto combine = [&](const Vec& y, const Vec& ww) {
+    Vec out(N * H, 0.0);
+    cpu::moe_combine(out.data(), y.data(), ww.data(), pos.data(), N, k, H);
+    return dot(out, R);
+  };
+  Vec dY(rows * H), dw(N * k);
+  cpu::moe_combine_backward(dY.data(), dw.data(), R.data(), Y.data(), w.data(), pos.data(), N, k, H);
+  expect_gradient([&](const Vec& y) { return combine(y, w); }, Y, dY, "combine dY");
+  expect_gradient([&](const Vec& ww) { return combine(Y, ww); }, w, dw, "combine dw");
+  // Dispatch: Xp[pos[t,j]] = X[t]; its backward sums the rows back.
+  std::vector<int32_t> src(rows);
+  for (int64_t t = 0; t < N; ++t)
+    for (int64_t j = 0; j < k; ++j) src[pos[t * k + j]] = int32_t(t);
+  const Vec Rp = randn(rows * H, 29);
+  const auto dispatch = [&](const Vec& x) {
+    Vec xp(rows * H);
+    cpu::gather_rows(xp.data(), x.data(), src.data(), rows, H);
+    return dot(xp, Rp);
+  };
+  Vec dX(N * H, 0.0);
+  cpu::moe_dispatch_backward(dX.data(), Rp.data(), pos.data(), N, k, H);
+  expect_gradient(dispatch, X, dX, "dispatch");
+}
+
+TEST_P(Kernels, CrossEntropyValueGradientAndIgnoredRows) {
+  const int64_t rows = 4, V = 11;
+  const Vec logits = randn(rows * V, 30, 3.0);
+  const std::vector<int32_t> target = {3, -100, 10, 0};
+  FVec l = to_f(logits), loss(rows);
+  be->cross_entropy(loss.data(), l.data(), target.data(), rows, V, 0.5f);
+  for (int64_t r = 0; r < rows; ++r) {
+    if (target[r] < 0) {
+      EXPECT_EQ(loss[r], 0.0f);
+      for (int64_t v = 0; v < V; ++v) EXPECT_EQ(l[r * V + v], 0.0f);
+      continue;
+    }
+    double mx = -1e300, sum = 0;
+    for (int64_t v = 0; v < V; ++v) mx = std::max(mx, logits[r * V + v]);
+    for (int64_t v = 0; v < V; ++v) sum += std::exp(logits[r * V + v] - mx);
+    const double lse = mx + std::log(sum);
+    EXPECT_NEAR(loss[r], lse - logits[r * V + target[r]], 1e-5);
+    for (int64_t v = 0; v < V; ++v)
+      EXPECT_NEAR(l[r * V + v], 0.5 * (std::exp(logits[r * V + v] - lse) - (v == target[r])), 1e-6);
+  }
+}
+
+TEST_P(Kernels, EmbeddingRepeatedIdsAccumulate) {
+  const int64_t V = 5, H = 70, N = 6;
+  const std::vector<int32_t> ids = {2, 4, 2, 0, 2, 4};
+  const FVec table = to_f(randn(V * H, 31)), dout = to_f(randn(N * H, 32));
+  FVec out(N * H), dtable(V * H, 0.0f);
+  be->embedding_forward(out.data(), table.data(), ids.data(), N, H);
+  be->embedding_backward(dtable.data(), dout.data(), ids.data(), N, H, V);
+  for (int64_t t = 0; t < N; ++t)
+    for (int64_t c = 0; c < H; ++c) EXPECT_EQ(out[t * H + c], table[ids[t] * H + c]);
+  for (int64_t v = 0; v < V; ++v)
+    for (int64_t c = 0; c < H; ++c) {
+      double want = 0;
+      for (int64_t t = 0; t < N; ++t) want += ids[t] == v ? dout[t * H + c] : 0.0;
+      EXPECT_NEAR(dtable[v * H + c], want, 1e-6);
+    }
+}
+
+// One AdamW step computed by hand (PyTorch semantics: decoupled decay, bias correction).
+TEST_P(Kernels, AdamWMatchesAHandComputedStep) {
+  FVec p = {1.0f, -2.0f}, g = {0.5f, 0.25f}, m = {0.1f, 0.0f}, v = {0.01f, 0.0f};
+  AdamWParams a;
+  a.lr = 0.1f, a.beta1 = 0.9f, a.beta2 = 0.99f, a.eps = 1e-8f, a.weight_decay = 0.01f, a.step = 3;
+  be->adamw(p.data(), g.data(), m.data(), v.data(), 2, a);
+  const double m0 = 0.9 * 0.1 + 0.1 * 0.5, v0 = 0.99 * 0.01 + 0.01 * 0.25;
+  const double bc1 = 1 - std::pow(0.9, 3), bc2 = 1 - std::pow(0.99, 3);
+  const double p0 = 1.0 * (1 - 0.1 * 0.01) - 0.1 * (m0 / bc1) / (std::sqrt(v0 / bc2) + 1e-8);
+  EXPECT_NEAR(m[0], m0, 1e-7);
+  EXPECT_NEAR(v[0], v0, 1e-7);
+  EXPECT_NEAR(p[0], p0, 1e-6);
+  const double m1 = 0.1 * 0.25, v1 = 0.01 * 0.0625;
+  const double p1 = -2.0 * (1 - 0.001) - 0.1 * (m1 / bc1) / (std::sqrt(v1 / bc2) + 1e-8);
+  EXPECT_NEAR(p[1], p1, 1e-6);
+}
+
+INSTANTIATE_TEST_SUITE_P(Gemm, Kernels, ::testing::Values(GemmLibrary::kOpenBlas, GemmLibrary::kOneDnn),
+                         [](const auto& info) { return std::string(info.param == GemmLibrary::kOneDnn ? "onednn" : "openblas"); });
+
+}  // namespace
+}  // namespace dstrain::kernels
