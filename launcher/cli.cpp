@@ -15,6 +15,9 @@ options:
                         parameters, FLOPs, memory per rank) and exit; allocates nothing
   --world-size N        plan for N ranks instead of the MPI world (with --dry-run/--print-config)
   --print-config        print the fully resolved config, defaults included, and exit
+  --dump-grads FILE.h5  one forward and backward on the first global batch; write weights,
+                        gradients, tokens and losses to FILE.h5 (one rank) and exit
+  --threads N           CPU threads (default: all cores, or OMP_NUM_THREADS)
   --check-comm          build every process group's communicator, check its members, and exit
   --ranks-needed        print the rank count the config needs (parallel.data must be a number)
   --config-reference    print every config key (type, default, valid values) as Markdown
@@ -39,6 +42,13 @@ Options parse_args(const std::vector<std::string>& args) {
       o.dry_run = true;
     } else if (a == "--print-config") {
       o.print_config = true;
+    } else if (a == "--dump-grads") {
+      o.dump_grads = value("--dump-grads");
+    } else if (a == "--threads") {
+      const std::string v = value("--threads");
+      auto [ptr, ec] = std::from_chars(v.data(), v.data() + v.size(), o.threads);
+      if (ec != std::errc() || ptr != v.data() + v.size() || o.threads < 1)
+        throw std::invalid_argument("--threads needs a thread count >= 1, got '" + v + "'");
     } else if (a == "--config-reference") {
       o.config_reference = true;
     } else if (a == "--ranks-needed") {

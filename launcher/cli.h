@@ -18,6 +18,8 @@ struct Options {
   bool help = false;
   bool version = false;
   std::optional<int> world_size;  // --world-size N (dry run / print-config only)
+  std::string dump_grads;         // --dump-grads FILE.h5
+  int threads = 0;                // --threads N; 0: all cores (or OMP_NUM_THREADS)
 };
 
 // Throws std::invalid_argument with a one-line message on a malformed command line.

@@ -14,6 +14,7 @@
 #include "engine/config/yaml_io.h"
 #include "engine/plan/parallel_plan.h"
 #include "engine/plan/report.h"
+#include "engine/runtime/dump_grads.h"
 #include "engine/runtime/groups.h"
 #include "launcher/cli.h"
 
@@ -116,6 +117,16 @@ int run(const launcher::Options& opts, int rank, int world) {
     return 0;
   }
   init_logging(rank, p->config.monitor.log_level);
+  if (!opts.dump_grads.empty()) {
+    std::optional<std::string> dump_error;
+    try {
+      if (rank == 0 || world > 1) runtime::dump_grads(*p, opts.dump_grads, opts.threads);
+      if (rank == 0) spdlog::info("wrote {}", opts.dump_grads);
+    } catch (const Error& e) {
+      dump_error = e.what();
+    }
+    return agree_on_failure(dump_error, rank, world) ? 1 : 0;
+  }
   std::vector<comm::ProcessGroup> groups;
   if (agree_on_failure(setup_groups(*p, rank, groups), rank, world)) return 1;
   if (opts.check_comm) {

@@ -50,16 +50,16 @@ class CpuBackend final : public Backend {
   }
 
   void gemm_grouped(float* const* C, const float* const* A, const float* const* B,
-                    const int64_t* M, int64_t count, int64_t N, int64_t K, bool ta, bool tb,
-                    float alpha, float beta) override {
+                    const int64_t* M, const int64_t* N, const int64_t* K, int64_t count, bool ta,
+                    bool tb, float alpha, float beta) override {
     // Many small problems: one per thread at a time (the BLAS runs single-threaded inside an
-    // OpenMP region). Few problems: one after the other, each with all threads.
+    // OpenMP region), largest first. Few problems: one after the other, each with all threads.
     if (count < 2 * threads_) {
-      for (int64_t i = 0; i < count; ++i) gemm(C[i], A[i], B[i], M[i], N, K, ta, tb, alpha, beta);
+      for (int64_t i = 0; i < count; ++i) gemm(C[i], A[i], B[i], M[i], N[i], K[i], ta, tb, alpha, beta);
       return;
     }
 #pragma omp parallel for schedule(dynamic, 1)
-    for (int64_t i = 0; i < count; ++i) gemm(C[i], A[i], B[i], M[i], N, K, ta, tb, alpha, beta);
+    for (int64_t i = 0; i < count; ++i) gemm(C[i], A[i], B[i], M[i], N[i], K[i], ta, tb, alpha, beta);
   }
 
   void rmsnorm_forward(float* y, float* rstd, const float* x, const float* w, int64_t rows,

@@ -83,7 +83,7 @@ TEST_P(Kernels, GemmAllTransposesOddShapes) {
 TEST_P(Kernels, GroupedGemmEqualsSeparateGemms) {
   const int64_t N = 9, K = 6, count = 7;
   std::vector<FVec> A, B, C, Cref;
-  std::vector<int64_t> M;
+  std::vector<int64_t> M, Ns(count, N), Ks(count, K);
   for (int64_t i = 0; i < count; ++i) {
     M.push_back(i % 3 == 0 ? 0 : 3 + i);  // empty experts happen
     A.push_back(to_f(randn(M.back() * K, 10 + i)));
@@ -95,7 +95,8 @@ TEST_P(Kernels, GroupedGemmEqualsSeparateGemms) {
   std::vector<float*> c;
   std::vector<const float*> a, b;
   for (int64_t i = 0; i < count; ++i) c.push_back(C[i].data()), a.push_back(A[i].data()), b.push_back(B[i].data());
-  be->gemm_grouped(c.data(), a.data(), b.data(), M.data(), count, N, K, false, true, 1.0f, 1.0f);
+  be->gemm_grouped(c.data(), a.data(), b.data(), M.data(), Ns.data(), Ks.data(), count, false, true,
+                   1.0f, 1.0f);
   for (int64_t i = 0; i < count; ++i) EXPECT_EQ(C[i], Cref[i]);
 }
 

@@ -45,11 +45,11 @@ class Backend {
   // A is [M,K] (or [K,M] when trans_a), B is [K,N] (or [N,K] when trans_b).
   virtual void gemm(float* C, const float* A, const float* B, int64_t M, int64_t N, int64_t K,
                     bool trans_a, bool trans_b, float alpha, float beta) = 0;
-  // The same for `count` independent problems (expert GEMMs): A_i, B_i, C_i with M_i rows;
-  // K, N, transposes and alpha/beta shared. Problems run in parallel across threads.
+  // The same for `count` independent problems (expert GEMMs) of sizes M[i], N[i], K[i];
+  // transposes and alpha/beta shared. Problems run in parallel across threads.
   virtual void gemm_grouped(float* const* C, const float* const* A, const float* const* B,
-                            const int64_t* M, int64_t count, int64_t N, int64_t K, bool trans_a,
-                            bool trans_b, float alpha, float beta) = 0;
+                            const int64_t* M, const int64_t* N, const int64_t* K, int64_t count,
+                            bool trans_a, bool trans_b, float alpha, float beta) = 0;
 
   // y = w * x * rstd, rstd = 1/sqrt(mean(x^2) + eps); x, y [rows, C]; rstd [rows] saved.
   virtual void rmsnorm_forward(float* y, float* rstd, const float* x, const float* w, int64_t rows,

@@ -1,0 +1,23 @@
+// The only cross-rank calls model math makes (STYLE §3.1): the Megatron f/g points of tensor
+// parallelism. The model names the points; parallel/ implements them over communicators.
+// LocalCollectives is the single-process implementation (TP = 1): every call is the identity.
+#pragma once
+
+#include <cstdint>
+
+namespace dstrain::model {
+
+class Collectives {
+ public:
+  virtual ~Collectives() = default;
+  // Sum over the tensor-parallel group, in place ("g" in forward after a row-parallel layer,
+  // "f" in backward before a replicated input's gradient is used).
+  virtual void tp_all_reduce(float* x, int64_t n) = 0;
+};
+
+class LocalCollectives final : public Collectives {
+ public:
+  void tp_all_reduce(float*, int64_t) override {}
+};
+
+}  // namespace dstrain::model

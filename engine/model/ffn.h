@@ -1,0 +1,76 @@
+// The feed-forward blocks: a SwiGLU MLP (dense layers and the shared experts) and the MoE layer
+// (router, routed experts, shared experts, balance loss) of MODEL.md §3.5-3.6 and §5.2.
+#pragma once
+
+#include <memory>
+#include <vector>
+
+#include "engine/model/layer_env.h"
+
+namespace dstrain::model {
+
+// down(silu(gate(u)) * up(u)) with gate and up fused into one [2w, H] GEMM (their parameters
+// are adjacent in the flat buffer). `w` is this rank's (tensor-parallel) width.
+class SwiGluMlp {
+ public:
+  SwiGluMlp(const LayerEnv& env, const std::string& prefix, int64_t width, int64_t max_tokens);
+  void forward(float* out, const float* u, int64_t N);  // out [N,H] overwritten
+  // du [N,H]: overwritten (beta 0) or accumulated (beta 1).
+  void backward(float* du, const float* dout, const float* u, int64_t N, float beta);
+  int64_t saved_floats() const { return int64_t(GU_.size() + M_.size()); }
+  int64_t scratch_floats(int64_t N) const { return N * (3 * w_ + H_) + 64; }
+
+ private:
+  LayerEnv env_;
+  int64_t H_, w_;
+  WeightRef gate_up_, down_;
+  std::vector<float> GU_, M_;
+};
+
+// Everything a forward measures for training-time rules: the balance loss of this call and the
+// tokens routed to each expert (for the aux-loss-free bias update).
+struct MoeStats {
+  double aux_loss = 0.0;
+  std::vector<int64_t> loads;  // [E], summed over forwards until cleared
+};
+
+// Scale of this micro-batch's losses within the global batch.
+struct LossScale {
+  double tokens = 1;     // target tokens of the global batch (CE is their mean)
+  double sequences = 1;  // sequences of the global batch (the balance loss is their mean)
+};
+
+class MoeLayer {
+ public:
+  MoeLayer(const LayerEnv& env, const std::string& prefix, int64_t B, int64_t S);
+  void forward(float* out, const float* u, int64_t B, int64_t S, const LossScale& scale);
+  void backward(float* du, const float* dout, const float* u, int64_t B, int64_t S);
+
+  MoeStats& stats() { return stats_; }
+  float* router_bias() { return bias_; }  // null for deepseek_v2
+  int64_t saved_floats() const;
+  int64_t scratch_floats(int64_t N) const;
+
+ private:
+  void route(const float* u, int64_t N);
+  void balance_loss(int64_t B, int64_t S, const LossScale& scale);
+
+  LayerEnv env_;
+  kernels::RouterParams rp_;
+  int64_t H_, E_, k_, I_;
+  WeightRef gate_;
+  float* bias_ = nullptr;
+  std::vector<WeightRef> gate_up_, down_;  // per expert
+  std::unique_ptr<SwiGluMlp> shared_;
+  // Saved: router outputs, the dispatch plan and the experts' activations (rows sorted by expert).
+  std::vector<float> scores_, w_, dscores_, Xp_, GUp_, Mp_, Yp_;
+  std::vector<int32_t> idx_, pos_, src_;
+  std::vector<int64_t> counts_, offsets_;
+  MoeStats stats_;
+};
+
+// b_i += gamma * sign(mean(load) - load_i) (MODEL.md §5.3), after each optimizer step, with
+// loads summed over the whole global batch.
+void update_router_bias(float* bias, const int64_t* loads, int64_t E, float gamma);
+
+}  // namespace dstrain::model

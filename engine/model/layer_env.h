@@ -1,0 +1,79 @@
+// What every layer needs: the model's dimensions (local to this rank's tensor-parallel shard),
+// the backend, the collectives, the parameters, and a scratch area for backward temporaries.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "dstrain/kernels/backend.h"
+#include "engine/common/error.h"
+#include "engine/config/train_config.h"
+#include "engine/model/collectives.h"
+#include "engine/model/param_store.h"
+
+namespace dstrain::model {
+
+// Bump allocator over one buffer, reset by each backward (temporaries never outlive a layer).
+class Scratch {
+ public:
+  void reserve(int64_t floats) { buf_.resize(std::max<int64_t>(int64_t(buf_.size()), floats)); }
+  void reset() { used_ = 0; }
+  float* take(int64_t n) {
+    DS_CHECK(used_ + n <= int64_t(buf_.size()), "scratch overflow: {} + {} > {}", used_, n, buf_.size());
+    float* p = buf_.data() + used_;
+    used_ += (n + 15) / 16 * 16;  // keep 64-byte alignment of later takes
+    return p;
+  }
+  int64_t capacity() const { return int64_t(buf_.size()); }
+
+ private:
+  std::vector<float> buf_;
+  int64_t used_ = 0;
+};
+
+struct LayerEnv {
+  const config::ModelConfig* cfg = nullptr;
+  kernels::Backend* be = nullptr;
+  Collectives* coll = nullptr;
+  ParamStore* params = nullptr;
+  Scratch* scratch = nullptr;
+  const float* ones = nullptr;  // at least as many 1.0f as tokens (bias gradients)
+  int tp_size = 1;
+  int64_t heads() const { return cfg->num_attention_heads / tp_size; }  // local heads
+};
+
+// Weight and gradient pointers of one parameter.
+struct WeightRef {
+  float* w = nullptr;
+  float* g = nullptr;
+  void bind(ParamStore& p, const std::string& name) {
+    w = p.param(name);
+    g = p.grad(name);
+  }
+  explicit operator bool() const { return w != nullptr; }
+};
+
+// Linear layer helpers over [rows, in] x W[out, in]^T (HF layout), on the backend.
+// y = x W^T (+ b); beta = 1 accumulates into y.
+inline void linear_forward(kernels::Backend& be, float* y, const float* x, const float* W,
+                           int64_t rows, int64_t out, int64_t in, float beta = 0.0f) {
+  be.gemm(y, x, W, rows, out, in, false, true, 1.0f, beta);
+}
+// dx (= or +=) dy W;  dW += dy^T x.
+inline void linear_backward(kernels::Backend& be, float* dx, float* dW, const float* dy,
+                            const float* x, const float* W, int64_t rows, int64_t out, int64_t in,
+                            float dx_beta = 0.0f) {
+  if (dx) be.gemm(dx, dy, W, rows, in, out, false, false, 1.0f, dx_beta);
+  be.gemm(dW, dy, x, out, in, rows, true, false, 1.0f, 1.0f);
+}
+// Bias: y[r] += b;  db += sum_r dy[r]  (as ones^T dy).
+inline void bias_forward(kernels::Backend& be, float* y, const float* b, int64_t rows, int64_t n) {
+  be.add_strided(y, n, b, 0, rows, n);
+}
+inline void bias_backward(kernels::Backend& be, float* db, const float* dy, const float* ones,
+                          int64_t rows, int64_t n) {
+  be.gemm(db, ones, dy, 1, n, rows, false, false, 1.0f, 1.0f);
+}
+
+}  // namespace dstrain::model

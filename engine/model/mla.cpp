@@ -1,0 +1,190 @@
+#include "engine/model/mla.h"
+
+#include <algorithm>
+#include <cmath>
+
+namespace dstrain::model {
+
+namespace {
+double yarn_m(double scale, double mscale) {
+  return scale <= 1.0 ? 1.0 : 0.1 * mscale * std::log(scale) + 1.0;
+}
+}  // namespace
+
+RopeTables make_rope_tables(const config::ModelConfig& m, int64_t S) {
+  const int64_t dr = m.qk_rope_head_dim, half = dr / 2;
+  std::vector<float> inv_freq(half);
+  for (int64_t j = 0; j < half; ++j)
+    inv_freq[j] = 1.0f / std::pow(float(m.rope_theta), float(2 * j) / float(dr));
+  RopeTables t;
+  t.attention_scale = float(1.0 / std::sqrt(double(m.qk_head_dim())));
+  float magnitude = 1.0f;
+  if (m.rope_scaling) {  // YaRN (MODEL.md §3.4.1)
+    const config::RopeScaling& y = *m.rope_scaling;
+    const double base = m.rope_theta, L0 = double(y.original_max_position_embeddings);
+    const auto dim = [&](double n) { return dr * std::log(L0 / (2 * M_PI * n)) / (2 * std::log(base)); };
+    double low = std::max(std::floor(dim(y.beta_fast)), 0.0);
+    double high = std::min(std::ceil(dim(y.beta_slow)), double(dr - 1));
+    if (low == high) high += 0.001;
+    for (int64_t j = 0; j < half; ++j) {
+      const double ramp = std::clamp((double(j) - low) / (high - low), 0.0, 1.0);
+      inv_freq[j] = float(inv_freq[j] / y.factor * ramp + inv_freq[j] * (1.0 - ramp));
+    }
+    magnitude = float(yarn_m(y.factor, y.mscale) / yarn_m(y.factor, y.mscale_all_dim));
+    const double ms = yarn_m(y.factor, y.mscale_all_dim);
+    t.attention_scale = float(t.attention_scale * ms * ms);
+  }
+  t.cos.resize(S * half);
+  t.sin.resize(S * half);
+  for (int64_t p = 0; p < S; ++p)
+    for (int64_t j = 0; j < half; ++j) {
+      const float angle = float(p) * inv_freq[j];
+      t.cos[p * half + j] = std::cos(angle) * magnitude;
+      t.sin[p * half + j] = std::sin(angle) * magnitude;
+    }
+  return t;
+}
+
+MlaAttention::MlaAttention(const LayerEnv& env, const std::string& prefix, int64_t B, int64_t S,
+                           const RopeTables* rope)
+    : env_(env), rope_(rope) {
+  const config::ModelConfig& m = *env.cfg;
+  H_ = m.hidden_size, nh_ = env.heads(), dn_ = m.qk_nope_head_dim, dr_ = m.qk_rope_head_dim;
+  dv_ = m.v_head_dim, dqk_ = dn_ + dr_, rkv_ = m.kv_lora_rank;
+  lora_ = m.q_lora_rank.has_value();
+  rq_ = m.q_lora_rank.value_or(0);
+  ParamStore& p = *env.params;
+  const std::string a = prefix + "self_attn.";
+  if (lora_) {
+    q_a_.bind(p, a + "q_a_proj.weight");
+    q_a_norm_.bind(p, a + "q_a_layernorm.weight");
+    q_b_.bind(p, a + "q_b_proj.weight");
+  } else {
+    q_.bind(p, a + "q_proj.weight");
+  }
+  kv_a_.bind(p, a + "kv_a_proj_with_mqa.weight");
+  kv_a_norm_.bind(p, a + "kv_a_layernorm.weight");
+  kv_b_.bind(p, a + "kv_b_proj.weight");
+  o_.bind(p, a + "o_proj.weight");
+  if (m.attention_bias) {
+    if (lora_) q_a_bias_.bind(p, a + "q_a_proj.bias");
+    kv_a_bias_.bind(p, a + "kv_a_proj_with_mqa.bias");
+    o_bias_.bind(p, a + "o_proj.bias");
+  }
+  const int64_t N = B * S;
+  cq_.resize(N * rq_), rstd_q_.resize(lora_ ? N : 0), cqn_.resize(N * rq_);
+  ckv_.resize(N * rkv_), kpe_.resize(N * dr_), rstd_kv_.resize(N), ckvn_.resize(N * rkv_);
+  Q_.resize(N * nh_ * dqk_), K_.resize(N * nh_ * dqk_), V_.resize(N * nh_ * dv_);
+  O_.resize(N * nh_ * dv_), lse_.resize(N * nh_);
+}
+
+int64_t MlaAttention::saved_floats() const {
+  return int64_t(cq_.size() + rstd_q_.size() + cqn_.size() + ckv_.size() + kpe_.size() +
+                 rstd_kv_.size() + ckvn_.size() + Q_.size() + K_.size() + V_.size() + O_.size() +
+                 lse_.size());
+}
+
+int64_t MlaAttention::scratch_floats(int64_t N) const {
+  // backward: dO, dQ, dK, dV, dkv, dkpe, dckvn, dckv, dq, dcqn, dcq (+ alignment slack)
+  return N * (nh_ * dv_ * 2 + nh_ * dqk_ * 3 + nh_ * (dn_ + dv_) + dr_ + 2 * rkv_ + 2 * rq_ +
+              (lora_ ? 0 : H_)) +
+         16 * 12;
+}
+
+void MlaAttention::forward(float* out, const float* a, int64_t B, int64_t S) {
+  kernels::Backend& be = *env_.be;
+  const int64_t N = B * S, kv_w = dn_ + dv_;
+  Scratch& scratch = *env_.scratch;
+  scratch.reset();
+  // Query: q = RMSNorm(a W_qa^T) W_qb^T (or a W_q^T), [N, nh*dqk], then Q = [q_nope ; rope(q_pe)].
+  float* q = scratch.take(N * nh_ * dqk_);
+  if (lora_) {
+    linear_forward(be, cq_.data(), a, q_a_.w, N, rq_, H_);
+    if (q_a_bias_) bias_forward(be, cq_.data(), q_a_bias_.w, N, rq_);
+    be.rmsnorm_forward(cqn_.data(), rstd_q_.data(), cq_.data(), q_a_norm_.w, N, rq_, 1e-6f);
+    linear_forward(be, q, cqn_.data(), q_b_.w, N, nh_ * dqk_, rq_);
+  } else {
+    linear_forward(be, q, a, q_.w, N, nh_ * dqk_, H_);
+  }
+  be.copy_strided(Q_.data(), dqk_, q, dqk_, N * nh_, dn_);
+  be.rope_forward(Q_.data() + dn_, nh_ * dqk_, dqk_, q + dn_, nh_ * dqk_, dqk_, rope_->cos.data(),
+                  rope_->sin.data(), N, S, nh_, dr_, env_.cfg->rope_interleave);
+  // Compressed KV: c_kv = a W_kva[:r_kv]^T, k_pe = a W_kva[r_kv:]^T (two GEMMs on row blocks).
+  linear_forward(be, ckv_.data(), a, kv_a_.w, N, rkv_, H_);
+  linear_forward(be, kpe_.data(), a, kv_a_.w + rkv_ * H_, N, dr_, H_);
+  if (kv_a_bias_) {
+    bias_forward(be, ckv_.data(), kv_a_bias_.w, N, rkv_);
+    bias_forward(be, kpe_.data(), kv_a_bias_.w + rkv_, N, dr_);
+  }
+  be.rmsnorm_forward(ckvn_.data(), rstd_kv_.data(), ckv_.data(), kv_a_norm_.w, N, rkv_, 1e-6f);
+  float* kv = scratch.take(N * nh_ * kv_w);
+  linear_forward(be, kv, ckvn_.data(), kv_b_.w, N, nh_ * kv_w, rkv_);
+  be.copy_strided(K_.data(), dqk_, kv, kv_w, N * nh_, dn_);
+  be.copy_strided(V_.data(), dv_, kv + dn_, kv_w, N * nh_, dv_);
+  // One rope key for all heads: head stride 0 on the input broadcasts it.
+  be.rope_forward(K_.data() + dn_, nh_ * dqk_, dqk_, kpe_.data(), dr_, 0, rope_->cos.data(),
+                  rope_->sin.data(), N, S, nh_, dr_, env_.cfg->rope_interleave);
+  be.attention_forward(O_.data(), lse_.data(), Q_.data(), K_.data(), V_.data(), B, S, nh_, dqk_,
+                       dv_, rope_->attention_scale);
+  linear_forward(be, out, O_.data(), o_.w, N, H_, nh_ * dv_);
+  env_.coll->tp_all_reduce(out, N * H_);  // row-parallel o_proj: sum the heads' partial outputs
+  if (o_bias_) bias_forward(be, out, o_bias_.w, N, H_);
+}
+
+void MlaAttention::backward(float* da, const float* dout, const float* a, int64_t B, int64_t S) {
+  kernels::Backend& be = *env_.be;
+  const int64_t N = B * S, kv_w = dn_ + dv_;
+  Scratch& scratch = *env_.scratch;
+  scratch.reset();
+  if (o_bias_) bias_backward(be, o_bias_.g, dout, env_.ones, N, H_);
+  float* dO = scratch.take(N * nh_ * dv_);
+  linear_backward(be, dO, o_.g, dout, O_.data(), o_.w, N, H_, nh_ * dv_);
+  float* dQ = scratch.take(N * nh_ * dqk_);
+  float* dK = scratch.take(N * nh_ * dqk_);
+  float* dV = scratch.take(N * nh_ * dv_);
+  be.attention_backward(dQ, dK, dV, dO, Q_.data(), K_.data(), V_.data(), O_.data(), lse_.data(), B,
+                        S, nh_, dqk_, dv_, rope_->attention_scale);
+  // KV branch: dkv = [dk_nope | dv] per head; dk_pe sums the rope-inverted keys over heads.
+  float* dkv = scratch.take(N * nh_ * kv_w);
+  be.copy_strided(dkv, kv_w, dK, dqk_, N * nh_, dn_);
+  be.copy_strided(dkv + dn_, kv_w, dV, dv_, N * nh_, dv_);
+  float* dkpe = scratch.take(N * dr_);
+  be.fill(dkpe, 0.0f, N * dr_);
+  be.rope_backward(dkpe, dr_, 0, dK + dn_, nh_ * dqk_, dqk_, rope_->cos.data(), rope_->sin.data(),
+                   N, S, nh_, dr_, env_.cfg->rope_interleave, true);
+  float* dckvn = scratch.take(N * rkv_);
+  linear_backward(be, dckvn, kv_b_.g, dkv, ckvn_.data(), kv_b_.w, N, nh_ * kv_w, rkv_);
+  // Query branch: dq = [dq_nope | rope^-1(dq_pe)].
+  float* dq = scratch.take(N * nh_ * dqk_);
+  be.copy_strided(dq, dqk_, dQ, dqk_, N * nh_, dn_);
+  be.rope_backward(dq + dn_, nh_ * dqk_, dqk_, dQ + dn_, nh_ * dqk_, dqk_, rope_->cos.data(),
+                   rope_->sin.data(), N, S, nh_, dr_, env_.cfg->rope_interleave, false);
+  float* dcqn = lora_ ? scratch.take(N * rq_) : nullptr;
+  if (lora_) linear_backward(be, dcqn, q_b_.g, dq, cqn_.data(), q_b_.w, N, nh_ * dqk_, rq_);
+  // Head-sharded compute gave partial gradients of the replicated activations (MODEL §10.1).
+  env_.coll->tp_all_reduce(dckvn, N * rkv_);
+  env_.coll->tp_all_reduce(dkpe, N * dr_);
+  if (lora_) env_.coll->tp_all_reduce(dcqn, N * rq_);
+  float* dckv = scratch.take(N * rkv_);
+  be.rmsnorm_backward(dckv, kv_a_norm_.g, dckvn, ckv_.data(), kv_a_norm_.w, rstd_kv_.data(), N, rkv_);
+  if (kv_a_bias_) {
+    bias_backward(be, kv_a_bias_.g, dckv, env_.ones, N, rkv_);
+    bias_backward(be, kv_a_bias_.g + rkv_, dkpe, env_.ones, N, dr_);
+  }
+  linear_backward(be, da, kv_a_.g, dckv, a, kv_a_.w, N, rkv_, H_);
+  linear_backward(be, da, kv_a_.g + rkv_ * H_, dkpe, a, kv_a_.w + rkv_ * H_, N, dr_, H_, 1.0f);
+  if (lora_) {
+    float* dcq = scratch.take(N * rq_);
+    be.rmsnorm_backward(dcq, q_a_norm_.g, dcqn, cq_.data(), q_a_norm_.w, rstd_q_.data(), N, rq_);
+    if (q_a_bias_) bias_backward(be, q_a_bias_.g, dcq, env_.ones, N, rq_);
+    linear_backward(be, da, q_a_.g, dcq, a, q_a_.w, N, rq_, H_, 1.0f);
+  } else {
+    // Column-parallel q_proj: its input gradient is partial; reduce it alone, then add.
+    float* daq = scratch.take(N * H_);
+    linear_backward(be, daq, q_.g, dq, a, q_.w, N, nh_ * dqk_, H_);
+    env_.coll->tp_all_reduce(daq, N * H_);
+    be.add(da, daq, N * H_);
+  }
+}
+
+}  // namespace dstrain::model

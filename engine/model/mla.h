@@ -1,0 +1,42 @@
+// Multi-head latent attention (MODEL.md §3.4), forward and backward, on this rank's heads.
+#pragma once
+
+#include <vector>
+
+#include "engine/model/layer_env.h"
+
+namespace dstrain::model {
+
+// RoPE tables (fp32, as HF computes them) and the softmax scale, YaRN included (§3.4.1).
+struct RopeTables {
+  std::vector<float> cos, sin;  // [S, dr/2]
+  float attention_scale = 1.0f;
+};
+RopeTables make_rope_tables(const config::ModelConfig& m, int64_t S);
+
+class MlaAttention {
+ public:
+  // `prefix` is "model.layers.{i}."; B x S tokens at most.
+  MlaAttention(const LayerEnv& env, const std::string& prefix, int64_t B, int64_t S,
+               const RopeTables* rope);
+
+  // out [N,H] = MLA(a), a [N,H] the normed layer input (kept by the caller for backward).
+  void forward(float* out, const float* a, int64_t B, int64_t S);
+  // da [N,H] (overwritten) from dout [N,H]; accumulates parameter gradients.
+  void backward(float* da, const float* dout, const float* a, int64_t B, int64_t S);
+
+  int64_t saved_floats() const;
+  int64_t scratch_floats(int64_t N) const;  // forward and backward temporaries
+
+ private:
+  LayerEnv env_;
+  const RopeTables* rope_;
+  int64_t H_, nh_, dn_, dr_, dv_, dqk_, rq_, rkv_;
+  bool lora_;
+  WeightRef q_a_, q_a_norm_, q_b_, q_, kv_a_, kv_a_norm_, kv_b_, o_;
+  WeightRef q_a_bias_, kv_a_bias_, o_bias_;  // only with attention_bias
+  // Saved for backward (per token): cq, rstd_q, cqn | ckv, kpe, rstd_kv, ckvn | Q, K, V, O | lse.
+  std::vector<float> cq_, rstd_q_, cqn_, ckv_, kpe_, rstd_kv_, ckvn_, Q_, K_, V_, O_, lse_;
+};
+
+}  // namespace dstrain::model

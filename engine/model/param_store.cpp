@@ -1,0 +1,127 @@
+#include "engine/model/param_store.h"
+
+#include <algorithm>
+
+#include "engine/common/error.h"
+#include "engine/common/rng.h"
+
+namespace dstrain::model {
+namespace {
+
+// Visits the local elements of a (≤ 2-D) shard in row-major order with their global index.
+template <class F>
+void for_each_global_index(const plan::ParamInfo& info, const plan::ShardSpec& s, F&& fn) {
+  if (info.shape.size() == 1) {
+    for (int64_t i = 0; i < s.local_shape[0]; ++i) fn(i, s.offset[0] + i);
+    return;
+  }
+  DS_CHECK(info.shape.size() == 2, "{} has {} dims", info.name, info.shape.size());
+  const int64_t cols = info.shape[1], lc = s.local_shape[1];
+  for (int64_t r = 0; r < s.local_shape[0]; ++r)
+    for (int64_t c = 0; c < lc; ++c) fn(r * lc + c, (s.offset[0] + r) * cols + (s.offset[1] + c));
+}
+
+bool is_norm_weight(const std::string& name) {
+  return name.find("norm.weight") != std::string::npos;
+}
+
+}  // namespace
+
+ParamStore::ParamStore(const std::vector<plan::ParamInfo>& table,
+                       const std::vector<int>& param_stage, int64_t num_experts,
+                       const ShardCoords& where) {
+  int64_t dense = 0, expert = 0, buffers = 0;
+  for (size_t i = 0; i < table.size(); ++i) {
+    if (param_stage[i] != where.stage) continue;
+    const plan::ParamInfo& info = table[i];
+    ParamView v;
+    v.info = &info;
+    v.shard = plan::shard_of(info, num_experts, where.tp, where.tp_size, where.ep, where.ep_size);
+    if (!v.shard.held) continue;
+    v.numel = v.shard.local_numel();
+    v.buffer = info.buffer;
+    v.expert = info.shard == plan::Shard::kExpert;
+    int64_t& cursor = v.buffer ? buffers : v.expert ? expert : dense;
+    v.offset = cursor;
+    cursor += v.numel;
+    views_[info.name] = v;
+    order_.push_back(info.name);
+  }
+  dense_.assign(dense, 0.0f);
+  dense_grad_.assign(dense, 0.0f);
+  expert_.assign(expert, 0.0f);
+  expert_grad_.assign(expert, 0.0f);
+  buffers_.assign(buffers, 0.0f);
+}
+
+const ParamView& ParamStore::view(const std::string& name) const {
+  const auto it = views_.find(name);
+  DS_CHECK(it != views_.end(), "no parameter '{}' on this rank", name);
+  return it->second;
+}
+
+float* ParamStore::base(const ParamView& v, bool grad) {
+  if (v.buffer) {
+    DS_CHECK(!grad, "buffer {} has no gradient", v.info->name);
+    return buffers_.data();
+  }
+  if (v.expert) return grad ? expert_grad_.data() : expert_.data();
+  return grad ? dense_grad_.data() : dense_.data();
+}
+
+const float* ParamStore::base(const ParamView& v, bool grad) const {
+  return const_cast<ParamStore*>(this)->base(v, grad);
+}
+
+float* ParamStore::param(const std::string& name) {
+  const ParamView& v = view(name);
+  return base(v, false) + v.offset;
+}
+float* ParamStore::grad(const std::string& name) {
+  const ParamView& v = view(name);
+  return base(v, true) + v.offset;
+}
+const float* ParamStore::param(const std::string& name) const {
+  const ParamView& v = view(name);
+  return base(v, false) + v.offset;
+}
+const float* ParamStore::grad(const std::string& name) const {
+  const ParamView& v = view(name);
+  return base(v, true) + v.offset;
+}
+
+void ParamStore::initialize(uint64_t seed, double initializer_range) {
+  for (const std::string& name : order_) {
+    const ParamView& v = views_.at(name);
+    float* p = base(v, false) + v.offset;
+    const bool ones = is_norm_weight(name);
+    const bool zeros = v.buffer || v.info->shape.size() == 1;  // biases, router bias buffer
+    if (ones || zeros) {
+      std::fill(p, p + v.numel, ones ? 1.0f : 0.0f);
+      continue;
+    }
+    const uint64_t key = stream_key(seed, name);
+    for_each_global_index(*v.info, v.shard, [&](int64_t local, int64_t global) {
+      p[local] = float(initializer_range * normal_at(key, uint64_t(global)));
+    });
+  }
+}
+
+void ParamStore::zero_grads() {
+  std::fill(dense_grad_.begin(), dense_grad_.end(), 0.0f);
+  std::fill(expert_grad_.begin(), expert_grad_.end(), 0.0f);
+}
+
+void ParamStore::load_full(const std::string& name, const float* full, bool into_grad) {
+  const ParamView& v = view(name);
+  float* p = base(v, into_grad) + v.offset;
+  for_each_global_index(*v.info, v.shard, [&](int64_t local, int64_t global) { p[local] = full[global]; });
+}
+
+void ParamStore::store_full(const std::string& name, float* full, bool from_grad) const {
+  const ParamView& v = view(name);
+  const float* p = base(v, from_grad) + v.offset;
+  for_each_global_index(*v.info, v.shard, [&](int64_t local, int64_t global) { full[global] = p[local]; });
+}
+
+}  // namespace dstrain::model

@@ -1,0 +1,76 @@
+// A rank's parameters, gradients and buffers (DESIGN §2, STYLE §4.5): one flat buffer for dense
+// parameters and one for routed-expert parameters (so a gradient bucket or a ZeRO shard is a
+// slice, and expert parameters can reduce over their own group), each with a twin gradient
+// buffer, and named views built from the plan's parameter registry. Only this rank's stage and
+// shards are held, at their local shapes.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "engine/plan/param_table.h"
+
+namespace dstrain::model {
+
+// Where this rank sits: its pipeline stage and its tensor- and expert-parallel coordinates.
+struct ShardCoords {
+  int stage = 0;
+  int tp = 0, tp_size = 1;
+  int ep = 0, ep_size = 1;
+};
+
+struct ParamView {
+  const plan::ParamInfo* info = nullptr;
+  plan::ShardSpec shard;  // offset and local shape within the full tensor
+  bool expert = false;    // lives in the expert buffers
+  bool buffer = false;    // lives in the buffer store (no gradient)
+  int64_t offset = 0;     // into its flat buffer
+  int64_t numel = 0;      // local
+};
+
+class ParamStore {
+ public:
+  ParamStore(const std::vector<plan::ParamInfo>& table, const std::vector<int>& param_stage,
+             int64_t num_experts, const ShardCoords& where);
+
+  bool has(const std::string& name) const { return views_.count(name) > 0; }
+  const ParamView& view(const std::string& name) const;
+  float* param(const std::string& name);
+  float* grad(const std::string& name);
+  const float* param(const std::string& name) const;
+  const float* grad(const std::string& name) const;
+
+  // Every held tensor in registry order (parameters and buffers).
+  const std::vector<std::string>& names() const { return order_; }
+
+  // Layout-invariant initialisation (MODEL.md §6): element i of parameter P is
+  // initializer_range * normal(stream (seed, P), global index of i); norms 1, biases and
+  // buffers 0. Only the local slice is generated.
+  void initialize(uint64_t seed, double initializer_range);
+
+  void zero_grads();
+
+  std::vector<float>& dense_params() { return dense_; }
+  std::vector<float>& expert_params() { return expert_; }
+  std::vector<float>& dense_grads() { return dense_grad_; }
+  std::vector<float>& expert_grads() { return expert_grad_; }
+  std::vector<float>& buffers() { return buffers_; }
+
+  int64_t num_params() const { return int64_t(dense_.size() + expert_.size()); }
+
+  // Copies between a full tensor and this rank's slice of it.
+  void load_full(const std::string& name, const float* full, bool into_grad = false);
+  void store_full(const std::string& name, float* full, bool from_grad = false) const;
+
+ private:
+  float* base(const ParamView& v, bool grad);
+  const float* base(const ParamView& v, bool grad) const;
+
+  std::map<std::string, ParamView> views_;
+  std::vector<std::string> order_;
+  std::vector<float> dense_, expert_, dense_grad_, expert_grad_, buffers_;
+};
+
+}  // namespace dstrain::model

@@ -1,0 +1,69 @@
+#include "engine/runtime/dump_grads.h"
+
+#include <fstream>
+#include <iterator>
+
+#include <fmt/format.h>
+
+#include "engine/common/error.h"
+#include "engine/config/load_config.h"
+#include "engine/model/deepseek_model.h"
+#include "engine/runtime/hdf5_file.h"
+
+namespace dstrain::runtime {
+
+std::vector<int32_t> first_batch_tokens(const config::TrainConfig& cfg, int64_t B) {
+  std::ifstream in(cfg.data.path, std::ios::binary);
+  const std::vector<unsigned char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const int64_t S = cfg.seq_length, n = int64_t(bytes.size());
+  if (n < S + 1)
+    throw ConfigError(fmt::format("{}: {} bytes, fewer than one sequence of seq_length + 1 = {}",
+                                  cfg.data.path, n, S + 1));
+  std::vector<int32_t> tokens(B * (S + 1));
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t start = (b * (S + 1)) % (n - S);
+    for (int64_t t = 0; t <= S; ++t) tokens[b * (S + 1) + t] = bytes[start + t];
+  }
+  return tokens;
+}
+
+void dump_grads(const plan::ParallelPlan& plan, const std::string& path, int threads) {
+  const config::TrainConfig& cfg = plan.config;
+  if (plan.degrees.world() != 1)
+    throw ConfigError(fmt::format("--dump-grads runs on one rank (the layout has {}); run it "
+                                  "without mpirun or with -np 1",
+                                  plan.degrees.world()));
+  const int64_t B = plan.batch.global, S = cfg.seq_length;
+  const config::ModelConfig& m = cfg.model;
+  auto be = kernels::make_cpu_backend(threads);
+  model::ParamStore params(plan.params, plan.param_stage, m.num_routed(), model::ShardCoords{});
+  params.initialize(uint64_t(cfg.seed), m.initializer_range);
+  model::LocalCollectives coll;
+  model::DeepSeekModel net(m, *be, coll, params, B, S);
+  const std::vector<int32_t> tokens = first_batch_tokens(cfg, B);
+  const model::Losses loss = net.forward(tokens.data(), {double(B * S), double(B)});
+  net.backward();
+
+  H5File out(path, H5File::Mode::kCreate);
+  std::vector<float> full;
+  for (const std::string& name : params.names()) {
+    const model::ParamView& v = params.view(name);
+    full.assign(v.info->numel(), 0.0f);
+    params.store_full(name, full.data());
+    out.write("weights/" + name, full.data(), v.info->shape);
+    if (v.buffer) continue;
+    params.store_full(name, full.data(), true);
+    out.write("grads/" + name, full.data(), v.info->shape);
+  }
+  out.write("tokens", tokens.data(), {B, S + 1});
+  out.set_attr("ce_loss", loss.ce);
+  out.set_attr("aux_loss", loss.aux);
+  out.set_attr("mtp_loss", loss.mtp);
+  out.set_attr("total_loss", loss.total());
+  out.set_attr("aux_included", m.aux_loss_alpha > 0 ? 1.0 : 0.0);
+  out.set_attr("mtp_included", m.num_nextn_predict_layers > 0 ? 1.0 : 0.0);
+  out.set_attr("config", config::to_hf_config_json(m));
+  out.set_attr("dstrain_config", config::to_yaml(cfg));
+}
+
+}  // namespace dstrain::runtime

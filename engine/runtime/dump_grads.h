@@ -1,0 +1,19 @@
+// `dstrain CONFIG --dump-grads FILE.h5`: one forward and backward of the model on the first
+// global batch, written for comparison with a reference implementation (MODEL.md §12).
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "engine/plan/parallel_plan.h"
+
+namespace dstrain::runtime {
+
+// The first global batch: B windows of S+1 bytes of the data file, window b starting at byte
+// b*(S+1) (wrapping around the file). [B, S+1] row-major.
+std::vector<int32_t> first_batch_tokens(const config::TrainConfig& cfg, int64_t B);
+
+// Runs on one rank; `threads` CPU threads (0: all).
+void dump_grads(const plan::ParallelPlan& plan, const std::string& path, int threads);
+
+}  // namespace dstrain::runtime

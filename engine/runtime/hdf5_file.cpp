@@ -1,0 +1,157 @@
+#include "engine/runtime/hdf5_file.h"
+
+#include <hdf5.h>
+
+#include <fmt/format.h>
+
+#include "engine/common/error.h"
+
+namespace dstrain::runtime {
+namespace {
+
+// Silence HDF5's own error stack printing: errors become exceptions with our message.
+struct QuietHdf5 {
+  QuietHdf5() { H5Eset_auto2(H5E_DEFAULT, nullptr, nullptr); }
+};
+const QuietHdf5 quiet;
+
+hid_t check(hid_t id, const std::string& what, const std::string& path) {
+  if (id < 0) throw Error(fmt::format("{}: HDF5: {} failed", path, what));
+  return id;
+}
+void check(herr_t rc, const std::string& what, const std::string& path, int) {
+  if (rc < 0) throw Error(fmt::format("{}: HDF5: {} failed", path, what));
+}
+
+struct Handle {  // closes any HDF5 id with the right function
+  hid_t id;
+  herr_t (*close)(hid_t);
+  ~Handle() {
+    if (id >= 0) close(id);
+  }
+};
+
+template <class T>
+void write_impl(hid_t file, const std::string& path, const std::string& name, const T* data,
+                const std::vector<int64_t>& shape, hid_t type) {
+  std::vector<hsize_t> dims(shape.begin(), shape.end());
+  Handle space{check(H5Screate_simple(int(dims.size()), dims.data(), nullptr), "dataspace " + name, path), H5Sclose};
+  Handle lcpl{H5Pcreate(H5P_LINK_CREATE), H5Pclose};
+  H5Pset_create_intermediate_group(lcpl.id, 1);
+  Handle ds{check(H5Dcreate2(file, name.c_str(), type, space.id, lcpl.id, H5P_DEFAULT, H5P_DEFAULT),
+                  "create dataset " + name, path), H5Dclose};
+  check(H5Dwrite(ds.id, type, H5S_ALL, H5S_ALL, H5P_DEFAULT, data), "write " + name, path, 0);
+}
+
+template <class T>
+std::vector<T> read_impl(hid_t file, const std::string& path, const std::string& name, hid_t type,
+                         const std::vector<int64_t>& shape) {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  std::vector<T> out(n);
+  Handle ds{check(H5Dopen2(file, name.c_str(), H5P_DEFAULT), "open dataset " + name, path), H5Dclose};
+  check(H5Dread(ds.id, type, H5S_ALL, H5S_ALL, H5P_DEFAULT, out.data()), "read " + name, path, 0);
+  return out;
+}
+
+}  // namespace
+
+H5File::H5File(const std::string& path, Mode mode) : path_(path) {
+  file_ = mode == Mode::kCreate ? H5Fcreate(path.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, H5P_DEFAULT)
+                                : H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT);
+  if (file_ < 0)
+    throw Error(fmt::format("{}: cannot {} the HDF5 file", path,
+                            mode == Mode::kCreate ? "create" : "open (missing or not HDF5?)"));
+}
+
+H5File::~H5File() {
+  if (file_ >= 0) H5Fclose(file_);
+}
+
+void H5File::write(const std::string& name, const float* data, const std::vector<int64_t>& shape) {
+  write_impl(file_, path_, name, data, shape, H5T_NATIVE_FLOAT);
+}
+void H5File::write(const std::string& name, const int32_t* data, const std::vector<int64_t>& shape) {
+  write_impl(file_, path_, name, data, shape, H5T_NATIVE_INT32);
+}
+
+bool H5File::exists(const std::string& name) const {
+  // Check each path component so that a missing group is "no" rather than an error.
+  size_t pos = 0;
+  while ((pos = name.find('/', pos + 1)) != std::string::npos)
+    if (H5Lexists(file_, name.substr(0, pos).c_str(), H5P_DEFAULT) <= 0) return false;
+  return H5Lexists(file_, name.c_str(), H5P_DEFAULT) > 0;
+}
+
+std::vector<int64_t> H5File::shape(const std::string& name) const {
+  Handle ds{check(H5Dopen2(file_, name.c_str(), H5P_DEFAULT), "open dataset " + name, path_), H5Dclose};
+  Handle space{H5Dget_space(ds.id), H5Sclose};
+  const int nd = H5Sget_simple_extent_ndims(space.id);
+  std::vector<hsize_t> dims(std::max(nd, 0));
+  H5Sget_simple_extent_dims(space.id, dims.data(), nullptr);
+  return std::vector<int64_t>(dims.begin(), dims.end());
+}
+
+std::vector<float> H5File::read_floats(const std::string& name) const {
+  return read_impl<float>(file_, path_, name, H5T_NATIVE_FLOAT, shape(name));
+}
+std::vector<int32_t> H5File::read_ints(const std::string& name) const {
+  return read_impl<int32_t>(file_, path_, name, H5T_NATIVE_INT32, shape(name));
+}
+
+std::vector<std::string> H5File::list(const std::string& group) const {
+  Handle g{check(H5Gopen2(file_, group.c_str(), H5P_DEFAULT), "open group " + group, path_), H5Gclose};
+  H5G_info_t info;
+  check(H5Gget_info(g.id, &info), "group info " + group, path_, 0);
+  std::vector<std::string> names;
+  for (hsize_t i = 0; i < info.nlinks; ++i) {
+    const ssize_t len = H5Lget_name_by_idx(g.id, ".", H5_INDEX_NAME, H5_ITER_INC, i, nullptr, 0, H5P_DEFAULT);
+    std::string name(size_t(len), '\0');
+    H5Lget_name_by_idx(g.id, ".", H5_INDEX_NAME, H5_ITER_INC, i, name.data(), size_t(len) + 1, H5P_DEFAULT);
+    names.push_back(name);
+  }
+  return names;
+}
+
+void H5File::set_attr(const std::string& name, double value) {
+  Handle space{H5Screate(H5S_SCALAR), H5Sclose};
+  Handle a{check(H5Acreate2(file_, name.c_str(), H5T_NATIVE_DOUBLE, space.id, H5P_DEFAULT, H5P_DEFAULT),
+                 "create attribute " + name, path_), H5Aclose};
+  check(H5Awrite(a.id, H5T_NATIVE_DOUBLE, &value), "write attribute " + name, path_, 0);
+}
+
+void H5File::set_attr(const std::string& name, const std::string& value) {
+  Handle type{H5Tcopy(H5T_C_S1), H5Tclose};
+  H5Tset_size(type.id, std::max<size_t>(value.size(), 1));
+  H5Tset_cset(type.id, H5T_CSET_UTF8);
+  Handle space{H5Screate(H5S_SCALAR), H5Sclose};
+  Handle a{check(H5Acreate2(file_, name.c_str(), type.id, space.id, H5P_DEFAULT, H5P_DEFAULT),
+                 "create attribute " + name, path_), H5Aclose};
+  check(H5Awrite(a.id, type.id, value.empty() ? "" : value.c_str()), "write attribute " + name, path_, 0);
+}
+
+double H5File::attr_double(const std::string& name) const {
+  Handle a{check(H5Aopen(file_, name.c_str(), H5P_DEFAULT), "open attribute " + name, path_), H5Aclose};
+  double v = 0;
+  check(H5Aread(a.id, H5T_NATIVE_DOUBLE, &v), "read attribute " + name, path_, 0);
+  return v;
+}
+
+std::string H5File::attr_string(const std::string& name) const {
+  Handle a{check(H5Aopen(file_, name.c_str(), H5P_DEFAULT), "open attribute " + name, path_), H5Aclose};
+  Handle type{H5Aget_type(a.id), H5Tclose};
+  if (H5Tis_variable_str(type.id) > 0) {
+    char* s = nullptr;
+    Handle mem{H5Tget_native_type(type.id, H5T_DIR_ASCEND), H5Tclose};
+    check(H5Aread(a.id, mem.id, &s), "read attribute " + name, path_, 0);
+    std::string out = s ? s : "";
+    H5free_memory(s);
+    return out;
+  }
+  std::string out(H5Tget_size(type.id), '\0');
+  check(H5Aread(a.id, type.id, out.data()), "read attribute " + name, path_, 0);
+  out.erase(out.find_last_not_of('\0') + 1);
+  return out;
+}
+
+}  // namespace dstrain::runtime

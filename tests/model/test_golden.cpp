@@ -1,0 +1,81 @@
+// The model against Hugging Face (tools/make_golden.py): with the weights and batch stored in
+// tests/golden/<variant>.h5, dstrain's logits, losses and every parameter gradient must equal
+// the float64 transformers reference — worst error per tensor <= 1e-5 of the tensor's largest
+// magnitude. A mismatch names the tensor and its worst element.
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include "engine/config/load_config.h"
+#include "engine/model/deepseek_model.h"
+#include "engine/plan/parallel_plan.h"
+#include "engine/runtime/hdf5_file.h"
+
+namespace dstrain {
+namespace {
+
+struct Worst {
+  double rel = 0, got = 0, want = 0;
+  int64_t index = -1;
+};
+
+Worst compare(const float* got, const std::vector<float>& want) {
+  double scale = 1e-30;
+  for (float w : want) scale = std::max(scale, double(std::fabs(w)));
+  Worst worst;
+  for (size_t i = 0; i < want.size(); ++i) {
+    const double rel = std::fabs(double(got[i]) - double(want[i])) / scale;
+    if (rel > worst.rel || worst.index < 0) worst = {rel, got[i], want[i], int64_t(i)};
+  }
+  return worst;
+}
+
+constexpr double kTolerance = 1e-5;
+
+class Golden : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(Golden, LogitsLossesAndEveryGradientMatchHuggingFace) {
+  const std::string path = "tests/golden/" + GetParam() + ".h5";
+  runtime::H5File f(path, runtime::H5File::Mode::kRead);
+  const config::TrainConfig cfg = config::load_config_text(f.attr_string("dstrain_config"), path);
+  const plan::ParallelPlan plan = plan::make_plan(cfg, 1);
+  const config::ModelConfig& m = cfg.model;
+  model::ParamStore params(plan.params, plan.param_stage, m.num_routed(), model::ShardCoords{});
+  for (const std::string& name : params.names()) {
+    ASSERT_TRUE(f.exists("weights/" + name)) << name;
+    ASSERT_EQ(f.shape("weights/" + name), params.view(name).info->shape) << name;
+    params.load_full(name, f.read_floats("weights/" + name).data());
+  }
+  const std::vector<int32_t> tokens = f.read_ints("tokens");
+  const int64_t B = f.shape("tokens")[0], S = f.shape("tokens")[1] - 1;
+  auto be = kernels::make_cpu_backend(2);
+  model::LocalCollectives coll;
+  model::DeepSeekModel net(m, *be, coll, params, B, S);
+  net.keep_logits(true);
+  const model::Losses loss = net.forward(tokens.data(), {double(B * S), double(B)});
+  net.backward();
+
+  EXPECT_NEAR(loss.ce, f.attr_double("ce_loss"), kTolerance * f.attr_double("ce_loss"));
+  EXPECT_NEAR(loss.aux, f.attr_double("aux_loss"), kTolerance * std::max(1e-3, f.attr_double("aux_loss")));
+  EXPECT_NEAR(loss.mtp, f.attr_double("mtp_loss"), kTolerance * std::max(1e-3, f.attr_double("mtp_loss")));
+  EXPECT_GT(loss.aux, 0.0);  // the variants train with the balance loss on
+
+  const Worst lw = compare(net.logits().data(), f.read_floats("logits"));
+  EXPECT_LE(lw.rel, kTolerance) << "logits: worst element " << lw.index << ": " << lw.got
+                                << " vs " << lw.want;
+  int compared = 0;
+  for (const std::string& name : params.names()) {
+    if (params.view(name).buffer) continue;
+    ASSERT_TRUE(f.exists("grads/" + name)) << "golden file has no gradient for " << name;
+    const Worst w = compare(params.grad(name), f.read_floats("grads/" + name));
+    EXPECT_LE(w.rel, kTolerance) << "grad " << name << ": worst element " << w.index << ": dstrain "
+                                 << w.got << " vs Hugging Face " << w.want << " (relative " << w.rel << ")";
+    ++compared;
+  }
+  EXPECT_EQ(compared, int(f.list("grads").size())) << "gradients in the golden file not compared";
+}
+
+INSTANTIATE_TEST_SUITE_P(Variants, Golden, ::testing::Values("tiny_v3", "tiny_v2"));
+
+}  // namespace
+}  // namespace dstrain
