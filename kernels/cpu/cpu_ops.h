@@ -8,6 +8,9 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <vector>
+
+#include "kernels/cpu/blas_gemm.h"
 
 #include "dstrain/kernels/backend.h"
 
@@ -109,45 +112,50 @@ void rope_backward(T* din, int64_t in_ts, int64_t in_hs, const T* dout, int64_t 
   }
 }
 
-// ---- Causal attention (one pass, online softmax; memory O(S) per (b, h), none stored) -------
+// ---- Causal attention ------------------------------------------------------------------------
+// Per (sequence, head), queries in tiles of kTile: scores of one tile against the keys it may
+// see (GEMM), masked softmax in place, then P V (GEMM). Only a kTile x S block of scores exists
+// at a time per thread; backward recomputes it from the saved log-sum-exp.
+
+constexpr int64_t kAttnTile = 64;
+
+// Per-thread score block of kAttnTile x S (grown on demand, reused across calls).
+template <class T>
+T* attention_block(int64_t floats) {
+  thread_local std::vector<T> block;
+  if (int64_t(block.size()) < floats) block.resize(floats);
+  return block.data();
+}
 
 template <class T>
 void attention_forward(T* O, T* lse, const T* Q, const T* K, const T* V, int64_t B, int64_t S,
                        int64_t nh, int64_t dqk, int64_t dv, T scale) {
-  constexpr int64_t kMaxDv = 512;
   const int64_t qs = nh * dqk, vs = nh * dv;  // token strides
-#pragma omp parallel for collapse(2) schedule(dynamic, 1)
+  const int64_t tiles = (S + kAttnTile - 1) / kAttnTile;
+#pragma omp parallel for collapse(3) schedule(dynamic, 1)
   for (int64_t b = 0; b < B; ++b) {
     for (int64_t h = 0; h < nh; ++h) {
-      const T* Qb = Q + b * S * qs + h * dqk;
-      const T* Kb = K + b * S * qs + h * dqk;
-      const T* Vb = V + b * S * vs + h * dv;
-      T* Ob = O + b * S * vs + h * dv;
-      for (int64_t i = 0; i < S; ++i) {
-        const T* q = Qb + i * qs;
-        T acc[kMaxDv];
-        for (int64_t d = 0; d < dv; ++d) acc[d] = 0;
-        T m = -std::numeric_limits<T>::infinity(), l = 0;
-        for (int64_t j = 0; j <= i; ++j) {
-          const T* k = Kb + j * qs;
-          T s = 0;
-          for (int64_t d = 0; d < dqk; ++d) s += q[d] * k[d];
-          s *= scale;
-          if (s > m) {
-            const T r = std::exp(m - s);
-            l *= r;
-            for (int64_t d = 0; d < dv; ++d) acc[d] *= r;
-            m = s;
-          }
-          const T p = std::exp(s - m);
-          l += p;
-          const T* v = Vb + j * vs;
-          for (int64_t d = 0; d < dv; ++d) acc[d] += p * v[d];
+      for (int64_t tile = 0; tile < tiles; ++tile) {
+        const int64_t i0 = tile * kAttnTile, rows = std::min(kAttnTile, S - i0), keys = i0 + rows;
+        const T* Qb = Q + b * S * qs + h * dqk;
+        const T* Kb = K + b * S * qs + h * dqk;
+        const T* Vb = V + b * S * vs + h * dv;
+        T* P = attention_block<T>(kAttnTile * S);
+        blas_gemm_ld(P, keys, Qb + i0 * qs, qs, Kb, qs, rows, keys, dqk, false, true, scale, T(0));
+        for (int64_t r = 0; r < rows; ++r) {
+          T* p = P + r * keys;
+          const int64_t visible = i0 + r + 1;
+          T m = p[0];
+          for (int64_t j = 1; j < visible; ++j) m = std::max(m, p[j]);
+          T sum = 0;
+          for (int64_t j = 0; j < visible; ++j) sum += (p[j] = std::exp(p[j] - m));
+          const T inv = T(1) / sum;
+          for (int64_t j = 0; j < visible; ++j) p[j] *= inv;
+          for (int64_t j = visible; j < keys; ++j) p[j] = 0;
+          lse[(b * nh + h) * S + i0 + r] = m + std::log(sum);
         }
-        T* o = Ob + i * vs;
-        const T inv = T(1) / l;
-        for (int64_t d = 0; d < dv; ++d) o[d] = acc[d] * inv;
-        lse[(b * nh + h) * S + i] = m + std::log(l);
+        blas_gemm_ld(O + b * S * vs + h * dv + i0 * vs, vs, P, keys, Vb, vs, rows, dv, keys, false,
+                     false, T(1), T(0));
       }
     }
   }
@@ -158,38 +166,40 @@ void attention_backward(T* dQ, T* dK, T* dV, const T* dO, const T* Q, const T* K
                         const T* O, const T* lse, int64_t B, int64_t S, int64_t nh, int64_t dqk,
                         int64_t dv, T scale) {
   const int64_t qs = nh * dqk, vs = nh * dv;
+  const int64_t tiles = (S + kAttnTile - 1) / kAttnTile;
+  // dK and dV collect over all query tiles of a (sequence, head): one thread owns the pair.
 #pragma omp parallel for collapse(2) schedule(dynamic, 1)
   for (int64_t b = 0; b < B; ++b) {
     for (int64_t h = 0; h < nh; ++h) {
-      const int64_t qoff = b * S * qs + h * dqk, voff = b * S * vs + h * dv;
+      const int64_t qo = b * S * qs + h * dqk, vo = b * S * vs + h * dv;
       for (int64_t i = 0; i < S; ++i) {
-        for (int64_t d = 0; d < dqk; ++d) dQ[qoff + i * qs + d] = dK[qoff + i * qs + d] = 0;
-        for (int64_t d = 0; d < dv; ++d) dV[voff + i * vs + d] = 0;
+        std::fill(dK + qo + i * qs, dK + qo + i * qs + dqk, T(0));
+        std::fill(dV + vo + i * vs, dV + vo + i * vs + dv, T(0));
       }
-      for (int64_t i = 0; i < S; ++i) {
-        const T* q = Q + qoff + i * qs;
-        const T* dout = dO + voff + i * vs;
-        const T* o = O + voff + i * vs;
-        T* dq = dQ + qoff + i * qs;
-        T Di = 0;
-        for (int64_t d = 0; d < dv; ++d) Di += dout[d] * o[d];
-        const T L = lse[(b * nh + h) * S + i];
-        for (int64_t j = 0; j <= i; ++j) {
-          const T* k = K + qoff + j * qs;
-          const T* v = V + voff + j * vs;
-          T s = 0, dp = 0;
-          for (int64_t d = 0; d < dqk; ++d) s += q[d] * k[d];
-          for (int64_t d = 0; d < dv; ++d) dp += dout[d] * v[d];
-          const T p = std::exp(s * scale - L);
-          T* dvj = dV + voff + j * vs;
-          for (int64_t d = 0; d < dv; ++d) dvj[d] += p * dout[d];
-          const T ds = p * (dp - Di) * scale;
-          T* dkj = dK + qoff + j * qs;
-          for (int64_t d = 0; d < dqk; ++d) {
-            dq[d] += ds * k[d];
-            dkj[d] += ds * q[d];
+      T* P = attention_block<T>(2 * kAttnTile * S);
+      T* dP = P + kAttnTile * S;
+      for (int64_t tile = 0; tile < tiles; ++tile) {
+        const int64_t i0 = tile * kAttnTile, rows = std::min(kAttnTile, S - i0), keys = i0 + rows;
+        blas_gemm_ld(P, keys, Q + qo + i0 * qs, qs, K + qo, qs, rows, keys, dqk, false, true, scale, T(0));
+        blas_gemm_ld(dP, keys, dO + vo + i0 * vs, vs, V + vo, vs, rows, keys, dv, false, true, T(1), T(0));
+        for (int64_t r = 0; r < rows; ++r) {
+          const int64_t i = i0 + r, visible = i + 1;
+          const T L = lse[(b * nh + h) * S + i];
+          const T* dout = dO + vo + i * vs;
+          const T* o = O + vo + i * vs;
+          T Di = 0;
+          for (int64_t d = 0; d < dv; ++d) Di += dout[d] * o[d];
+          T* p = P + r * keys;
+          T* dp = dP + r * keys;
+          for (int64_t j = 0; j < visible; ++j) {
+            p[j] = std::exp(p[j] - L);
+            dp[j] = p[j] * (dp[j] - Di) * scale;  // dS, scaled for dQ and dK
           }
+          for (int64_t j = visible; j < keys; ++j) p[j] = dp[j] = 0;
         }
+        blas_gemm_ld(dQ + qo + i0 * qs, qs, dP, keys, K + qo, qs, rows, dqk, keys, false, false, T(1), T(0));
+        blas_gemm_ld(dK + qo, qs, dP, keys, Q + qo + i0 * qs, qs, keys, dqk, rows, true, false, T(1), T(1));
+        blas_gemm_ld(dV + vo, vs, P, keys, dO + vo + i0 * vs, vs, keys, dv, rows, true, false, T(1), T(1));
       }
     }
   }

@@ -200,17 +200,20 @@ Vec naive_attention(const Vec& Q, const Vec& K, const Vec& V, int64_t B, int64_t
 }
 
 TEST_P(Kernels, AttentionForward) {
-  const int64_t B = 2, S = 9, nh = 3, dqk = 7, dv = 5;
+  for (const int64_t S : {9, 150}) {  // one partial query tile; several tiles, the last partial
+  const int64_t B = 2, nh = 3, dqk = 7, dv = 5;
   const Vec Q = randn(B * S * nh * dqk, 11), K = randn(B * S * nh * dqk, 12), V = randn(B * S * nh * dv, 13);
   const double scale = 1.0 / std::sqrt(double(dqk));
   FVec O(B * S * nh * dv), lse(B * nh * S);
   be->attention_forward(O.data(), lse.data(), to_f(Q).data(), to_f(K).data(), to_f(V).data(), B,
                         S, nh, dqk, dv, float(scale));
-  EXPECT_LT(max_rel_err(O, naive_attention(Q, K, V, B, S, nh, dqk, dv, scale)), 1e-5);
+  EXPECT_LT(max_rel_err(O, naive_attention(Q, K, V, B, S, nh, dqk, dv, scale)), 1e-5) << "S " << S;
+  }
 }
 
 TEST(KernelGradients, Attention) {
-  const int64_t B = 2, S = 5, nh = 2, dqk = 4, dv = 3;
+  for (const int64_t S : {5, 70}) {  // within one query tile, and across two
+  const int64_t B = S > 64 ? 1 : 2, nh = 2, dqk = 4, dv = 3;
   const double scale = 0.7;
   const Vec Q = randn(B * S * nh * dqk, 14), K = randn(B * S * nh * dqk, 15),
             V = randn(B * S * nh * dv, 16), R = randn(B * S * nh * dv, 17);
@@ -226,6 +229,7 @@ TEST(KernelGradients, Attention) {
   expect_gradient([&](const Vec& q) { return dot(run(q, K, V).first, R); }, Q, dQ, "attention dQ");
   expect_gradient([&](const Vec& k) { return dot(run(Q, k, V).first, R); }, K, dK, "attention dK");
   expect_gradient([&](const Vec& v) { return dot(run(Q, K, v).first, R); }, V, dV, "attention dV");
+  }
 }
 
 TEST(KernelGradients, SwiGlu) {

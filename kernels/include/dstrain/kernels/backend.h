@@ -137,6 +137,6 @@ const char* to_string(GemmLibrary lib);
 
 // num_threads <= 0: all cores (OMP_NUM_THREADS if set).
 std::unique_ptr<Backend> make_cpu_backend(int num_threads = 0,
-                                          GemmLibrary gemm = GemmLibrary::kOpenBlas);
+                                          GemmLibrary gemm = GemmLibrary::kOneDnn);
 
 }  // namespace dstrain::kernels

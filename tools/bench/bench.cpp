@@ -1,0 +1,253 @@
+// dstrain-bench: speed and memory figures of the CPU backend (a program, not a test).
+//   dstrain-bench kernels [--threads N]
+//       achieved GFLOP/s or GB/s per kernel at the model's shapes, GEMMs next to the library's
+//       own speed at the same shape, and the machine's measured fp32 FMA peak
+//   dstrain-bench model [--preset small] [--batch 8] [--seq 256] [--threads N] [--steps 5]
+//       forward + backward + AdamW tokens/s, achieved GFLOP/s (MODEL.md §8 model FLOPs), the
+//       fraction of the measured FMA peak, and peak memory against what the step accounts for
+#include <immintrin.h>
+#include <omp.h>
+#include <sys/resource.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include <cblas.h>
+#include <dnnl.h>
+
+#include "engine/config/presets.h"
+#include "engine/model/deepseek_model.h"
+#include "engine/plan/model_math.h"
+#include "engine/plan/parallel_plan.h"
+#include "kernels/cpu/cpu_ops.h"
+
+using namespace dstrain;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+// Median seconds of `reps` timed calls after one warm-up.
+double time_it(const std::function<void()>& fn, int reps = 5) {
+  fn();
+  std::vector<double> t;
+  for (int i = 0; i < reps; ++i) {
+    const auto a = Clock::now();
+    fn();
+    t.push_back(std::chrono::duration<double>(Clock::now() - a).count());
+  }
+  std::sort(t.begin(), t.end());
+  return t[t.size() / 2];
+}
+
+// fp32 FMA peak: independent AVX-512 FMA chains on every thread (GFLOP/s).
+double fma_peak(int threads) {
+  const int64_t iters = 20'000'000;
+  double best = 0;
+  for (int rep = 0; rep < 3; ++rep) {
+    const auto a = Clock::now();
+    float sink = 0;
+#pragma omp parallel num_threads(threads) reduction(+ : sink)
+    {
+      __m512 acc[12];
+      for (int i = 0; i < 12; ++i) acc[i] = _mm512_set1_ps(float(i) * 1e-3f);
+      const __m512 x = _mm512_set1_ps(0.999999f), y = _mm512_set1_ps(1e-7f);
+      for (int64_t it = 0; it < iters; ++it)
+        for (int i = 0; i < 12; ++i) acc[i] = _mm512_fmadd_ps(acc[i], x, y);
+      __m512 s = acc[0];
+      for (int i = 1; i < 12; ++i) s = _mm512_add_ps(s, acc[i]);
+      sink += _mm512_reduce_add_ps(s);
+    }
+    const double secs = std::chrono::duration<double>(Clock::now() - a).count();
+    if (sink == 12345.f) std::printf(" ");
+    best = std::max(best, double(iters) * 12 * 16 * 2 * threads / secs / 1e9);
+  }
+  return best;
+}
+
+std::vector<float> randn(int64_t n, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> d(0.0f, 1.0f);
+  std::vector<float> v(n);
+  for (auto& x : v) x = d(rng);
+  return v;
+}
+
+int arg_int(int argc, char** argv, const char* name, int fallback) {
+  for (int i = 1; i + 1 < argc; ++i)
+    if (std::strcmp(argv[i], name) == 0) return std::atoi(argv[i + 1]);
+  return fallback;
+}
+std::string arg_str(int argc, char** argv, const char* name, const char* fallback) {
+  for (int i = 1; i + 1 < argc; ++i)
+    if (std::strcmp(argv[i], name) == 0) return argv[i + 1];
+  return fallback;
+}
+
+void bench_gemm(kernels::Backend& be, kernels::GemmLibrary lib, const char* what, int64_t M,
+                int64_t N, int64_t K, bool ta, bool tb) {
+  const auto A = randn(M * K, 1), B = randn(K * N, 2);
+  std::vector<float> C(M * N);
+  const double ours = time_it([&] { be.gemm(C.data(), A.data(), B.data(), M, N, K, ta, tb, 1.0f, 0.0f); });
+  const double lib_s = time_it([&] {
+    if (lib == kernels::GemmLibrary::kOneDnn)
+      dnnl_sgemm(ta ? 'T' : 'N', tb ? 'T' : 'N', M, N, K, 1.0f, A.data(), ta ? M : K, B.data(),
+                 tb ? K : N, 0.0f, C.data(), N);
+    else
+      cblas_sgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans, M,
+                  N, K, 1.0f, A.data(), ta ? M : K, B.data(), tb ? K : N, 0.0f, C.data(), N);
+  });
+  const double flops = 2.0 * M * N * K;
+  std::printf("  %-9s %-28s %5ld x %5ld x %5ld %s%s  %7.1f GFLOP/s  (library alone %7.1f, %5.1f%%)\n",
+              kernels::to_string(lib), what, long(M), long(N), long(K), ta ? "T" : "N", tb ? "T" : "N",
+              flops / ours / 1e9, flops / lib_s / 1e9, 100.0 * lib_s / ours);
+}
+
+int bench_kernels(int threads) {
+  const double peak = fma_peak(threads);
+  std::printf("measured fp32 FMA peak, %d thread(s): %.0f GFLOP/s\n\n", threads, peak);
+  std::printf("GEMM at the small preset's shapes (N = 2048 tokens):\n");
+  for (auto lib : {kernels::GemmLibrary::kOpenBlas, kernels::GemmLibrary::kOneDnn}) {
+    auto be = kernels::make_cpu_backend(threads, lib);
+    bench_gemm(*be, lib, "q_b_proj forward", 2048, 192, 96, false, true);
+    bench_gemm(*be, lib, "lm_head forward", 2048, 256, 256, false, true);
+    bench_gemm(*be, lib, "dense gate+up forward", 2048, 1536, 256, false, true);
+    bench_gemm(*be, lib, "dense down backward dx", 2048, 768, 256, false, false);
+    bench_gemm(*be, lib, "dense gate+up dW", 1536, 256, 2048, true, false);
+    bench_gemm(*be, lib, "expert gate+up forward", 256, 384, 256, false, true);
+    bench_gemm(*be, lib, "expert gate+up dW", 384, 256, 256, true, false);
+  }
+  auto be = kernels::make_cpu_backend(threads);
+  const int64_t N = 2048, H = 256;
+  std::printf("\nelement-wise and attention (small preset shapes):\n");
+  {
+    const auto x = randn(N * H, 3), w = randn(H, 4);
+    std::vector<float> y(N * H), rstd(N), dx(N * H), dw(H);
+    const double f = time_it([&] { be->rmsnorm_forward(y.data(), rstd.data(), x.data(), w.data(), N, H, 1e-6f); });
+    const double b = time_it([&] { be->rmsnorm_backward(dx.data(), dw.data(), y.data(), x.data(), w.data(), rstd.data(), N, H); });
+    std::printf("  rmsnorm      forward %6.1f GB/s  backward %6.1f GB/s\n", 2.0 * N * H * 4 / f / 1e9,
+                4.0 * N * H * 4 / b / 1e9);
+  }
+  {
+    const int64_t I = 768;
+    const auto gu = randn(N * 2 * I, 5);
+    std::vector<float> m(N * I), dgu(N * 2 * I);
+    const double f = time_it([&] { be->swiglu_forward(m.data(), gu.data(), N, I); });
+    const double b = time_it([&] { be->swiglu_backward(dgu.data(), m.data(), gu.data(), N, I); });
+    std::printf("  swiglu       forward %6.1f GB/s  backward %6.1f GB/s\n", 3.0 * N * I * 4 / f / 1e9,
+                5.0 * N * I * 4 / b / 1e9);
+  }
+  {
+    const int64_t B = 8, S = 256, nh = 4, dqk = 48, dv = 32;
+    const auto Q = randn(B * S * nh * dqk, 6), K = randn(B * S * nh * dqk, 7), V = randn(B * S * nh * dv, 8);
+    std::vector<float> O(B * S * nh * dv), lse(B * nh * S), dQ(Q.size()), dK(K.size()), dV(V.size());
+    const double flops = 2.0 * B * nh * (dqk + dv) * S * S / 2;
+    const double f = time_it([&] { be->attention_forward(O.data(), lse.data(), Q.data(), K.data(), V.data(), B, S, nh, dqk, dv, 0.1f); });
+    const double b = time_it([&] { be->attention_backward(dQ.data(), dK.data(), dV.data(), O.data(), Q.data(), K.data(), V.data(), O.data(), lse.data(), B, S, nh, dqk, dv, 0.1f); });
+    std::printf("  attention    forward %6.1f GFLOP/s  backward %6.1f GFLOP/s (causal, S=256, 4 heads)\n",
+                flops / f / 1e9, 2.5 * flops / b / 1e9);
+  }
+  {
+    const int64_t V = 256;
+    const auto logits0 = randn(N * V, 9);
+    std::vector<float> logits(N * V), loss(N);
+    std::vector<int32_t> tgt(N, 3);
+    const double t = time_it([&] {
+      logits = logits0;
+      be->cross_entropy(loss.data(), logits.data(), tgt.data(), N, V, 1.0f / N);
+    });
+    std::printf("  cross-entropy %5.1f GB/s (incl. copy)\n", 3.0 * N * V * 4 / t / 1e9);
+  }
+  {
+    const int64_t n = 15'797'120;
+    auto p = randn(n, 10), g = randn(n, 11);
+    std::vector<float> m(n), v(n);
+    kernels::AdamWParams a;
+    const double t = time_it([&] { be->adamw(p.data(), g.data(), m.data(), v.data(), n, a); });
+    std::printf("  adamw        %6.1f GB/s (%ld parameters: %.1f ms)\n", 7.0 * n * 4 / t / 1e9, long(n), t * 1e3);
+  }
+  return 0;
+}
+
+long peak_rss_bytes() {
+  rusage u{};
+  getrusage(RUSAGE_SELF, &u);
+  return u.ru_maxrss * 1024L;
+}
+
+int bench_model(int argc, char** argv) {
+  const std::string preset = arg_str(argc, argv, "--preset", "small");
+  const int64_t B = arg_int(argc, argv, "--batch", 8), S = arg_int(argc, argv, "--seq", 256);
+  const int threads = arg_int(argc, argv, "--threads", omp_get_max_threads());
+  const int steps = arg_int(argc, argv, "--steps", 5);
+  const long rss_start = peak_rss_bytes();
+  config::TrainConfig cfg;
+  cfg.model = config::model_preset(preset);
+  cfg.seq_length = S;
+  cfg.train_batch_size = B;
+  const plan::ParallelPlan plan = plan::make_plan(cfg, 1);
+  const config::ModelConfig& m = cfg.model;
+  auto be = kernels::make_cpu_backend(threads);
+  model::ParamStore params(plan.params, plan.param_stage, m.num_routed(), model::ShardCoords{});
+  params.initialize(1234, m.initializer_range);
+  const int64_t P = params.num_params();
+  std::vector<float> m1(P, 0.0f), v1(P, 0.0f);
+  model::LocalCollectives coll;
+  model::DeepSeekModel net(m, *be, coll, params, B, S);
+  std::mt19937 rng(1);
+  std::vector<int32_t> tokens(B * (S + 1));
+  for (auto& t : tokens) t = int32_t(rng() % 256);
+  kernels::AdamWParams adam;
+  adam.lr = 1e-3f, adam.weight_decay = 0.1f;
+  const auto step = [&](int64_t t) {
+    params.zero_grads();
+    net.forward(tokens.data(), {double(B * S), double(B)});
+    net.backward();
+    adam.step = t;
+    auto& dp = params.dense_params();
+    auto& ep = params.expert_params();
+    be->adamw(dp.data(), params.dense_grads().data(), m1.data(), v1.data(), int64_t(dp.size()), adam);
+    be->adamw(ep.data(), params.expert_grads().data(), m1.data() + dp.size(), v1.data() + dp.size(),
+              int64_t(ep.size()), adam);
+  };
+  step(1);
+  std::vector<double> times;
+  for (int s = 0; s < steps; ++s) {
+    const auto a = Clock::now();
+    step(s + 2);
+    times.push_back(std::chrono::duration<double>(Clock::now() - a).count());
+  }
+  std::sort(times.begin(), times.end());
+  const double t = times[times.size() / 2];
+  const double tokens_per_s = double(B * S) / t;
+  const double flops = plan::flops_per_token(m, S).train * tokens_per_s;
+  const double peak = fma_peak(threads);
+  const double state = double(P) * 4 * 4;  // weights, gradients, AdamW m and v (fp32)
+  const double acts = double(net.saved_activation_bytes());
+  const double rss = double(peak_rss_bytes());
+  std::printf("%s: %ld params, batch %ld x %ld, %d thread(s), fp32, forward+backward+AdamW\n",
+              preset.c_str(), long(P), long(B), long(S), threads);
+  std::printf("  step %.1f ms (median of %d): %.0f tokens/s, %.1f GFLOP/s model FLOPs, %.1f%% of the "
+              "measured FMA peak (%.0f GFLOP/s)\n",
+              t * 1e3, steps, tokens_per_s, flops / 1e9, 100.0 * flops / 1e9 / peak, peak);
+  std::printf("  memory: weights+grads+AdamW %.1f MiB, saved activations %.1f MiB, workspace %.1f "
+              "MiB; peak RSS %.1f MiB (%.1f MiB at start) = %.2fx the accounted state+activations\n",
+              state / 1048576, acts / 1048576, double(net.workspace_bytes()) / 1048576,
+              rss / 1048576, double(rss_start) / 1048576, rss / (state + acts));
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const std::string mode = argc > 1 ? argv[1] : "";
+  if (mode == "kernels") return bench_kernels(arg_int(argc, argv, "--threads", omp_get_max_threads()));
+  if (mode == "model") return bench_model(argc, argv);
+  std::fprintf(stderr, "usage: dstrain-bench kernels [--threads N]\n"
+                       "       dstrain-bench model [--preset small] [--batch 8] [--seq 256] [--threads N] [--steps 5]\n");
+  return 2;
+}
