@@ -120,7 +120,7 @@ int run(const launcher::Options& opts, int rank, int world) {
   if (!opts.dump_grads.empty()) {
     std::optional<std::string> dump_error;
     try {
-      if (rank == 0 || world > 1) runtime::dump_grads(*p, opts.dump_grads, opts.threads);
+      runtime::dump_grads(*p, opts.dump_grads, opts.threads);  // refuses world sizes > 1
       if (rank == 0) spdlog::info("wrote {}", opts.dump_grads);
     } catch (const Error& e) {
       dump_error = e.what();

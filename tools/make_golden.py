@@ -39,6 +39,13 @@ VARIANTS = {
                         "--set", "model.topk_method=group_limited_greedy", "--set", "model.topk_group=1",
                         "--set", "model.norm_topk_prob=false", "--set", "model.routed_scaling_factor=2.0",
                         "--set", "model.aux_loss_alpha=0.01"],
+    # Attention biases, YaRN RoPE (magnitude and softmax-scale corrections) and the batch-wise
+    # balance loss. max_position_embeddings = factor x original, as newer HF recomputes factor.
+    "tiny_v3_yarn": SHAPE + ["--set", "model.attention_bias=true",
+                             "--set", "model.rope_scaling={type: yarn, factor: 4.0, "
+                                      "original_max_position_embeddings: 128, beta_fast: 32.0, "
+                                      "beta_slow: 1.0, mscale: 0.9, mscale_all_dim: 1.0}",
+                             "--set", "model.seq_aux=false", "--set", "model.aux_loss_alpha=0.01"],
 }
 
 

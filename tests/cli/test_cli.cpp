@@ -3,10 +3,13 @@
 #include <gtest/gtest.h>
 
 #include <cstdio>
+#include <cmath>
 #include <cstdlib>
 #include <fstream>
 #include <sstream>
 #include <sys/wait.h>
+
+#include "engine/runtime/hdf5_file.h"
 
 namespace {
 
@@ -160,6 +163,37 @@ TEST(Cli, WithoutAModeItSaysTrainingIsNotInThisBuild) {
   const Result r = run(kDstrain + " configs/tiny.yaml");
   EXPECT_EQ(r.rc, 3);
   EXPECT_NE(r.err.find("this build has no training loop yet"), std::string::npos) << r.err;
+}
+
+// MODEL.md §12's exchange format, from the shipped small preset on its first global batch.
+TEST(Cli, DumpGradsWritesWeightsGradientsTokensAndLosses) {
+  const std::string path = ::testing::TempDir() + "/grads.h5";
+  const Result r = run(kDstrain + " configs/small.yaml --dump-grads " + path);
+  ASSERT_EQ(r.rc, 0) << r.err;
+  dstrain::runtime::H5File f(path, dstrain::runtime::H5File::Mode::kRead);
+  EXPECT_EQ(f.shape("tokens"), (std::vector<int64_t>{8, 257}));
+  EXPECT_EQ(f.shape("weights/model.layers.3.self_attn.kv_a_proj_with_mqa.weight"),
+            (std::vector<int64_t>{64 + 16, 256}));
+  EXPECT_EQ(f.shape("grads/model.layers.2.mlp.experts.31.down_proj.weight"), (std::vector<int64_t>{256, 192}));
+  EXPECT_TRUE(f.exists("weights/model.layers.1.mlp.gate.e_score_correction_bias"));
+  EXPECT_FALSE(f.exists("grads/model.layers.1.mlp.gate.e_score_correction_bias"));  // a buffer
+  EXPECT_EQ(f.list("grads").size() + 3, f.list("weights").size());  // 3 MoE layers' biases
+  const double ce = f.attr_double("ce_loss"), aux = f.attr_double("aux_loss");
+  EXPECT_NEAR(ce, std::log(256.0), 0.05);  // an untrained byte model
+  EXPECT_GT(aux, 0.0);
+  EXPECT_DOUBLE_EQ(f.attr_double("total_loss"), ce + aux + f.attr_double("mtp_loss"));
+  EXPECT_NE(f.attr_string("config").find("\"model_type\": \"deepseek_v3\""), std::string::npos);
+  // The tokens are the corpus' first bytes ("First Citizen:").
+  EXPECT_EQ(f.read_ints("tokens")[0], int('F'));
+}
+
+TEST(Cli, DumpGradsNeedsOneRank) {
+  const Result r = run(mpirun(2) + kDstrain + " configs/tiny.yaml --dump-grads " +
+                       ::testing::TempDir() + "/two.h5");
+  EXPECT_NE(r.rc, 0);
+  const auto errors = lines_with(r.err, "dstrain: error:");
+  ASSERT_EQ(errors.size(), 1u) << r.err;
+  EXPECT_NE(errors[0].find("--dump-grads runs on one rank"), std::string::npos);
 }
 
 TEST(Dsrun, SizesTheJobFromTheConfigOrFromNp) {

@@ -75,7 +75,7 @@ TEST_P(Golden, LogitsLossesAndEveryGradientMatchHuggingFace) {
   EXPECT_EQ(compared, int(f.list("grads").size())) << "gradients in the golden file not compared";
 }
 
-INSTANTIATE_TEST_SUITE_P(Variants, Golden, ::testing::Values("tiny_v3", "tiny_v2"));
+INSTANTIATE_TEST_SUITE_P(Variants, Golden, ::testing::Values("tiny_v3", "tiny_v2", "tiny_v3_yarn"));
 
 }  // namespace
 }  // namespace dstrain
