@@ -5,6 +5,7 @@
 #pragma once
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -15,6 +16,30 @@
 #include "dstrain/kernels/backend.h"
 
 namespace dstrain::kernels::cpu {
+
+// exp that the compiler vectorises (a libm call per element does not): Cephes' expf — range
+// reduction by ln 2 split in two constants, a degree-6 polynomial, 2^n by exponent bits; about
+// 1 ulp from expf on [-87, 88] (inputs are clamped there; NaN propagates). Rounding uses the
+// 1.5 * 2^23 trick and clamping plain compares, which GCC vectorises (std::floor and std::fmin
+// it does not, under the default trapping-math rules). Double keeps std::exp (the
+// finite-difference tests run in double).
+inline float vexp(float x) {
+  x = x > 88.0f ? 88.0f : x;
+  x = x < -87.0f ? -87.0f : x;
+  constexpr float kRound = 12582912.0f;  // 1.5 * 2^23
+  const float n = (x * 1.44269504088896341f + kRound) - kRound;
+  float r = x - n * 0.693359375f;
+  r = r + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float y = p * r * r + r + 1.0f;
+  return y * std::bit_cast<float>((int32_t(n) + 127) << 23);
+}
+inline double vexp(double x) { return std::exp(x); }
 
 // ---- RMSNorm -------------------------------------------------------------------------------
 
@@ -148,7 +173,8 @@ void attention_forward(T* O, T* lse, const T* Q, const T* K, const T* V, int64_t
           T m = p[0];
           for (int64_t j = 1; j < visible; ++j) m = std::max(m, p[j]);
           T sum = 0;
-          for (int64_t j = 0; j < visible; ++j) sum += (p[j] = std::exp(p[j] - m));
+#pragma omp simd reduction(+ : sum)
+          for (int64_t j = 0; j < visible; ++j) sum += (p[j] = vexp(p[j] - m));
           const T inv = T(1) / sum;
           for (int64_t j = 0; j < visible; ++j) p[j] *= inv;
           for (int64_t j = visible; j < keys; ++j) p[j] = 0;
@@ -191,8 +217,9 @@ void attention_backward(T* dQ, T* dK, T* dV, const T* dO, const T* Q, const T* K
           for (int64_t d = 0; d < dv; ++d) Di += dout[d] * o[d];
           T* p = P + r * keys;
           T* dp = dP + r * keys;
+#pragma omp simd
           for (int64_t j = 0; j < visible; ++j) {
-            p[j] = std::exp(p[j] - L);
+            p[j] = vexp(p[j] - L);
             dp[j] = p[j] * (dp[j] - Di) * scale;  // dS, scaled for dQ and dK
           }
           for (int64_t j = visible; j < keys; ++j) p[j] = dp[j] = 0;
@@ -209,7 +236,7 @@ void attention_backward(T* dQ, T* dK, T* dV, const T* dO, const T* Q, const T* K
 
 template <class T>
 inline T sigmoid(T x) {
-  return T(1) / (T(1) + std::exp(-x));
+  return T(1) / (T(1) + vexp(-x));
 }
 
 template <class T>
@@ -219,6 +246,7 @@ void swiglu_forward(T* M, const T* GU, int64_t N, int64_t I) {
     const T* g = GU + t * 2 * I;
     const T* u = g + I;
     T* m = M + t * I;
+#pragma omp simd
     for (int64_t i = 0; i < I; ++i) m[i] = g[i] * sigmoid(g[i]) * u[i];
   }
 }
@@ -232,6 +260,7 @@ void swiglu_backward(T* dGU, const T* dM, const T* GU, int64_t N, int64_t I) {
     const T* dm = dM + t * I;
     T* dg = dGU + t * 2 * I;
     T* du = dg + I;
+#pragma omp simd
     for (int64_t i = 0; i < I; ++i) {
       const T sg = sigmoid(g[i]);
       du[i] = dm[i] * g[i] * sg;
@@ -420,10 +449,12 @@ void cross_entropy(T* loss, T* logits, const int32_t* target, int64_t rows, int6
     T mx = l[0];
     for (int64_t v = 1; v < V; ++v) mx = std::max(mx, l[v]);
     T sum = 0;
-    for (int64_t v = 0; v < V; ++v) sum += std::exp(l[v] - mx);
+#pragma omp simd reduction(+ : sum)
+    for (int64_t v = 0; v < V; ++v) sum += vexp(l[v] - mx);
     const T lse = mx + std::log(sum);
     loss[r] = lse - l[y];
-    for (int64_t v = 0; v < V; ++v) l[v] = std::exp(l[v] - lse) * grad_scale;
+#pragma omp simd
+    for (int64_t v = 0; v < V; ++v) l[v] = vexp(l[v] - lse) * grad_scale;
     l[y] -= grad_scale;
   }
 }
@@ -455,7 +486,7 @@ void adamw(T* param, const T* grad, T* m, T* v, int64_t n, const AdamWParams& p)
   const T bc1 = T(1) - std::pow(b1, T(p.step)), bc2 = T(1) - std::pow(b2, T(p.step));
   const T step_size = T(p.lr) / bc1, inv_sqrt_bc2 = T(1) / std::sqrt(bc2);
   const T decay = T(1) - T(p.lr) * T(p.weight_decay), eps = p.eps;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for simd schedule(static)
   for (int64_t i = 0; i < n; ++i) {
     const T g = grad[i];
     const T mi = m[i] = b1 * m[i] + (T(1) - b1) * g;
