@@ -30,7 +30,7 @@ forbid engine/comm    'engine/(plan|model|parallel|runtime|config)/'       'plan
 forbid engine/parallel 'engine/runtime/'                                   'runtime'
 
 if [ $# -ge 1 ]; then
-  for lib in dstrain_common dstrain_config dstrain_plan; do
+  for lib in dstrain_common dstrain_config dstrain_plan dstrain_model dstrain_kernels_cpu; do
     a="$1/lib/lib$lib.a"
     [ -f "$a" ] || { echo "layering: $a not built"; status=1; continue; }
     if nm -u "$a" 2>/dev/null | grep -qE ' (P?MPI_|nccl)'; then

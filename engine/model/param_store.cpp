@@ -90,7 +90,8 @@ const float* ParamStore::grad(const std::string& name) const {
   return base(v, true) + v.offset;
 }
 
-void ParamStore::initialize(uint64_t seed, double initializer_range) {
+void ParamStore::initialize(uint64_t seed, double initializer_range,
+                            std::optional<int64_t> pad_token_id) {
   for (const std::string& name : order_) {
     const ParamView& v = views_.at(name);
     float* p = base(v, false) + v.offset;
@@ -104,6 +105,10 @@ void ParamStore::initialize(uint64_t seed, double initializer_range) {
     for_each_global_index(*v.info, v.shard, [&](int64_t local, int64_t global) {
       p[local] = float(initializer_range * normal_at(key, uint64_t(global)));
     });
+    if (pad_token_id && name == "model.embed_tokens.weight") {
+      const int64_t row = *pad_token_id - v.shard.offset[0], H = v.shard.local_shape[1];
+      if (row >= 0 && row < v.shard.local_shape[0]) std::fill(p + row * H, p + (row + 1) * H, 0.0f);
+    }
   }
 }
 

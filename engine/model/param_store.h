@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -47,8 +48,9 @@ class ParamStore {
 
   // Layout-invariant initialisation (MODEL.md §6): element i of parameter P is
   // initializer_range * normal(stream (seed, P), global index of i); norms 1, biases and
-  // buffers 0. Only the local slice is generated.
-  void initialize(uint64_t seed, double initializer_range);
+  // buffers 0; the embedding row `pad_token_id`, if given, 0. Only the local slice is generated.
+  void initialize(uint64_t seed, double initializer_range,
+                  std::optional<int64_t> pad_token_id = std::nullopt);
 
   void zero_grads();
 

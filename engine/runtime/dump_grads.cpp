@@ -37,7 +37,7 @@ void dump_grads(const plan::ParallelPlan& plan, const std::string& path, int thr
   const config::ModelConfig& m = cfg.model;
   auto be = kernels::make_cpu_backend(threads);
   model::ParamStore params(plan.params, plan.param_stage, m.num_routed(), model::ShardCoords{});
-  params.initialize(uint64_t(cfg.seed), m.initializer_range);
+  params.initialize(uint64_t(cfg.seed), m.initializer_range, m.pad_token_id);
   model::LocalCollectives coll;
   model::DeepSeekModel net(m, *be, coll, params, B, S);
   const std::vector<int32_t> tokens = first_batch_tokens(cfg, B);

@@ -103,6 +103,15 @@ TEST(ParamStore, InitialValuesFollowTheModelSpec) {
   EXPECT_EQ(stats("model.layers.2.mlp.gate.e_score_correction_bias").second, 0.0);
 }
 
+TEST(ParamStore, PadTokenRowStartsAtZero) {
+  const plan::ParallelPlan p = small_plan(1, 1, 1);
+  model::ParamStore store(p.params, p.param_stage, 32, {});
+  store.initialize(7, 0.02, 10);
+  const float* row = store.param("model.embed_tokens.weight") + 10 * 256;
+  for (int c = 0; c < 256; ++c) EXPECT_EQ(row[c], 0.0f);
+  EXPECT_NE(row[256], 0.0f);  // the next row is untouched
+}
+
 TEST(ParamStore, DenseAndExpertBuffersHoldTheirParameters) {
   const plan::ParallelPlan p = small_plan(1, 1, 1);
   model::ParamStore store(p.params, p.param_stage, 32, {});
