@@ -383,6 +383,39 @@ TEST(KernelGradients, MoeCombineAndDispatch) {
   expect_gradient(dispatch, X, dX, "dispatch");
 }
 
+TEST_P(Kernels, SwiGluForward) {
+  const int64_t N = 3, I = 21;
+  const Vec GU = randn(N * 2 * I, 40);
+  FVec M(N * I);
+  be->swiglu_forward(M.data(), to_f(GU).data(), N, I);
+  Vec want(N * I);
+  for (int64_t t = 0; t < N; ++t)
+    for (int64_t i = 0; i < I; ++i) {
+      const double g = GU[t * 2 * I + i], u = GU[t * 2 * I + I + i];
+      want[t * I + i] = g / (1.0 + std::exp(-g)) * u;
+    }
+  EXPECT_LT(max_rel_err(M, want), 1e-6);
+}
+
+TEST_P(Kernels, MoeGatherAndCombineForward) {
+  const int64_t N = 5, k = 2, H = 7;
+  const Vec X = randn(N * H, 41), Y = randn(N * k * H, 42), w = randn(N * k, 43), base = randn(N * H, 44);
+  const std::vector<int32_t> src = {4, 0, 2, 2, 1, 3, 0, 4, 1, 3};  // row -> token
+  std::vector<int32_t> pos(N * k);
+  std::vector<int> used(N, 0);
+  for (int32_t row = 0; row < N * k; ++row) pos[src[row] * k + used[src[row]]++] = row;
+  FVec Xp(N * k * H), out = to_f(base);
+  be->gather_rows(Xp.data(), to_f(X).data(), src.data(), N * k, H);
+  be->moe_combine(out.data(), to_f(Y).data(), to_f(w).data(), pos.data(), N, k, H);
+  for (int64_t r = 0; r < N * k; ++r)
+    for (int64_t c = 0; c < H; ++c) EXPECT_EQ(Xp[r * H + c], float(X[src[r] * H + c]));
+  Vec want = base;
+  for (int64_t t = 0; t < N; ++t)
+    for (int64_t j = 0; j < k; ++j)
+      for (int64_t c = 0; c < H; ++c) want[t * H + c] += w[t * k + j] * Y[pos[t * k + j] * H + c];
+  EXPECT_LT(max_rel_err(out, want), 1e-6);
+}
+
 TEST_P(Kernels, CrossEntropyValueGradientAndIgnoredRows) {
   const int64_t rows = 4, V = 11;
   const Vec logits = randn(rows * V, 30, 3.0);
