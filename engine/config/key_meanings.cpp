@@ -191,7 +191,11 @@ const std::string& key_meaning(const std::string& path) {
       {"data.path",
        "training data file (relative paths from the working directory)"},
       {"data.format",
-       "text: raw bytes, token id = byte value"},
+       "text: raw bytes, token id = byte value; tokens: a dataset made by dstrain-prep"},
+      {"data.eval_interval",
+       "steps between validation-loss runs; 0 disables"},
+      {"data.eval_iters",
+       "global batches of validation data per run"},
       {"data.validation_fraction",
        "share of the data held out for validation"},
       {"checkpoint.dir",
@@ -210,6 +214,10 @@ const std::string& key_meaning(const std::string& path) {
        "TensorBoard event directory; empty disables"},
       {"monitor.log_level",
        "log level of rank 0 (other ranks log warnings and errors)"},
+      {"monitor.expert_stats_interval",
+       "steps between per-MoE-layer expert load lines (min / max / CV); 0 disables"},
+      {"monitor.peak_tflops",
+       "peak TFLOP/s for MFU; 0 measures this machine's fp32 GEMM peak at start"},
   };
   static const std::string none;
   const auto it = meanings.find(path);

@@ -191,8 +191,10 @@ void describe(V& v, ActivationCheckpointingConfig& c) {
 template <class V>
 void describe(V& v, DataConfig& c) {
   v.field("path", c.path, non_empty());
-  v.field("format", c.format, one_of({"text"}));
+  v.field("format", c.format, one_of({"text", "tokens"}));
   v.field("validation_fraction", c.validation_fraction, real_range(0.0, 0.5));
+  v.field("eval_interval", c.eval_interval, at_least(0));
+  v.field("eval_iters", c.eval_iters, at_least(1));
 }
 
 template <class V>
@@ -209,6 +211,8 @@ void describe(V& v, MonitorConfig& c) {
   v.field("metrics_file", c.metrics_file);
   v.field("tensorboard", c.tensorboard);
   v.field("log_level", c.log_level, one_of({"trace", "debug", "info", "warn", "error", "off"}));
+  v.field("expert_stats_interval", c.expert_stats_interval, at_least(0));
+  v.field("peak_tflops", c.peak_tflops, non_negative());
 }
 
 template <class V>

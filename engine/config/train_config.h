@@ -152,8 +152,10 @@ struct ActivationCheckpointingConfig {
 
 struct DataConfig {
   std::string path = "data/tinyshakespeare.txt";
-  std::string format = "text";  // text: raw bytes, token id = byte value (vocab 256)
+  std::string format = "text";  // text: raw bytes (token id = byte value); tokens: dstrain-prep output
   double validation_fraction = 0.05;
+  int64_t eval_interval = 100;  // steps between validation runs; 0: none (Megatron's name)
+  int64_t eval_iters = 8;       // global batches per validation run (Megatron's name)
 };
 
 struct CheckpointConfig {
@@ -168,6 +170,8 @@ struct MonitorConfig {
   std::string metrics_file;  // JSON Lines; "" disables
   std::string tensorboard;   // event-file directory; "" disables
   std::string log_level = "info";
+  int64_t expert_stats_interval = 100;  // steps between per-expert load lines; 0: none
+  double peak_tflops = 0.0;             // MFU denominator; 0: measure the GEMM peak at start
 };
 
 struct TrainConfig {

@@ -1,29 +1,19 @@
 #include "engine/runtime/dump_grads.h"
 
-#include <fstream>
-#include <iterator>
-
 #include <fmt/format.h>
 
 #include "engine/common/error.h"
 #include "engine/config/load_config.h"
+#include "engine/data/token_dataset.h"
 #include "engine/model/deepseek_model.h"
-#include "engine/runtime/hdf5_file.h"
+#include "engine/io/hdf5_file.h"
 
 namespace dstrain::runtime {
 
 std::vector<int32_t> first_batch_tokens(const config::TrainConfig& cfg, int64_t B) {
-  std::ifstream in(cfg.data.path, std::ios::binary);
-  const std::vector<unsigned char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  const int64_t S = cfg.seq_length, n = int64_t(bytes.size());
-  if (n < S + 1)
-    throw ConfigError(fmt::format("{}: {} bytes, fewer than one sequence of seq_length + 1 = {}",
-                                  cfg.data.path, n, S + 1));
-  std::vector<int32_t> tokens(B * (S + 1));
-  for (int64_t b = 0; b < B; ++b) {
-    const int64_t start = (b * (S + 1)) % (n - S);
-    for (int64_t t = 0; t <= S; ++t) tokens[b * (S + 1) + t] = bytes[start + t];
-  }
+  const data::TokenDataset dataset(cfg);
+  std::vector<int32_t> tokens(B * (cfg.seq_length + 1));
+  dataset.train_batch(tokens.data(), 0, B);
   return tokens;
 }
 
@@ -44,7 +34,7 @@ void dump_grads(const plan::ParallelPlan& plan, const std::string& path, int thr
   const model::Losses loss = net.forward(tokens.data(), {double(B * S), double(B)});
   net.backward();
 
-  H5File out(path, H5File::Mode::kCreate);
+  io::H5File out(path, io::H5File::Mode::kCreate);
   std::vector<float> full;
   for (const std::string& name : params.names()) {
     const model::ParamView& v = params.view(name);

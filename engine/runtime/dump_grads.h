@@ -9,8 +9,7 @@
 
 namespace dstrain::runtime {
 
-// The first global batch: B windows of S+1 bytes of the data file, window b starting at byte
-// b*(S+1) (wrapping around the file). [B, S+1] row-major.
+// The first global batch of the configured data (step 0 of the seeded order), [B, S+1].
 std::vector<int32_t> first_batch_tokens(const config::TrainConfig& cfg, int64_t B);
 
 // Runs on one rank; `threads` CPU threads (0: all).

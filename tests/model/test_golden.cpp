@@ -9,7 +9,7 @@
 #include "engine/config/load_config.h"
 #include "engine/model/deepseek_model.h"
 #include "engine/plan/parallel_plan.h"
-#include "engine/runtime/hdf5_file.h"
+#include "engine/io/hdf5_file.h"
 
 namespace dstrain {
 namespace {
@@ -36,7 +36,7 @@ class Golden : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(Golden, LogitsLossesAndEveryGradientMatchHuggingFace) {
   const std::string path = "tests/golden/" + GetParam() + ".h5";
-  runtime::H5File f(path, runtime::H5File::Mode::kRead);
+  io::H5File f(path, io::H5File::Mode::kRead);
   const config::TrainConfig cfg = config::load_config_text(f.attr_string("dstrain_config"), path);
   const plan::ParallelPlan plan = plan::make_plan(cfg, 1);
   const config::ModelConfig& m = cfg.model;

@@ -1,4 +1,4 @@
-#include "engine/runtime/hdf5_file.h"
+#include "engine/io/hdf5_file.h"
 
 #include <hdf5.h>
 
@@ -6,7 +6,7 @@
 
 #include "engine/common/error.h"
 
-namespace dstrain::runtime {
+namespace dstrain::io {
 namespace {
 
 // Silence HDF5's own error stack printing: errors become exceptions with our message.
@@ -74,6 +74,9 @@ void H5File::write(const std::string& name, const float* data, const std::vector
 void H5File::write(const std::string& name, const int32_t* data, const std::vector<int64_t>& shape) {
   write_impl(file_, path_, name, data, shape, H5T_NATIVE_INT32);
 }
+void H5File::write(const std::string& name, const double* data, const std::vector<int64_t>& shape) {
+  write_impl(file_, path_, name, data, shape, H5T_NATIVE_DOUBLE);
+}
 
 bool H5File::exists(const std::string& name) const {
   // Check each path component so that a missing group is "no" rather than an error.
@@ -97,6 +100,9 @@ std::vector<float> H5File::read_floats(const std::string& name) const {
 }
 std::vector<int32_t> H5File::read_ints(const std::string& name) const {
   return read_impl<int32_t>(file_, path_, name, H5T_NATIVE_INT32, shape(name));
+}
+std::vector<double> H5File::read_doubles(const std::string& name) const {
+  return read_impl<double>(file_, path_, name, H5T_NATIVE_DOUBLE, shape(name));
 }
 
 std::vector<std::string> H5File::list(const std::string& group) const {
@@ -154,4 +160,4 @@ std::string H5File::attr_string(const std::string& name) const {
   return out;
 }
 
-}  // namespace dstrain::runtime
+}  // namespace dstrain::io

@@ -6,7 +6,7 @@
 #include <string>
 #include <vector>
 
-namespace dstrain::runtime {
+namespace dstrain::io {
 
 class H5File {
  public:
@@ -21,10 +21,12 @@ class H5File {
   // Datasets; `name` may contain '/' (groups are created as needed) and dots.
   void write(const std::string& name, const float* data, const std::vector<int64_t>& shape);
   void write(const std::string& name, const int32_t* data, const std::vector<int64_t>& shape);
+  void write(const std::string& name, const double* data, const std::vector<int64_t>& shape);
   bool exists(const std::string& name) const;
   std::vector<int64_t> shape(const std::string& name) const;
   std::vector<float> read_floats(const std::string& name) const;
   std::vector<int32_t> read_ints(const std::string& name) const;
+  std::vector<double> read_doubles(const std::string& name) const;
   // Names of the datasets directly under group `group`.
   std::vector<std::string> list(const std::string& group) const;
 
@@ -39,4 +41,4 @@ class H5File {
   long long file_ = -1;
 };
 
-}  // namespace dstrain::runtime
+}  // namespace dstrain::io
