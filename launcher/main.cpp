@@ -16,6 +16,7 @@
 #include "engine/plan/report.h"
 #include "engine/runtime/dump_grads.h"
 #include "engine/runtime/groups.h"
+#include "engine/runtime/trainer.h"
 #include "launcher/cli.h"
 
 namespace {
@@ -133,12 +134,14 @@ int run(const launcher::Options& opts, int rank, int world) {
     report_groups(*p, rank, world, groups);
     return 0;
   }
-  if (rank == 0)
-    std::fprintf(stderr,
-                 "dstrain: error: this build has no training loop yet; the config and the %d "
-                 "communicators are valid. Use --dry-run, --print-config or --check-comm.\n",
-                 world);
-  return 3;
+  std::optional<std::string> train_error;
+  try {
+    runtime::Trainer trainer(*p, opts.threads);
+    trainer.run();
+  } catch (const Error& e) {
+    train_error = e.what();
+  }
+  return agree_on_failure(train_error, rank, world) ? 1 : 0;
 }
 
 }  // namespace

@@ -159,10 +159,19 @@ TEST(Cli, CheckCommBuildsAndVerifiesEveryGroup) {
             std::string::npos);
 }
 
-TEST(Cli, WithoutAModeItSaysTrainingIsNotInThisBuild) {
-  const Result r = run(kDstrain + " configs/tiny.yaml");
-  EXPECT_EQ(r.rc, 3);
-  EXPECT_NE(r.err.find("this build has no training loop yet"), std::string::npos) << r.err;
+TEST(Cli, TrainsTheTinyPreset) {
+  const Result r = run(kDstrain + " configs/tiny.yaml --set train_steps=4 --set steps_per_print=2");
+  EXPECT_EQ(r.rc, 0) << r.err;
+  EXPECT_NE(r.out.find("step 2/4 | loss "), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("done: 4 steps in"), std::string::npos) << r.out;
+}
+
+TEST(Cli, TrainingOnSeveralRanksSaysWhatIsMissing) {
+  const Result r = run(mpirun(2) + kDstrain + " configs/tiny.yaml --set train_steps=2");
+  EXPECT_NE(r.rc, 0);
+  const auto errors = lines_with(r.err, "dstrain: error:");
+  ASSERT_EQ(errors.size(), 1u) << r.err;
+  EXPECT_NE(errors[0].find("this build trains on one rank"), std::string::npos);
 }
 
 // MODEL.md §12's exchange format, from the shipped small preset on its first global batch.

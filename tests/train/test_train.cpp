@@ -1,0 +1,247 @@
+// Training: schedules against DeepSpeed's formulas, AdamW with its decay mask, clipping,
+// gradient accumulation, the rank-independent sample order, the loss falling, metrics files.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <set>
+#include <sstream>
+
+#include "engine/data/token_dataset.h"
+#include "engine/runtime/lr_schedule.h"
+#include "engine/runtime/metrics.h"
+#include "engine/runtime/optimizer.h"
+#include "engine/runtime/trainer.h"
+#include "tests/unit/test_helpers.h"
+
+namespace dstrain::runtime {
+namespace {
+
+config::TrainConfig tiny(const std::vector<std::string>& sets = {}) {
+  return config::load_config_file("configs/tiny.yaml", sets);
+}
+
+// DeepSpeed's formulas, written out independently (lr_schedules.py).
+double ds_warmup(int64_t t, int64_t W, const std::string& type) {
+  W = std::max<int64_t>(2, W);
+  return type == "log" ? std::log(double(t + 1)) / std::log(double(W)) : double(t) / double(W);
+}
+
+TEST(LrSchedule, WarmupLR) {
+  for (const char* type : {"log", "linear"}) {
+    const auto cfg = tiny({"scheduler.type=WarmupLR", "scheduler.params={warmup_min_lr: 0.0001, "
+                           "warmup_max_lr: 0.01, warmup_num_steps: 10, warmup_type: " + std::string(type) + "}"});
+    const LrSchedule s(cfg);
+    for (int64_t t : {0, 1, 5, 9, 10, 11, 500}) {
+      const double gamma = t < 10 ? ds_warmup(t, 10, type) : 1.0;
+      EXPECT_NEAR(s.lr(t), 0.0001 + (0.01 - 0.0001) * gamma, 1e-12) << type << " t " << t;
+    }
+  }
+}
+
+TEST(LrSchedule, WarmupDecayLR) {
+  const auto cfg = tiny({"scheduler.type=WarmupDecayLR", "scheduler.params={warmup_min_lr: 0.0, "
+                         "warmup_max_lr: 0.002, warmup_num_steps: 20, warmup_type: linear, total_num_steps: 100}"});
+  const LrSchedule s(cfg);
+  for (int64_t t : {0, 10, 19, 20, 21, 60, 99, 100, 150}) {
+    const double gamma = t < 20 ? double(t) / 20.0 : std::max(0.0, double(100 - t) / 80.0);
+    EXPECT_NEAR(s.lr(t), 0.002 * gamma, 1e-12) << "t " << t;
+  }
+}
+
+TEST(LrSchedule, WarmupCosineLR) {
+  const auto cfg = tiny({"optimizer.params.lr=0.003", "scheduler.type=WarmupCosineLR",
+                         "scheduler.params={warmup_min_ratio: 0.1, warmup_num_steps: 10, "
+                         "warmup_type: log, cos_min_ratio: 0.05, total_num_steps: 110}"});
+  const LrSchedule s(cfg);
+  for (int64_t t : {0, 3, 9, 10, 50, 109, 110, 200}) {
+    double ratio;
+    if (t < 10) {
+      ratio = 0.1 + 0.9 * ds_warmup(t, 10, "log");
+    } else {
+      const double c = (1 + std::cos(M_PI * double(t - 10 + 1) / 100.0)) / 2;
+      ratio = std::max(0.0, 0.05 + 0.95 * c);
+    }
+    EXPECT_NEAR(s.lr(t), 0.003 * ratio, 1e-12) << "t " << t;
+  }
+  // total_num_steps defaults to train_steps.
+  const auto dflt = tiny({"train_steps=77", "scheduler.type=WarmupCosineLR"});
+  EXPECT_EQ(*dflt.scheduler->params.total_num_steps, 77);
+}
+
+TEST(LrSchedule, ConstantWithoutScheduler) {
+  const auto cfg = tiny({"scheduler=null", "optimizer.params.lr=0.0042"});
+  const LrSchedule s(cfg);
+  EXPECT_EQ(s.lr(0), 0.0042);
+  EXPECT_EQ(s.lr(1000), 0.0042);
+}
+
+plan::ParallelPlan tiny_plan(const std::vector<std::string>& sets = {}) {
+  return plan::make_plan(tiny(sets), 1);
+}
+
+// One AdamW step by hand: matrices decay, norm weights do not.
+TEST(Optimizer, AdamWDecaysOnlyMatrices) {
+  const plan::ParallelPlan p = tiny_plan({"optimizer.params={lr: 0.01, betas: [0.9, 0.99], eps: 1e-8, weight_decay: 0.5}"});
+  model::ParamStore params(p.params, p.param_stage, 4, {});
+  params.initialize(3, 0.02);
+  auto be = kernels::make_cpu_backend(1);
+  AdamW adam(p.config.optimizer, params, *be);
+  std::fill(params.dense_grads().begin(), params.dense_grads().end(), 0.2f);
+  std::fill(params.expert_grads().begin(), params.expert_grads().end(), 0.2f);
+  const float w0 = params.param("lm_head.weight")[5], n0 = params.param("model.norm.weight")[5];
+  const float e0 = params.param("model.layers.1.mlp.experts.2.up_proj.weight")[7];
+  adam.step(0.01, 1);
+  // Step 1: m = 0.1 g, v = 0.01 g^2; bias-corrected m/sqrt(v) = sign(g) = 1.
+  const double update = 0.01 * 1.0 / (1.0 + 1e-8 / 0.2);
+  EXPECT_NEAR(params.param("lm_head.weight")[5], w0 * (1 - 0.01 * 0.5) - update, 1e-7);
+  EXPECT_NEAR(params.param("model.norm.weight")[5], n0 - update, 1e-7);
+  EXPECT_NEAR(params.param("model.layers.1.mlp.experts.2.up_proj.weight")[7], e0 * (1 - 0.005) - update, 1e-7);
+  EXPECT_NEAR(adam.exp_avg_dense()[0], 0.02, 1e-8);
+  EXPECT_NEAR(adam.exp_avg_sq_dense()[0], 0.0004, 1e-9);
+}
+
+TEST(Optimizer, GlobalNormAndClipping) {
+  const plan::ParallelPlan p = tiny_plan();
+  model::ParamStore params(p.params, p.param_stage, 4, {});
+  std::fill(params.dense_grads().begin(), params.dense_grads().end(), 0.5f);
+  std::fill(params.expert_grads().begin(), params.expert_grads().end(), -1.0f);
+  const double nd = double(params.dense_grads().size()), ne = double(params.expert_grads().size());
+  const double norm = gradient_norm(params);
+  EXPECT_NEAR(norm, std::sqrt(0.25 * nd + ne), 1e-9 * norm);
+  EXPECT_EQ(clip_gradients(params, norm, 2 * norm), 1.0);  // under the limit: untouched
+  EXPECT_EQ(params.dense_grads()[0], 0.5f);
+  const double factor = clip_gradients(params, norm, 1.0);
+  EXPECT_NEAR(factor, 1.0 / (norm + 1e-6), 1e-12);
+  EXPECT_NEAR(gradient_norm(params), 1.0, 1e-5);
+  EXPECT_EQ(clip_gradients(params, 1.0, 0.0), 1.0);  // gradient_clipping 0: off
+}
+
+// Same global batch of 8: one micro-batch of 8, or 4 micro-batches of 2 — same gradients.
+TEST(Trainer, GradientAccumulationMatchesOneBigBatch) {
+  const plan::ParallelPlan one = tiny_plan({"train_micro_batch_size_per_gpu=8", "gradient_accumulation_steps=1"});
+  const plan::ParallelPlan four = tiny_plan({"train_micro_batch_size_per_gpu=2", "gradient_accumulation_steps=4"});
+  ASSERT_EQ(one.batch.global, 8);
+  ASSERT_EQ(four.batch.accumulation, 4);
+  Trainer a(one, 2), b(four, 2);
+  const StepResult ra = a.compute_gradients(3), rb = b.compute_gradients(3);
+  EXPECT_NEAR(ra.loss.ce, rb.loss.ce, 1e-6 * ra.loss.ce);
+  EXPECT_NEAR(ra.loss.aux, rb.loss.aux, 1e-6 * ra.loss.aux);
+  for (auto pick : {&model::ParamStore::dense_grads, &model::ParamStore::expert_grads}) {
+    const auto& ga = (a.params().*pick)();
+    const auto& gb = (b.params().*pick)();
+    ASSERT_EQ(ga.size(), gb.size());
+    double scale = 0, worst = 0;
+    for (size_t i = 0; i < ga.size(); ++i) scale = std::max(scale, double(std::fabs(ga[i])));
+    for (size_t i = 0; i < ga.size(); ++i) worst = std::max(worst, double(std::fabs(ga[i] - gb[i])));
+    EXPECT_LT(worst / scale, 1e-5);
+  }
+  EXPECT_EQ(ra.expert_loads, rb.expert_loads);
+}
+
+// The samples of a step do not depend on how many data-parallel slices share it.
+TEST(Data, SampleOrderIsTheSameFor1And2And4DataParallelSlices) {
+  const data::TokenDataset ds(tiny());
+  const int64_t G = 16;
+  for (int64_t step : {0, 7, 1234}) {
+    std::vector<int64_t> single;
+    for (int64_t i = 0; i < G; ++i) single.push_back(ds.train_sample_at(data::TokenDataset::position(step, G, 0, 1, 0, G) + i));
+    for (int64_t dp : {2, 4}) {
+      const int64_t micro = 2, accum = G / dp / micro;
+      std::vector<int64_t> joined;
+      for (int64_t r = 0; r < dp; ++r)
+        for (int64_t m = 0; m < accum; ++m)
+          for (int64_t j = 0; j < micro; ++j)
+            joined.push_back(ds.train_sample_at(data::TokenDataset::position(step, G, r, dp, m, micro) + j));
+      EXPECT_EQ(joined, single) << "dp " << dp << " step " << step;
+    }
+  }
+}
+
+TEST(Data, EachEpochVisitsEverySampleOnceInASeededOrder) {
+  const data::TokenDataset ds(tiny());
+  const int64_t n = ds.info().train_samples;
+  std::set<int64_t> seen;
+  std::vector<int64_t> first_epoch, second_epoch;
+  for (int64_t g = 0; g < n; ++g) first_epoch.push_back(ds.train_sample_at(g));
+  for (int64_t g = n; g < 2 * n; ++g) second_epoch.push_back(ds.train_sample_at(g));
+  seen.insert(first_epoch.begin(), first_epoch.end());
+  EXPECT_EQ(int64_t(seen.size()), n);
+  EXPECT_NE(first_epoch, second_epoch);
+  const data::TokenDataset other(tiny({"seed=99"}));
+  std::vector<int64_t> other_first;
+  for (int64_t g = 0; g < 10; ++g) other_first.push_back(other.train_sample_at(g));
+  EXPECT_NE(other_first, std::vector<int64_t>(first_epoch.begin(), first_epoch.begin() + 10));
+}
+
+TEST(Trainer, TinyLossFallsOver50Steps) {
+  const plan::ParallelPlan p = tiny_plan({"train_steps=50"});
+  Trainer t(p, 2);
+  double first = 0, last = 0;
+  for (int64_t step = 0; step < 50; ++step) {
+    const StepResult r = t.train_step(step);
+    ASSERT_TRUE(std::isfinite(r.loss.ce));
+    if (step == 0) first = r.loss.ce;
+    if (step >= 45) last += r.loss.ce / 5;
+  }
+  EXPECT_NEAR(first, std::log(256.0), 0.1);
+  EXPECT_LT(last, first - 1.5) << "first " << first << " last five " << last;
+  EXPECT_LT(t.validate(), first - 1.5);
+}
+
+TEST(Trainer, RunWritesMetricsAndTensorBoard) {
+  const std::string dir = ::testing::TempDir() + "/run_metrics";
+  std::filesystem::remove_all(dir);
+  const plan::ParallelPlan p = tiny_plan({"train_steps=6", "steps_per_print=2", "data.eval_interval=3",
+                                          "monitor.metrics_file=" + dir + "/m.jsonl",
+                                          "monitor.tensorboard=" + dir + "/tb", "wall_clock_breakdown=true"});
+  Trainer t(p, 1);
+  const TrainSummary s = t.run();
+  EXPECT_EQ(s.steps, 6);
+  std::ifstream in(dir + "/m.jsonl");
+  std::vector<std::string> lines;
+  for (std::string l; std::getline(in, l);) lines.push_back(l);
+  ASSERT_EQ(lines.size(), 4u);  // steps 2, 4, 6 (steps_per_print) and 3 (validation, logged too)
+  for (const char* key : {"\"step\": 2", "\"loss\": ", "\"lr\": ", "\"grad_norm\": ", "\"tokens_per_sec\": ",
+                          "\"tflops\": ", "\"mfu\": ", "\"forward_ms\": "})
+    EXPECT_NE(lines[0].find(key), std::string::npos) << key << " in " << lines[0];
+  EXPECT_EQ(lines[0].find("\"val_loss\": "), std::string::npos);
+  EXPECT_NE(lines[1].find("\"step\": 3, "), std::string::npos);
+  EXPECT_NE(lines[1].find("\"val_loss\": "), std::string::npos);
+  EXPECT_NE(lines[3].find("\"val_loss\": "), std::string::npos);
+  std::string event_file;
+  for (const auto& e : std::filesystem::directory_iterator(dir + "/tb")) event_file = e.path().string();
+  const auto events = read_tensorboard_scalars(event_file);
+  int losses = 0;
+  for (const auto& e : events) losses += e.tag == "loss";
+  EXPECT_EQ(losses, 4);
+  EXPECT_EQ(events.front().step, 2);
+}
+
+TEST(Metrics, Crc32cKnownAnswerAndEventRoundTrip) {
+  EXPECT_EQ(crc32c("123456789", 9), 0xE3069283u);
+  const std::string dir = ::testing::TempDir() + "/tb_roundtrip";
+  std::filesystem::remove_all(dir);
+  std::string path;
+  {
+    TensorBoardWriter w(dir);
+    w.write(7, {{"loss", 2.5}, {"lr", 1e-3}});
+    path = w.path();
+  }
+  const auto ev = read_tensorboard_scalars(path);
+  ASSERT_EQ(ev.size(), 2u);
+  EXPECT_EQ(ev[0].step, 7);
+  EXPECT_EQ(ev[0].tag, "loss");
+  EXPECT_EQ(ev[0].value, 2.5f);
+  EXPECT_EQ(ev[1].value, 1e-3f);
+  // A flipped byte is caught by the CRC.
+  std::fstream f(path, std::ios::in | std::ios::out | std::ios::binary);
+  f.seekp(-6, std::ios::end);
+  f.put('\x7f');
+  f.close();
+  EXPECT_THROW(read_tensorboard_scalars(path), Error);
+}
+
+}  // namespace
+}  // namespace dstrain::runtime

@@ -1,0 +1,114 @@
+// dstrain-prep: text files -> a tokenised dataset (format "dstrain-tokens" v1, see
+// engine/data/token_dataset.h), with a byte-level tokenizer built in or a byte-level BPE that it
+// trains (or loads) and saves next to the data.
+//
+//   dstrain-prep --input FILE [--input FILE ...] --output DATA.h5
+//                [--tokenizer bytes|bpe] [--vocab-size N] [--tokenizer-file PATH]
+//
+// With --tokenizer bpe and no --tokenizer-file, a BPE of --vocab-size tokens is trained on the
+// inputs and saved as DATA.tokenizer; with --tokenizer-file, that tokenizer is applied as is.
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <string>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "engine/common/error.h"
+#include "engine/common/strings.h"
+#include "engine/data/token_dataset.h"
+#include "engine/data/tokenizer.h"
+
+namespace {
+
+struct Args {
+  std::vector<std::string> inputs;
+  std::string output, tokenizer = "bytes", tokenizer_file;
+  int64_t vocab_size = 0;
+};
+
+const char* kUsage =
+    "usage: dstrain-prep --input FILE [--input FILE ...] --output DATA.h5\n"
+    "                    [--tokenizer bytes|bpe] [--vocab-size N] [--tokenizer-file PATH]\n";
+
+Args parse(int argc, char** argv) {
+  Args a;
+  for (int i = 1; i < argc; ++i) {
+    const std::string k = argv[i];
+    if (k == "-h" || k == "--help") {
+      std::fputs(kUsage, stdout);
+      std::exit(0);
+    }
+    if (i + 1 >= argc) throw dstrain::ConfigError(fmt::format("{} needs a value\n{}", k, kUsage));
+    const std::string v = argv[++i];
+    if (k == "--input") a.inputs.push_back(v);
+    else if (k == "--output") a.output = v;
+    else if (k == "--tokenizer") a.tokenizer = v;
+    else if (k == "--tokenizer-file") a.tokenizer_file = v;
+    else if (k == "--vocab-size") a.vocab_size = std::atoll(v.c_str());
+    else throw dstrain::ConfigError(fmt::format("unknown option '{}'\n{}", k, kUsage));
+  }
+  if (a.inputs.empty() || a.output.empty())
+    throw dstrain::ConfigError(fmt::format("--input and --output are required\n{}", kUsage));
+  if (a.tokenizer != "bytes" && a.tokenizer != "bpe")
+    throw dstrain::ConfigError(fmt::format("--tokenizer {}: valid: bytes, bpe", a.tokenizer));
+  if (a.tokenizer == "bpe" && a.tokenizer_file.empty() && a.vocab_size < 257)
+    throw dstrain::ConfigError("--tokenizer bpe needs --vocab-size N (N > 256) or --tokenizer-file");
+  return a;
+}
+
+std::string read_all(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw dstrain::ConfigError(fmt::format("{}: cannot open the input file", path));
+  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+}
+
+int run(const Args& a) {
+  using Clock = std::chrono::steady_clock;
+  const auto t0 = Clock::now();
+  std::string text;
+  for (const std::string& in : a.inputs) text += read_all(in);
+  if (text.empty()) throw dstrain::ConfigError("the inputs are empty");
+  std::error_code ec;
+  const auto parent = std::filesystem::path(a.output).parent_path();
+  if (!parent.empty()) std::filesystem::create_directories(parent, ec);
+  std::vector<int32_t> tokens;
+  int64_t vocab = 256;
+  std::string tok_file;
+  if (a.tokenizer == "bytes") {
+    tokens = dstrain::data::ByteTokenizer().encode(text);
+  } else {
+    dstrain::data::BpeTokenizer bpe = a.tokenizer_file.empty()
+                                          ? dstrain::data::BpeTokenizer::train(text, a.vocab_size)
+                                          : dstrain::data::BpeTokenizer::load(a.tokenizer_file);
+    const std::filesystem::path out_path(a.output);
+    const std::filesystem::path saved = out_path.parent_path() / (out_path.stem().string() + ".tokenizer");
+    bpe.save(saved.string());
+    tok_file = saved.filename().string();
+    tokens = bpe.encode(text);
+    vocab = bpe.vocab_size();
+    if (bpe.decode(tokens) != text) throw dstrain::Error("BPE round trip failed: decode(encode(text)) != text");
+  }
+  dstrain::data::write_token_dataset(a.output, tokens, vocab, a.tokenizer, tok_file,
+                                     dstrain::join(a.inputs, "\n"));
+  const double secs = std::chrono::duration<double>(Clock::now() - t0).count();
+  std::printf("%s: %s tokens from %s bytes (%.2f bytes/token), vocab %ld (%s%s), %.1f s\n",
+              a.output.c_str(), dstrain::with_commas(int64_t(tokens.size())).c_str(),
+              dstrain::with_commas(int64_t(text.size())).c_str(), double(text.size()) / double(tokens.size()),
+              long(vocab), a.tokenizer.c_str(), tok_file.empty() ? "" : (", " + tok_file).c_str(), secs);
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    return run(parse(argc, argv));
+  } catch (const dstrain::Error& e) {
+    std::fprintf(stderr, "dstrain-prep: error: %s\n", e.what());
+    return 1;
+  }
+}
