@@ -170,8 +170,9 @@ void validate_training(TrainConfig& cfg) {
                         cfg.optimizer.params.betas.size()));
   if (cfg.scheduler && cfg.scheduler->type != "WarmupLR") {
     SchedulerParams& s = cfg.scheduler->params;
-    if (!s.total_num_steps) s.total_num_steps = cfg.train_steps;
-    if (*s.total_num_steps < s.warmup_num_steps)
+    const bool given = s.total_num_steps.has_value();
+    if (!given) s.total_num_steps = cfg.train_steps;  // a short run may end inside the warmup
+    if (given && *s.total_num_steps < s.warmup_num_steps)
       fail_at(cfg, "scheduler.params.total_num_steps",
               fmt::format("{} is fewer than scheduler.params.warmup_num_steps = {}; valid: an "
                           "integer >= {}",
