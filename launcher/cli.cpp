@@ -15,6 +15,7 @@ options:
                         parameters, FLOPs, memory per rank) and exit; allocates nothing
   --world-size N        plan for N ranks instead of the MPI world (with --dry-run/--print-config)
   --print-config        print the fully resolved config, defaults included, and exit
+  --resume auto|none|PATH  continue from a checkpoint (same as --set checkpoint.resume=...)
   --dump-grads FILE.h5  one forward and backward on the first global batch; write weights,
                         gradients, tokens and losses to FILE.h5 (one rank) and exit
   --threads N           CPU threads (default: all cores, or OMP_NUM_THREADS)
@@ -42,6 +43,8 @@ Options parse_args(const std::vector<std::string>& args) {
       o.dry_run = true;
     } else if (a == "--print-config") {
       o.print_config = true;
+    } else if (a == "--resume") {
+      o.overrides.push_back("checkpoint.resume=" + value("--resume"));
     } else if (a == "--dump-grads") {
       o.dump_grads = value("--dump-grads");
     } else if (a == "--threads") {

@@ -136,7 +136,7 @@ int run(const launcher::Options& opts, int rank, int world) {
   }
   std::optional<std::string> train_error;
   try {
-    runtime::Trainer trainer(*p, opts.threads);
+    runtime::Trainer trainer(*p, opts.threads, MPI_COMM_WORLD);
     trainer.run();
   } catch (const Error& e) {
     train_error = e.what();

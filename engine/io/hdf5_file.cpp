@@ -1,8 +1,12 @@
 #include "engine/io/hdf5_file.h"
 
+#include <fcntl.h>
 #include <hdf5.h>
+#include <unistd.h>
 
 #include <fmt/format.h>
+
+#include <algorithm>
 
 #include "engine/common/error.h"
 
@@ -58,7 +62,8 @@ std::vector<T> read_impl(hid_t file, const std::string& path, const std::string&
 
 H5File::H5File(const std::string& path, Mode mode) : path_(path) {
   file_ = mode == Mode::kCreate ? H5Fcreate(path.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, H5P_DEFAULT)
-                                : H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT);
+          : mode == Mode::kRead ? H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT)
+                                : H5Fopen(path.c_str(), H5F_ACC_RDWR, H5P_DEFAULT);
   if (file_ < 0)
     throw Error(fmt::format("{}: cannot {} the HDF5 file", path,
                             mode == Mode::kCreate ? "create" : "open (missing or not HDF5?)"));
@@ -76,6 +81,50 @@ void H5File::write(const std::string& name, const int32_t* data, const std::vect
 }
 void H5File::write(const std::string& name, const double* data, const std::vector<int64_t>& shape) {
   write_impl(file_, path_, name, data, shape, H5T_NATIVE_DOUBLE);
+}
+
+void H5File::write_checked(const std::string& name, const float* data, const std::vector<int64_t>& shape) {
+  std::vector<hsize_t> dims(shape.begin(), shape.end()), chunk = dims;
+  // Chunks of at most 1M elements (4 MiB), whole rows for matrices.
+  constexpr hsize_t kChunk = 1 << 20;
+  if (dims.size() == 1) chunk[0] = std::max<hsize_t>(1, std::min(dims[0], kChunk));
+  else if (dims.size() == 2) chunk[0] = std::max<hsize_t>(1, std::min(dims[0], kChunk / std::max<hsize_t>(1, dims[1])));
+  for (hsize_t& c : chunk) c = std::max<hsize_t>(c, 1);
+  Handle space{check(H5Screate_simple(int(dims.size()), dims.data(), nullptr), "dataspace " + name, path_), H5Sclose};
+  Handle lcpl{H5Pcreate(H5P_LINK_CREATE), H5Pclose};
+  H5Pset_create_intermediate_group(lcpl.id, 1);
+  Handle dcpl{H5Pcreate(H5P_DATASET_CREATE), H5Pclose};
+  const bool empty = std::any_of(dims.begin(), dims.end(), [](hsize_t d) { return d == 0; });
+  if (!empty) {
+    check(H5Pset_chunk(dcpl.id, int(chunk.size()), chunk.data()), "chunking " + name, path_, 0);
+    check(H5Pset_fletcher32(dcpl.id), "checksum filter " + name, path_, 0);
+  }
+  Handle ds{check(H5Dcreate2(file_, name.c_str(), H5T_NATIVE_FLOAT, space.id, lcpl.id, dcpl.id, H5P_DEFAULT),
+                  "create dataset " + name, path_), H5Dclose};
+  if (!empty) check(H5Dwrite(ds.id, H5T_NATIVE_FLOAT, H5S_ALL, H5S_ALL, H5P_DEFAULT, data), "write " + name, path_, 0);
+}
+
+std::vector<float> H5File::read_slice(const std::string& name, const std::vector<int64_t>& offset,
+                                      const std::vector<int64_t>& count) const {
+  int64_t n = 1;
+  for (int64_t c : count) n *= c;
+  std::vector<float> out(n);
+  Handle ds{check(H5Dopen2(file_, name.c_str(), H5P_DEFAULT), "open dataset " + name, path_), H5Dclose};
+  Handle file_space{H5Dget_space(ds.id), H5Sclose};
+  std::vector<hsize_t> start(offset.begin(), offset.end()), cnt(count.begin(), count.end());
+  check(H5Sselect_hyperslab(file_space.id, H5S_SELECT_SET, start.data(), nullptr, cnt.data(), nullptr),
+        "select " + name, path_, 0);
+  Handle mem{check(H5Screate_simple(int(cnt.size()), cnt.data(), nullptr), "memory space " + name, path_), H5Sclose};
+  if (n > 0) check(H5Dread(ds.id, H5T_NATIVE_FLOAT, mem.id, file_space.id, H5P_DEFAULT, out.data()), "read " + name, path_, 0);
+  return out;
+}
+
+void fsync_path(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY);
+  if (fd < 0) throw Error(fmt::format("{}: cannot open to flush it to disk", path));
+  const int rc = ::fsync(fd);
+  ::close(fd);
+  if (rc != 0) throw Error(fmt::format("{}: fsync failed", path));
 }
 
 bool H5File::exists(const std::string& name) const {
@@ -120,6 +169,7 @@ std::vector<std::string> H5File::list(const std::string& group) const {
 }
 
 void H5File::set_attr(const std::string& name, double value) {
+  if (H5Aexists(file_, name.c_str()) > 0) H5Adelete(file_, name.c_str());
   Handle space{H5Screate(H5S_SCALAR), H5Sclose};
   Handle a{check(H5Acreate2(file_, name.c_str(), H5T_NATIVE_DOUBLE, space.id, H5P_DEFAULT, H5P_DEFAULT),
                  "create attribute " + name, path_), H5Aclose};
@@ -127,6 +177,7 @@ void H5File::set_attr(const std::string& name, double value) {
 }
 
 void H5File::set_attr(const std::string& name, const std::string& value) {
+  if (H5Aexists(file_, name.c_str()) > 0) H5Adelete(file_, name.c_str());
   Handle type{H5Tcopy(H5T_C_S1), H5Tclose};
   H5Tset_size(type.id, std::max<size_t>(value.size(), 1));
   H5Tset_cset(type.id, H5T_CSET_UTF8);

@@ -10,7 +10,7 @@ namespace dstrain::io {
 
 class H5File {
  public:
-  enum class Mode { kCreate, kRead };
+  enum class Mode { kCreate, kRead, kReadWrite };
   H5File(const std::string& path, Mode mode);
   ~H5File();
   H5File(const H5File&) = delete;
@@ -22,6 +22,12 @@ class H5File {
   void write(const std::string& name, const float* data, const std::vector<int64_t>& shape);
   void write(const std::string& name, const int32_t* data, const std::vector<int64_t>& shape);
   void write(const std::string& name, const double* data, const std::vector<int64_t>& shape);
+  // A float dataset stored in chunks with HDF5's Fletcher-32 checksum filter: a read of a chunk
+  // whose bytes changed fails instead of returning wrong numbers.
+  void write_checked(const std::string& name, const float* data, const std::vector<int64_t>& shape);
+  // The block [offset, offset + count) of a float dataset (a rank's shard), row-major.
+  std::vector<float> read_slice(const std::string& name, const std::vector<int64_t>& offset,
+                                const std::vector<int64_t>& count) const;
   bool exists(const std::string& name) const;
   std::vector<int64_t> shape(const std::string& name) const;
   std::vector<float> read_floats(const std::string& name) const;
@@ -40,5 +46,8 @@ class H5File {
   std::string path_;
   long long file_ = -1;
 };
+
+// Durability: flush a file's data, or a directory's entries, to the disk (fsync).
+void fsync_path(const std::string& path);
 
 }  // namespace dstrain::io

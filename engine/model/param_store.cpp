@@ -117,6 +117,14 @@ void ParamStore::zero_grads() {
   std::fill(expert_grad_.begin(), expert_grad_.end(), 0.0f);
 }
 
+void ParamStore::slice_to_full(const ParamView& v, const float* local, float* full) {
+  for_each_global_index(*v.info, v.shard, [&](int64_t l, int64_t g) { full[g] = local[l]; });
+}
+
+void ParamStore::full_to_slice(const ParamView& v, const float* full, float* local) {
+  for_each_global_index(*v.info, v.shard, [&](int64_t l, int64_t g) { local[l] = full[g]; });
+}
+
 void ParamStore::load_full(const std::string& name, const float* full, bool into_grad) {
   const ParamView& v = view(name);
   float* p = base(v, into_grad) + v.offset;

@@ -62,6 +62,11 @@ class ParamStore {
 
   int64_t num_params() const { return int64_t(dense_.size() + expert_.size()); }
 
+  // Copies between a full tensor and a rank's slice of it held in `local` (any flat buffer laid
+  // out like this store's, e.g. optimizer moments: pass the address of the view's first element).
+  static void slice_to_full(const ParamView& v, const float* local, float* full);
+  static void full_to_slice(const ParamView& v, const float* full, float* local);
+
   // Copies between a full tensor and this rank's slice of it.
   void load_full(const std::string& name, const float* full, bool into_grad = false);
   void store_full(const std::string& name, float* full, bool from_grad = false) const;

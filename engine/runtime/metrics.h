@@ -18,6 +18,11 @@ class MetricsFile {
  public:
   explicit MetricsFile(const std::string& path);  // "" disables; appends otherwise
   ~MetricsFile();
+  MetricsFile(const MetricsFile&) = delete;
+  MetricsFile& operator=(MetricsFile&& other) noexcept {
+    std::swap(f_, other.f_);
+    return *this;
+  }
   void write(int64_t step, const Scalars& values);  // {"step": s, "k": v, ...}, flushed
 
  private:
@@ -28,6 +33,12 @@ class TensorBoardWriter {
  public:
   explicit TensorBoardWriter(const std::string& dir);  // "" disables; creates the directory
   ~TensorBoardWriter();
+  TensorBoardWriter(const TensorBoardWriter&) = delete;
+  TensorBoardWriter& operator=(TensorBoardWriter&& other) noexcept {
+    std::swap(f_, other.f_);
+    std::swap(path_, other.path_);
+    return *this;
+  }
   void write(int64_t step, const Scalars& values);     // one Event with one Summary value each
   const std::string& path() const { return path_; }
 

@@ -1,8 +1,12 @@
 #include "engine/runtime/trainer.h"
 
+#include <atomic>
 #include <cmath>
+#include <csignal>
 
 #include <spdlog/spdlog.h>
+
+#include "engine/comm/collectives.h"
 
 #include "engine/common/error.h"
 #include "engine/common/strings.h"
@@ -19,24 +23,43 @@ std::string clock_text(double s) {
                    : fmt::format("{}:{:02}", t / 60, t % 60);
 }
 
+std::atomic<int> g_stop_signal{0};
+
 }  // namespace
 
-Trainer::Trainer(const plan::ParallelPlan& plan, int threads)
-    : plan_(plan), cfg_(plan.config), schedule_(plan.config),
-      metrics_(plan.config.monitor.metrics_file), tensorboard_(plan.config.monitor.tensorboard) {
-  if (plan.degrees.world() != 1)
-    throw ConfigError(fmt::format("this build trains on one rank; the layout has {} (data, tensor, "
-                                  "pipeline and expert parallel training are the next issues)",
-                                  plan.degrees.world()));
+void Trainer::request_stop(int signal) { g_stop_signal.store(signal); }
+
+Trainer::Trainer(const plan::ParallelPlan& plan, int threads, MPI_Comm world)
+    : plan_(plan), cfg_(plan_.config), schedule_(plan_.config), metrics_(""), tensorboard_(""), world_(world) {
+  const plan::Degrees& d = plan_.degrees;
+  if (d.tp != 1 || d.pp != 1 || d.ep != 1)
+    throw ConfigError(fmt::format("this build trains with data parallelism only; the layout has tensor "
+                                  "{}, pipeline {}, expert {} (those runtimes are the next issues)",
+                                  d.tp, d.pp, d.ep));
+  if (world_ != MPI_COMM_NULL) MPI_Comm_rank(world_, &rank_);
+  dp_size_ = d.dp;
+  if (dp_size_ > 1 && world_ == MPI_COMM_NULL)
+    throw ConfigError(fmt::format("a data-parallel layout of {} ranks needs MPI (run under mpirun)", dp_size_));
+  if (rank_ == 0) {
+    metrics_ = MetricsFile(cfg_.monitor.metrics_file);
+    tensorboard_ = TensorBoardWriter(cfg_.monitor.tensorboard);
+  }
   const config::ModelConfig& m = cfg_.model;
   be_ = kernels::make_cpu_backend(threads);
-  params_ = std::make_unique<model::ParamStore>(plan.params, plan.param_stage, m.num_routed(), model::ShardCoords{});
+  params_ = std::make_unique<model::ParamStore>(plan_.params, plan_.param_stage, m.num_routed(), model::ShardCoords{});
   params_->initialize(uint64_t(cfg_.seed), m.initializer_range, m.pad_token_id);
   dataset_ = std::make_unique<data::TokenDataset>(cfg_);
-  model_ = std::make_unique<model::DeepSeekModel>(m, *be_, coll_, *params_, plan.batch.micro, cfg_.seq_length);
+  model_ = std::make_unique<model::DeepSeekModel>(m, *be_, coll_, *params_, plan_.batch.micro, cfg_.seq_length);
   adam_ = std::make_unique<AdamW>(cfg_.optimizer, *params_, *be_);
-  tokens_.resize(plan.batch.micro * (cfg_.seq_length + 1));
+  tokens_.resize(plan_.batch.micro * (cfg_.seq_length + 1));
   peak_flops_ = cfg_.monitor.peak_tflops > 0 ? cfg_.monitor.peak_tflops * 1e12 : measure_peak_flops();
+  checkpointer_ = std::make_unique<Checkpointer>(plan_, world_);
+  const std::string resume = checkpointer_->resume_path();
+  if (!resume.empty()) {
+    const TrainState st = checkpointer_->load(resume, *params_, adam_.get());
+    start_step_ = st.step;
+    if (rank_ == 0) spdlog::info("resumed from {} at step {}", resume, start_step_);
+  }
 }
 
 Trainer::~Trainer() = default;
@@ -55,6 +78,21 @@ double Trainer::measure_peak_flops() {
   return best;
 }
 
+// Data parallelism: every rank computed its slice's share of the global mean; the sums over
+// ranks are the single-rank gradients, losses and expert loads.
+void Trainer::reduce_gradients(StepResult& r) {
+  if (dp_size_ == 1) return;
+  comm::all_reduce_sum(params_->dense_grads().data(), int64_t(params_->dense_grads().size()), world_);
+  comm::all_reduce_sum(params_->expert_grads().data(), int64_t(params_->expert_grads().size()), world_);
+  std::vector<double> scalars = {r.loss.ce, r.loss.aux, r.loss.mtp};
+  for (const auto& l : r.expert_loads) scalars.insert(scalars.end(), l.begin(), l.end());
+  comm::all_reduce_sum(scalars.data(), int64_t(scalars.size()), world_);
+  r.loss.ce = scalars[0], r.loss.aux = scalars[1], r.loss.mtp = scalars[2];
+  size_t at = 3;
+  for (auto& l : r.expert_loads)
+    for (auto& x : l) x = int64_t(std::llround(scalars[at++]));
+}
+
 StepResult Trainer::compute_gradients(int64_t step) {
   StepResult r;
   const plan::BatchPlan& b = plan_.batch;
@@ -63,7 +101,7 @@ StepResult Trainer::compute_gradients(int64_t step) {
   auto moes = model_->moe_layers();
   for (auto* moe : moes) std::fill(moe->stats().loads.begin(), moe->stats().loads.end(), 0);
   for (int64_t m = 0; m < b.accumulation; ++m) {
-    const int64_t first = data::TokenDataset::position(step, b.global, 0, 1, m, b.micro);
+    const int64_t first = data::TokenDataset::position(step, b.global, rank_, dp_size_, m, b.micro);
     dataset_->train_batch(tokens_.data(), first, b.micro);
     auto t0 = Clock::now();
     const model::Losses l = model_->forward(tokens_.data(), scale);
@@ -74,6 +112,7 @@ StepResult Trainer::compute_gradients(int64_t step) {
     r.loss.ce += l.ce, r.loss.aux += l.aux, r.loss.mtp += l.mtp;
   }
   for (auto* moe : moes) r.expert_loads.push_back(moe->stats().loads);
+  reduce_gradients(r);
   return r;
 }
 
@@ -100,9 +139,12 @@ double Trainer::validate() {
   double ce = 0;
   for (int64_t i = 0; i < iters; ++i)
     for (int64_t m = 0; m < b.accumulation; ++m) {
-      dataset_->validation_batch(tokens_.data(), i * b.global + m * b.micro, b.micro);
+      dataset_->validation_batch(tokens_.data(), data::TokenDataset::position(i, b.global, rank_, dp_size_, m, b.micro),
+                                 b.micro);
       ce += model_->forward(tokens_.data(), scale).ce;
     }
+  if (dp_size_ > 1) comm::all_reduce_sum(&ce, 1, world_);
+  for (auto* moe : model_->moe_layers()) std::fill(moe->stats().loads.begin(), moe->stats().loads.end(), 0);
   return ce;
 }
 
@@ -153,22 +195,39 @@ void Trainer::log_step(int64_t step, const StepResult& r, double window_s, int64
   tensorboard_.write(step + 1, s);
 }
 
+std::string Trainer::save_checkpoint(int64_t steps_done) {
+  TrainState st;
+  st.step = steps_done;
+  st.tokens_seen = steps_done * plan_.batch.tokens_per_step();
+  return checkpointer_->save(st, *params_, *adam_);
+}
+
 TrainSummary Trainer::run() {
   const data::DatasetInfo& d = dataset_->info();
-  spdlog::info("data {}: {} tokens ({}), {} train / {} validation samples of {} tokens; {} tokens per step",
-               d.path, with_commas(d.tokens), d.tokenizer, with_commas(d.train_samples),
-               with_commas(d.validation_samples), cfg_.seq_length + 1,
-               with_commas(plan_.batch.tokens_per_step()));
-  spdlog::info("model {} parameters on {}; MFU against {:.3f} TFLOP/s ({})",
-               with_commas(params_->num_params()), be_->name(), peak_flops_ / 1e12,
-               cfg_.monitor.peak_tflops > 0 ? "monitor.peak_tflops" : "measured fp32 GEMM peak");
+  if (rank_ == 0) {
+    spdlog::info("data {}: {} tokens ({}), {} train / {} validation samples of {} tokens; {} tokens per step",
+                 d.path, with_commas(d.tokens), d.tokenizer, with_commas(d.train_samples),
+                 with_commas(d.validation_samples), cfg_.seq_length + 1,
+                 with_commas(plan_.batch.tokens_per_step()));
+    spdlog::info("model {} parameters on {}{}; MFU against {:.3f} TFLOP/s ({})",
+                 with_commas(params_->num_params()), be_->name(),
+                 dp_size_ > 1 ? fmt::format(" x {} data-parallel ranks", dp_size_) : "", peak_flops_ / 1e12,
+                 cfg_.monitor.peak_tflops > 0 ? "monitor.peak_tflops" : "measured fp32 GEMM peak");
+  }
+  const auto on_signal = [](int sig) { Trainer::request_stop(sig); };
+  std::signal(SIGTERM, on_signal);
+  std::signal(SIGINT, on_signal);
   TrainSummary out;
   const auto start = Clock::now();
   auto window_start = Clock::now();
-  double excluded = 0;  // validation time inside the current window
-  int64_t window_steps = 0;
+  double excluded = 0;  // validation and checkpoint time inside the current window
+  int64_t window_steps = 0, last_saved = start_step_;
   StepResult last;
-  for (int64_t step = 0; step < cfg_.train_steps; ++step) {
+  if (start_step_ >= cfg_.train_steps && rank_ == 0)
+    spdlog::info("step {} reached train_steps {}: nothing to train (raise train_steps, or start afresh "
+                 "with --set checkpoint.resume=none)",
+                 start_step_, cfg_.train_steps);
+  for (int64_t step = start_step_; step < cfg_.train_steps; ++step) {
     last = train_step(step);
     ++window_steps;
     if (!std::isfinite(last.loss.ce))
@@ -184,19 +243,37 @@ TrainSummary Trainer::run() {
       out.final_val_loss = *val;
       excluded += seconds_since(t);
     }
-    if ((step + 1) % cfg_.steps_per_print == 0 || last_step || val) {
+    if (rank_ == 0 && ((step + 1) % cfg_.steps_per_print == 0 || last_step || val)) {
       log_step(step, last, seconds_since(window_start) - excluded, window_steps, seconds_since(start), val);
       window_start = Clock::now(), excluded = 0, window_steps = 0;
     }
-    if (cfg_.monitor.expert_stats_interval > 0 && (step + 1) % cfg_.monitor.expert_stats_interval == 0)
+    if (rank_ == 0 && cfg_.monitor.expert_stats_interval > 0 && (step + 1) % cfg_.monitor.expert_stats_interval == 0)
       log_expert_stats(step, last);
+    int stop = g_stop_signal.load();
+    if (world_ != MPI_COMM_NULL) stop = comm::all_reduce_max(stop, world_);  // stop together
+    const bool interval = cfg_.checkpoint.interval > 0 && (step + 1) % cfg_.checkpoint.interval == 0;
+    if (interval || last_step || stop) {
+      const auto t = Clock::now();
+      save_checkpoint(step + 1);
+      last_saved = step + 1;
+      excluded += seconds_since(t);
+    }
+    if (stop) {
+      if (rank_ == 0) spdlog::info("stopped by signal {} after step {}; checkpoint saved", stop, step + 1);
+      out.stopped = true;
+      out.steps = step + 1;
+      break;
+    }
+    out.steps = step + 1;
   }
-  out.steps = cfg_.train_steps;
+  checkpointer_->wait();
+  (void)last_saved;
   out.final_loss = last.loss.ce;
   out.seconds = seconds_since(start);
-  out.tokens_per_sec = double(out.steps * plan_.batch.tokens_per_step()) / out.seconds;
-  spdlog::info("done: {} steps in {}, train loss {:.4f}{}", out.steps, clock_text(out.seconds), out.final_loss,
-               out.final_val_loss >= 0 ? fmt::format(", validation loss {:.4f}", out.final_val_loss) : "");
+  out.tokens_per_sec = double((out.steps - start_step_) * plan_.batch.tokens_per_step()) / out.seconds;
+  if (rank_ == 0 && !out.stopped)
+    spdlog::info("done: {} steps in {}, train loss {:.4f}{}", out.steps, clock_text(out.seconds), out.final_loss,
+                 out.final_val_loss >= 0 ? fmt::format(", validation loss {:.4f}", out.final_val_loss) : "");
   return out;
 }
 

@@ -1,9 +1,14 @@
-// The training loop on one rank (data parallelism comes with the communicator issue): every
-// step accumulates the gradients of `gradient_accumulation_steps` micro-batches of the fixed
-// sample order (the loss is the mean over all tokens of the global batch), clips the global
-// norm, takes an AdamW step at the scheduled learning rate, and applies the aux-loss-free router
-// bias update from the step's expert loads. Rank 0 logs every steps_per_print steps, runs
-// validation every data.eval_interval steps, prints expert load statistics, and writes metrics.
+// The training loop. Every step accumulates the gradients of `gradient_accumulation_steps`
+// micro-batches of the fixed sample order (the loss is the mean over all tokens of the global
+// batch), sums them over the data-parallel ranks, clips the global norm, takes an AdamW step at
+// the scheduled learning rate, and applies the aux-loss-free router-bias update from the step's
+// expert loads. Rank 0 logs every steps_per_print steps, runs validation every
+// data.eval_interval steps, prints expert load statistics and writes metrics. Checkpoints are
+// saved every checkpoint.interval steps, at the end, and on SIGTERM / SIGINT (then the run
+// stops cleanly); checkpoint.resume picks the checkpoint to continue from.
+//
+// Layouts: data parallelism over plain MPI all-reduces (bucketing, overlap and ZeRO come with
+// the data-parallel issue); tensor, pipeline and expert parallelism are not trained yet.
 #pragma once
 
 #include <chrono>
@@ -13,6 +18,7 @@
 #include "engine/data/token_dataset.h"
 #include "engine/model/deepseek_model.h"
 #include "engine/plan/parallel_plan.h"
+#include "engine/runtime/checkpoint.h"
 #include "engine/runtime/lr_schedule.h"
 #include "engine/runtime/metrics.h"
 #include "engine/runtime/optimizer.h"
@@ -27,14 +33,16 @@ struct StepResult {
 };
 
 struct TrainSummary {
-  int64_t steps = 0;
+  int64_t steps = 0;  // steps completed when the run ended
+  bool stopped = false;  // by SIGTERM / SIGINT
   double final_loss = 0, final_val_loss = -1, seconds = 0, tokens_per_sec = 0;
 };
 
 class Trainer {
  public:
-  // `threads` CPU threads (0: all). The plan must be for one rank.
-  Trainer(const plan::ParallelPlan& plan, int threads);
+  // `threads` CPU threads (0: all). `world`: the MPI communicator of the job, or MPI_COMM_NULL
+  // for a single process. Resumes per checkpoint.resume.
+  Trainer(const plan::ParallelPlan& plan, int threads, MPI_Comm world = MPI_COMM_NULL);
   ~Trainer();
 
   // Gradients of step `step` (0-based) without touching the weights.
@@ -43,8 +51,14 @@ class Trainer {
   StepResult train_step(int64_t step);
   // Mean cross-entropy over data.eval_iters global batches of validation data.
   double validate();
-  // The whole run, logging as configured.
+  // The whole run from the resumed step, logging and saving as configured.
   TrainSummary run();
+  // Saves a checkpoint of the state after `steps_done` steps (collective).
+  std::string save_checkpoint(int64_t steps_done);
+  int64_t start_step() const { return start_step_; }
+
+  // Set from a signal handler: the loop saves and stops after the current step.
+  static void request_stop(int signal);
 
   model::ParamStore& params() { return *params_; }
   const data::TokenDataset& dataset() const { return *dataset_; }
@@ -52,11 +66,12 @@ class Trainer {
 
  private:
   double measure_peak_flops();
+  void reduce_gradients(StepResult& r);
   void log_step(int64_t step, const StepResult& r, double window_s, int64_t window_steps,
                 double elapsed_s, const std::optional<double>& val);
   void log_expert_stats(int64_t step, const StepResult& r);
 
-  const plan::ParallelPlan& plan_;
+  const plan::ParallelPlan plan_;  // owned: the parameter store's views point into its registry
   const config::TrainConfig& cfg_;
   std::unique_ptr<kernels::Backend> be_;
   std::unique_ptr<model::ParamStore> params_;
@@ -69,6 +84,10 @@ class Trainer {
   TensorBoardWriter tensorboard_;
   std::vector<int32_t> tokens_;
   double peak_flops_ = 0;
+  MPI_Comm world_ = MPI_COMM_NULL;
+  int rank_ = 0, dp_size_ = 1;
+  std::unique_ptr<Checkpointer> checkpointer_;
+  int64_t start_step_ = 0;
 };
 
 }  // namespace dstrain::runtime

@@ -160,7 +160,8 @@ TEST(Cli, CheckCommBuildsAndVerifiesEveryGroup) {
 }
 
 TEST(Cli, TrainsTheTinyPreset) {
-  const Result r = run(kDstrain + " configs/tiny.yaml --set train_steps=4 --set steps_per_print=2");
+  const Result r = run(kDstrain + " configs/tiny.yaml --set train_steps=4 --set steps_per_print=2 "
+                       "--set checkpoint.resume=none --set checkpoint.dir=" + ::testing::TempDir() + "/cli_tiny");
   EXPECT_EQ(r.rc, 0) << r.err;
   EXPECT_NE(r.out.find("step 2/4 | loss "), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("done: 4 steps in"), std::string::npos) << r.out;

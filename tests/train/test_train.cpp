@@ -195,7 +195,8 @@ TEST(Trainer, RunWritesMetricsAndTensorBoard) {
   std::filesystem::remove_all(dir);
   const plan::ParallelPlan p = tiny_plan({"train_steps=6", "steps_per_print=2", "data.eval_interval=3",
                                           "monitor.metrics_file=" + dir + "/m.jsonl",
-                                          "monitor.tensorboard=" + dir + "/tb", "wall_clock_breakdown=true"});
+                                          "monitor.tensorboard=" + dir + "/tb", "wall_clock_breakdown=true",
+                                          "checkpoint.dir=" + dir + "/ckpt", "checkpoint.resume=none"});
   Trainer t(p, 1);
   const TrainSummary s = t.run();
   EXPECT_EQ(s.steps, 6);

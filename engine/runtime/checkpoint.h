@@ -1,0 +1,70 @@
+// Checkpoints (DESIGN §2, format documented in docs/checkpoint-format.md): one HDF5 file per
+// save, written by rank 0, holding every tensor at its full unsharded shape under its Hugging
+// Face name (fp32 master values), the AdamW moments under the same names, the training state and
+// the resolved config. Rank 0 gathers one tensor at a time from the ranks that own its slices
+// (memory bounded by the largest tensor), writes to NAME.tmp, flushes it to disk, renames it,
+// and only then points `latest` at it — a crash at any moment leaves the previous checkpoint
+// loadable. Any layout loads any checkpoint: each rank reads only its own slices.
+#pragma once
+
+#include <mpi.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "engine/model/param_store.h"
+#include "engine/plan/parallel_plan.h"
+#include "engine/runtime/optimizer.h"
+
+namespace dstrain::runtime {
+
+inline constexpr int kCheckpointFormatVersion = 1;
+
+struct TrainState {
+  int64_t step = 0;         // optimizer steps completed (= the data position, DESIGN §2)
+  int64_t tokens_seen = 0;
+  double loss_scale = 1.0;  // dynamic fp16 loss scale (1 without fp16)
+};
+
+class Checkpointer {
+ public:
+  // `world` is MPI_COMM_NULL in a single process without MPI.
+  Checkpointer(const plan::ParallelPlan& plan, MPI_Comm world);
+  ~Checkpointer();
+
+  // Collective over `world`. Writes checkpoint.dir/step_NNNNNNNN.h5 and updates `latest`;
+  // with checkpoint.async, returns once the tensors are gathered and writes in the background.
+  // Returns the checkpoint's path.
+  std::string save(const TrainState& state, model::ParamStore& params, AdamW& adam);
+  // Waits for a background write; rethrows its error.
+  void wait();
+
+  // The checkpoint that checkpoint.resume asks for ("" for none): auto = `latest` in
+  // checkpoint.dir if any, none, or a path (a checkpoint file or a checkpoint directory).
+  std::string resume_path() const;
+
+  // Collective. Fills this rank's slices of the parameters, buffers and (if `adam`) moments.
+  // Throws ConfigError naming the file and the tensor on any mismatch or corruption.
+  TrainState load(const std::string& path, model::ParamStore& params, AdamW* adam) const;
+
+ private:
+  struct Pending;
+  std::string write_path(int64_t step) const;
+  void finish_file(const std::string& tmp, const std::string& path) const;
+
+  const plan::ParallelPlan& plan_;
+  MPI_Comm world_ = MPI_COMM_NULL;
+  int rank_ = 0;
+  std::unique_ptr<Pending> pending_;
+  int64_t saves_ = 0;
+};
+
+// checkpoint.dir/latest resolved to a file path, or "" when there is none.
+std::string latest_checkpoint(const std::string& dir);
+// step_*.h5 files of a directory, oldest first.
+std::vector<std::string> list_checkpoints(const std::string& dir);
+
+}  // namespace dstrain::runtime
