@@ -18,6 +18,7 @@
 #include "engine/runtime/groups.h"
 #include "engine/runtime/trainer.h"
 #include "launcher/cli.h"
+#include "launcher/signals.h"
 
 namespace {
 
@@ -147,6 +148,7 @@ int run(const launcher::Options& opts, int rank, int world) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  launcher::install_stop_signals();
   launcher::Options opts;
   try {
     opts = launcher::parse_args(std::vector<std::string>(argv + 1, argv + argc));

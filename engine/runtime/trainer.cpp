@@ -2,7 +2,6 @@
 
 #include <atomic>
 #include <cmath>
-#include <csignal>
 
 #include <spdlog/spdlog.h>
 
@@ -24,10 +23,15 @@ std::string clock_text(double s) {
 }
 
 std::atomic<int> g_stop_signal{0};
+std::atomic<bool> g_loop_running{false};
 
 }  // namespace
 
-void Trainer::request_stop(int signal) { g_stop_signal.store(signal); }
+bool Trainer::request_stop(int signal) {
+  if (!g_loop_running.load()) return false;
+  int expected = 0;
+  return g_stop_signal.compare_exchange_strong(expected, signal);
+}
 
 Trainer::Trainer(const plan::ParallelPlan& plan, int threads, MPI_Comm world)
     : plan_(plan), cfg_(plan_.config), schedule_(plan_.config), metrics_(""), tensorboard_(""), world_(world) {
@@ -214,9 +218,7 @@ TrainSummary Trainer::run() {
                  dp_size_ > 1 ? fmt::format(" x {} data-parallel ranks", dp_size_) : "", peak_flops_ / 1e12,
                  cfg_.monitor.peak_tflops > 0 ? "monitor.peak_tflops" : "measured fp32 GEMM peak");
   }
-  const auto on_signal = [](int sig) { Trainer::request_stop(sig); };
-  std::signal(SIGTERM, on_signal);
-  std::signal(SIGINT, on_signal);
+  g_loop_running.store(true);
   TrainSummary out;
   const auto start = Clock::now();
   auto window_start = Clock::now();
@@ -267,6 +269,7 @@ TrainSummary Trainer::run() {
     out.steps = step + 1;
   }
   checkpointer_->wait();
+  g_loop_running.store(false);
   (void)last_saved;
   out.final_loss = last.loss.ce;
   out.seconds = seconds_since(start);

@@ -57,8 +57,9 @@ class Trainer {
   std::string save_checkpoint(int64_t steps_done);
   int64_t start_step() const { return start_step_; }
 
-  // Set from a signal handler: the loop saves and stops after the current step.
-  static void request_stop(int signal);
+  // Asks a running loop to save and stop after the current step. Returns false when no loop is
+  // running or a stop was already requested (the caller should then exit at once).
+  static bool request_stop(int signal);
 
   model::ParamStore& params() { return *params_; }
   const data::TokenDataset& dataset() const { return *dataset_; }

@@ -5,7 +5,9 @@
 #include <cstdio>
 #include <cmath>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
+#include <map>
 #include <sstream>
 #include <sys/wait.h>
 
@@ -210,6 +212,85 @@ TEST(Cli, DumpGradsNeedsOneRank) {
   const auto errors = lines_with(r.err, "dstrain: error:");
   ASSERT_EQ(errors.size(), 1u) << r.err;
   EXPECT_NE(errors[0].find("--dump-grads runs on one rank"), std::string::npos);
+}
+
+// Losses of a metrics file by step.
+std::map<int, double> losses(const std::string& path) {
+  std::map<int, double> out;
+  std::ifstream in(path);
+  for (std::string line; std::getline(in, line);) {
+    const auto s = line.find("\"step\": "), l = line.find("\"loss\": ");
+    if (s == std::string::npos || l == std::string::npos) continue;
+    out[std::stoi(line.substr(s + 8))] = std::stod(line.substr(l + 8));
+  }
+  return out;
+}
+
+std::string train_cmd(const std::string& dir, const std::string& name, int steps, const std::string& extra = "") {
+  return kDstrain + " configs/tiny.yaml --set train_steps=" + std::to_string(steps) +
+         " --set steps_per_print=1 --set data.eval_interval=0 --set monitor.expert_stats_interval=0"
+         " --set checkpoint.interval=4 --set checkpoint.dir=" + dir + "/" + name +
+         " --set monitor.metrics_file=" + dir + "/" + name + ".jsonl " + extra;
+}
+
+// A checkpoint saved on one layout continues the same loss curve on another: 1 -> 2 ranks and
+// 2 -> 1 rank (data parallel), against 8 straight steps on 1 rank.
+TEST(Checkpoints, ResumeOnAnotherLayoutContinuesTheCurve) {
+  const std::string dir = ::testing::TempDir() + "/layouts";
+  std::filesystem::remove_all(dir);
+  ASSERT_EQ(run(train_cmd(dir, "straight", 8, "--resume none")).rc, 0);
+  ASSERT_EQ(run(train_cmd(dir, "one", 4, "--resume none")).rc, 0);
+  Result r = run(mpirun(2) + train_cmd(dir, "one_then_two", 8, "--resume " + dir + "/one"));
+  ASSERT_EQ(r.rc, 0) << r.err << r.out;
+  EXPECT_NE(r.out.find("resumed from " + dir + "/one/step_00000004.h5 at step 4"), std::string::npos) << r.out;
+  ASSERT_EQ(run(mpirun(2) + train_cmd(dir, "two", 4, "--resume none")).rc, 0);
+  r = run(train_cmd(dir, "two_then_one", 8, "--resume " + dir + "/two/step_00000004.h5"));
+  ASSERT_EQ(r.rc, 0) << r.err;
+  const auto ref = losses(dir + "/straight.jsonl");
+  const auto a = losses(dir + "/one_then_two.jsonl"), b = losses(dir + "/two_then_one.jsonl");
+  const auto first_two = losses(dir + "/two.jsonl");
+  ASSERT_EQ(ref.size(), 8u);
+  for (int step = 1; step <= 4; ++step) EXPECT_NEAR(first_two.at(step), ref.at(step), 1e-5 * ref.at(step));
+  for (int step = 5; step <= 8; ++step) {
+    EXPECT_NEAR(a.at(step), ref.at(step), 1e-5 * ref.at(step)) << "1 -> 2 ranks, step " << step;
+    EXPECT_NEAR(b.at(step), ref.at(step), 1e-5 * ref.at(step)) << "2 -> 1 rank, step " << step;
+  }
+}
+
+// SIGTERM: the run saves a checkpoint after the current step and exits 0; auto-resume goes on.
+TEST(Checkpoints, SigtermSavesAndStopsCleanly) {
+  const std::string dir = ::testing::TempDir() + "/sigterm";
+  std::filesystem::remove_all(dir);
+  const std::string cmd = train_cmd(dir, "run", 100000, "--resume none --set checkpoint.interval=0");
+  const Result r = run("(" + cmd + " & pid=$!; sleep 2; kill -TERM $pid; wait $pid)");
+  EXPECT_EQ(r.rc, 0) << r.err;
+  EXPECT_NE(r.out.find("stopped by signal 15 after step"), std::string::npos) << r.out;
+  std::ifstream latest(dir + "/run/latest");
+  std::string name;
+  ASSERT_TRUE(latest >> name) << "no latest pointer";
+  const int step = std::stoi(name.substr(5, 8));
+  EXPECT_GT(step, 0);
+  const Result again = run(train_cmd(dir, "run", step + 2, "--set checkpoint.interval=0"));
+  EXPECT_EQ(again.rc, 0) << again.err;
+  EXPECT_NE(again.out.find("at step " + std::to_string(step)), std::string::npos) << again.out;
+}
+
+// A crash in the middle of a save leaves the previous checkpoint loadable and `latest` on it.
+TEST(Checkpoints, CrashDuringSaveKeepsThePreviousCheckpoint) {
+  const std::string dir = ::testing::TempDir() + "/crash";
+  std::filesystem::remove_all(dir);
+  const Result r = run("DSTRAIN_FAULT_INJECT=crash_during_save:2 " + train_cmd(dir, "run", 12, "--resume none"));
+  EXPECT_NE(r.rc, 0);  // aborted while writing step 8
+  std::ifstream latest(dir + "/run/latest");
+  std::string name;
+  ASSERT_TRUE(latest >> name);
+  EXPECT_EQ(name, "step_00000004.h5");
+  EXPECT_TRUE(std::filesystem::exists(dir + "/run/step_00000008.h5.tmp"));
+  EXPECT_FALSE(std::filesystem::exists(dir + "/run/step_00000008.h5"));
+  const Result again = run(train_cmd(dir, "run", 12, ""));
+  EXPECT_EQ(again.rc, 0) << again.err;
+  EXPECT_NE(again.out.find("resumed from " + dir + "/run/step_00000004.h5 at step 4"), std::string::npos) << again.out;
+  EXPECT_FALSE(std::filesystem::exists(dir + "/run/step_00000008.h5.tmp"));  // cleaned by the next save
 }
 
 TEST(Dsrun, SizesTheJobFromTheConfigOrFromNp) {
