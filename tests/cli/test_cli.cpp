@@ -169,12 +169,12 @@ TEST(Cli, TrainsTheTinyPreset) {
   EXPECT_NE(r.out.find("done: 4 steps in"), std::string::npos) << r.out;
 }
 
-TEST(Cli, TrainingOnSeveralRanksSaysWhatIsMissing) {
-  const Result r = run(mpirun(2) + kDstrain + " configs/tiny.yaml --set train_steps=2");
+TEST(Cli, TrainingWithTensorParallelismSaysWhatIsMissing) {
+  const Result r = run(mpirun(2) + kDstrain + " configs/tiny.yaml --set train_steps=2 --set parallel.tensor=2");
   EXPECT_NE(r.rc, 0);
   const auto errors = lines_with(r.err, "dstrain: error:");
   ASSERT_EQ(errors.size(), 1u) << r.err;
-  EXPECT_NE(errors[0].find("this build trains on one rank"), std::string::npos);
+  EXPECT_NE(errors[0].find("this build trains with data parallelism only"), std::string::npos) << errors[0];
 }
 
 // MODEL.md §12's exchange format, from the shipped small preset on its first global batch.
