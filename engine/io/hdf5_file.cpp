@@ -95,6 +95,9 @@ void H5File::write_checked(const std::string& name, const float* data, const std
   H5Pset_create_intermediate_group(lcpl.id, 1);
   Handle dcpl{H5Pcreate(H5P_DATASET_CREATE), H5Pclose};
   const bool empty = std::any_of(dims.begin(), dims.end(), [](hsize_t d) { return d == 0; });
+  // Every element is written by the one H5Dwrite below: no fill values are needed.
+  H5Pset_fill_time(dcpl.id, H5D_FILL_TIME_NEVER);
+  H5Pset_alloc_time(dcpl.id, H5D_ALLOC_TIME_INCR);
   if (!empty) {
     check(H5Pset_chunk(dcpl.id, int(chunk.size()), chunk.data()), "chunking " + name, path_, 0);
     check(H5Pset_fletcher32(dcpl.id), "checksum filter " + name, path_, 0);

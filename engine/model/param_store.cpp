@@ -117,11 +117,17 @@ void ParamStore::zero_grads() {
   std::fill(expert_grad_.begin(), expert_grad_.end(), 0.0f);
 }
 
+namespace {
+bool whole(const ParamView& v) { return v.shard.local_shape == v.info->shape; }
+}  // namespace
+
 void ParamStore::slice_to_full(const ParamView& v, const float* local, float* full) {
+  if (whole(v)) return (void)std::copy(local, local + v.info->numel(), full);
   for_each_global_index(*v.info, v.shard, [&](int64_t l, int64_t g) { full[g] = local[l]; });
 }
 
 void ParamStore::full_to_slice(const ParamView& v, const float* full, float* local) {
+  if (whole(v)) return (void)std::copy(full, full + v.info->numel(), local);
   for_each_global_index(*v.info, v.shard, [&](int64_t l, int64_t g) { local[l] = full[g]; });
 }
 

@@ -140,7 +140,8 @@ std::string Checkpointer::save(const TrainState& state, model::ParamStore& param
   const bool async = cfg.checkpoint.async;
   std::unique_ptr<io::H5File> file;
   std::string error;
-  auto pending = std::make_unique<Pending>();
+  auto pending = spare_ ? std::move(spare_) : std::make_unique<Pending>();
+  size_t staged = 0;  // async: tensors copied into the (reused) staging buffers
   if (rank_ == 0) {
     try {
       fs::create_directories(cfg.checkpoint.dir);
@@ -180,7 +181,12 @@ std::string Checkpointer::save(const TrainState& state, model::ParamStore& param
       if (!error.empty()) continue;  // keep receiving so no sender blocks, write nothing
       if (crash_now(saves_, i, plan_.params.size())) std::abort();
       const std::string name = kGroups[k] + info.name;
-      if (async) pending->tensors.push_back({name, info.shape, full});
+      if (async) {
+        if (staged == pending->tensors.size()) pending->tensors.emplace_back();
+        Pending::Tensor& t = pending->tensors[staged++];
+        t.name = name, t.shape = info.shape;
+        t.data.assign(full.begin(), full.end());
+      }
       else {
         try {
           file->write_checked(name, full.data(), info.shape);
@@ -235,7 +241,10 @@ std::string Checkpointer::save(const TrainState& state, model::ParamStore& param
   }
   if (world_ != MPI_COMM_NULL) error = comm::broadcast(error, 0, world_);
   if (!error.empty()) throw Error(fmt::format("saving checkpoint {} failed: {}", path, error));
-  if (async) pending_ = std::move(pending);
+  if (async) {
+    pending->tensors.resize(staged);
+    pending_ = std::move(pending);
+  }
   else if (rank_ == 0) spdlog::info("saved checkpoint {} (durable)", path);
   return path;
 }
@@ -244,7 +253,8 @@ void Checkpointer::wait() {
   if (!pending_) return;
   if (pending_->writer.joinable()) pending_->writer.join();
   const std::string error = pending_->error;
-  pending_.reset();
+  pending_->error.clear();
+  spare_ = std::move(pending_);
   if (!error.empty()) throw Error("background checkpoint write failed: " + error);
 }
 

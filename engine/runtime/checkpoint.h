@@ -59,6 +59,7 @@ class Checkpointer {
   MPI_Comm world_ = MPI_COMM_NULL;
   int rank_ = 0;
   std::unique_ptr<Pending> pending_;
+  std::unique_ptr<Pending> spare_;  // an async save's buffers, kept for the next one
   int64_t saves_ = 0;
 };
 

@@ -5,6 +5,7 @@
 #include "engine/common/error.h"
 #include "engine/config/load_config.h"
 #include "engine/data/token_dataset.h"
+#include "engine/runtime/checkpoint.h"
 #include "engine/model/deepseek_model.h"
 #include "engine/io/hdf5_file.h"
 
@@ -28,6 +29,9 @@ void dump_grads(const plan::ParallelPlan& plan, const std::string& path, int thr
   auto be = kernels::make_cpu_backend(threads);
   model::ParamStore params(plan.params, plan.param_stage, m.num_routed(), model::ShardCoords{});
   params.initialize(uint64_t(cfg.seed), m.initializer_range, m.pad_token_id);
+  const Checkpointer checkpoints(plan, MPI_COMM_NULL);  // checkpoint.resume: the model to dump
+  const std::string resume = checkpoints.resume_path();
+  if (!resume.empty()) checkpoints.load(resume, params, nullptr);
   model::LocalCollectives coll;
   model::DeepSeekModel net(m, *be, coll, params, B, S);
   const std::vector<int32_t> tokens = first_batch_tokens(cfg, B);

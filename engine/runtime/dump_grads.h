@@ -12,7 +12,8 @@ namespace dstrain::runtime {
 // The first global batch of the configured data (step 0 of the seeded order), [B, S+1].
 std::vector<int32_t> first_batch_tokens(const config::TrainConfig& cfg, int64_t B);
 
-// Runs on one rank; `threads` CPU threads (0: all).
+// Runs on one rank; `threads` CPU threads (0: all). The weights are the initial ones, or those of
+// the checkpoint that checkpoint.resume names.
 void dump_grads(const plan::ParallelPlan& plan, const std::string& path, int threads);
 
 }  // namespace dstrain::runtime

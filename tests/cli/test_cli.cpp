@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -291,6 +292,39 @@ TEST(Checkpoints, CrashDuringSaveKeepsThePreviousCheckpoint) {
   EXPECT_EQ(again.rc, 0) << again.err;
   EXPECT_NE(again.out.find("resumed from " + dir + "/run/step_00000004.h5 at step 4"), std::string::npos) << again.out;
   EXPECT_FALSE(std::filesystem::exists(dir + "/run/step_00000008.h5.tmp"));  // cleaned by the next save
+}
+
+TEST(CheckpointTool, InfoDiffAndHuggingFaceExport) {
+  const std::string dir = ::testing::TempDir() + "/ckpt_tool";
+  std::filesystem::remove_all(dir);
+  ASSERT_EQ(run(train_cmd(dir, "run", 2, "--resume none")).rc, 0);
+  const std::string tool = std::string(DSTRAIN_CKPT_BIN);
+  Result r = run(tool + " info " + dir + "/run");
+  ASSERT_EQ(r.rc, 0) << r.err;
+  for (const char* s : {"format     dstrain-checkpoint version 1", "step       2 (1,024 tokens seen)",
+                        "layout     tensor=1 pipeline=1 data=1 expert=1 world=1", "41 tensors, 125,668 elements",
+                        "model.layers.1.mlp.experts.3.up_proj.weight", "train_steps: 2"})
+    EXPECT_NE(r.out.find(s), std::string::npos) << s << "\n" << r.out;
+  r = run(tool + " diff " + dir + "/run " + dir + "/run/step_00000002.h5");
+  EXPECT_EQ(r.rc, 0);
+  EXPECT_NE(r.out.find("0 tensors differ (largest difference 0), 0 missing"), std::string::npos) << r.out;
+  r = run(tool + " export-hf " + dir + "/run " + dir + "/hf");
+  ASSERT_EQ(r.rc, 0) << r.err;
+  EXPECT_NE(slurp(dir + "/hf/config.json").find("\"architectures\": [\"DeepseekV3ForCausalLM\"]"), std::string::npos);
+  // safetensors: 8-byte header length, JSON header, then the data: 125,664 parameters + 4 bias.
+  const std::string st = slurp(dir + "/hf/model.safetensors");
+  uint64_t header = 0;
+  std::memcpy(&header, st.data(), 8);
+  EXPECT_EQ(st.size(), 8 + header + 4 * 125668);
+  const std::string json = st.substr(8, header);
+  EXPECT_NE(json.find("\"model.layers.1.mlp.gate.e_score_correction_bias\": {\"dtype\": \"F32\", \"shape\": [4]"),
+            std::string::npos);
+  EXPECT_NE(json.find("\"lm_head.weight\": {\"dtype\": \"F32\", \"shape\": [256, 64]"), std::string::npos);
+  r = run(tool + " info " + dir + "/nothing-here");
+  EXPECT_EQ(r.rc, 1);
+  EXPECT_NE(r.err.find("no such checkpoint"), std::string::npos);
+  r = run(tool + " info configs/tiny.yaml");
+  EXPECT_EQ(r.rc, 1);
 }
 
 TEST(Dsrun, SizesTheJobFromTheConfigOrFromNp) {

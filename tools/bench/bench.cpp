@@ -7,6 +7,7 @@
 //       fraction of the measured FMA peak, and peak memory against what the step accounts for
 #include <immintrin.h>
 #include <omp.h>
+#include <unistd.h>
 #include <sys/resource.h>
 
 #include <chrono>
@@ -20,7 +21,10 @@
 #include <cblas.h>
 #include <dnnl.h>
 
+#include "engine/common/strings.h"
+#include "engine/config/load_config.h"
 #include "engine/config/presets.h"
+#include "engine/runtime/checkpoint.h"
 #include "engine/model/deepseek_model.h"
 #include "engine/plan/model_math.h"
 #include "engine/plan/parallel_plan.h"
@@ -270,13 +274,87 @@ int bench_model(int argc, char** argv) {
   return 0;
 }
 
+// Resident-set figures of /proc/self/status, in bytes.
+long proc_status_kb(const char* key) {
+  std::FILE* f = std::fopen("/proc/self/status", "r");
+  char line[256];
+  long value = 0;
+  while (f && std::fgets(line, sizeof line, f))
+    if (std::strncmp(line, key, std::strlen(key)) == 0) value = std::atol(line + std::strlen(key));
+  if (f) std::fclose(f);
+  return value * 1024;
+}
+
+// Save and load of a whole checkpoint (weights + AdamW moments, fp32) on one rank.
+int bench_checkpoint(int argc, char** argv) {
+  const std::string preset = arg_str(argc, argv, "--preset", "medium");
+  const std::string dir = arg_str(argc, argv, "--dir", "/tmp/dstrain-bench-ckpt");
+  config::TrainConfig cfg = config::load_config_file("configs/" + preset + ".yaml",
+                                                     {"checkpoint.dir=" + dir, "checkpoint.keep_last=1"});
+  const plan::ParallelPlan plan = plan::make_plan(cfg, 1);
+  auto be = kernels::make_cpu_backend(arg_int(argc, argv, "--threads", omp_get_max_threads()));
+  model::ParamStore params(plan.params, plan.param_stage, cfg.model.num_routed(), model::ShardCoords{});
+  params.initialize(7, 0.02);
+  runtime::AdamW adam(cfg.optimizer, params, *be);
+  adam.exp_avg_dense() = params.dense_params();
+  adam.exp_avg_sq_dense() = params.dense_params();
+  adam.exp_avg_expert() = params.expert_params();
+  adam.exp_avg_sq_expert() = params.expert_params();
+  int64_t largest = 0;
+  for (const auto& p : plan.params) largest = std::max(largest, p.numel());
+  const double bytes = 3.0 * 4.0 * double(params.num_params());
+  for (const bool async : {false, true}) {
+    cfg.checkpoint.async = async;
+    const plan::ParallelPlan p2 = plan::make_plan(cfg, 1);
+    runtime::Checkpointer ck(p2, MPI_COMM_NULL);
+    std::FILE* clear = std::fopen("/proc/self/clear_refs", "w");  // resets the peak RSS mark
+    if (clear) std::fputs("5", clear), std::fclose(clear);
+    const long rss_before = proc_status_kb("VmRSS:");
+    const auto t0 = Clock::now();
+    runtime::TrainState st;
+    st.step = async ? 2 : 1;
+    const std::string path = ck.save(st, params, adam);
+    const double pause = std::chrono::duration<double>(Clock::now() - t0).count();
+    ck.wait();
+    const double total = std::chrono::duration<double>(Clock::now() - t0).count();
+    const long peak_extra = proc_status_kb("VmHWM:") - rss_before;
+    std::printf("%s save (%s): %.2f GB in %.2f s = %.2f GB/s%s; peak extra memory %s (largest tensor %s)\n",
+                preset.c_str(), async ? "async" : "sync", bytes / 1e9, total, bytes / 1e9 / total,
+                async ? fmt::format(", training paused {:.2f} s", pause).c_str() : "",
+                human_bytes(double(peak_extra)).c_str(), human_bytes(4.0 * double(largest)).c_str());
+    if (!async) continue;
+    model::ParamStore loaded(plan.params, plan.param_stage, cfg.model.num_routed(), model::ShardCoords{});
+    runtime::AdamW adam2(cfg.optimizer, loaded, *be);
+    const auto t1 = Clock::now();
+    ck.load(path, loaded, &adam2);
+    const double secs = std::chrono::duration<double>(Clock::now() - t1).count();
+    std::printf("%s load: %.2f GB in %.2f s = %.2f GB/s; identical: %s\n", preset.c_str(), bytes / 1e9, secs,
+                bytes / 1e9 / secs, loaded.dense_params() == params.dense_params() ? "yes" : "NO");
+  }
+  // The machine's own ceiling for the same bytes: plain fwrite + fsync of the flat buffers.
+  const auto t = Clock::now();
+  const std::string raw = dir + "/raw.bin";
+  std::FILE* f = std::fopen(raw.c_str(), "wb");
+  for (int rep = 0; rep < 3; ++rep)
+    for (auto* buf : {&params.dense_params(), &params.expert_params()}) std::fwrite(buf->data(), 4, buf->size(), f);
+  std::fflush(f);
+  fsync(fileno(f));
+  std::fclose(f);
+  std::printf("reference: plain fwrite + fsync of the same %.2f GB: %.2f GB/s\n", bytes / 1e9,
+              bytes / 1e9 / std::chrono::duration<double>(Clock::now() - t).count());
+  std::remove(raw.c_str());
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   const std::string mode = argc > 1 ? argv[1] : "";
   if (mode == "kernels") return bench_kernels(arg_int(argc, argv, "--threads", omp_get_max_threads()));
   if (mode == "model") return bench_model(argc, argv);
+  if (mode == "checkpoint") return bench_checkpoint(argc, argv);
   std::fprintf(stderr, "usage: dstrain-bench kernels [--threads N]\n"
-                       "       dstrain-bench model [--preset small] [--batch 8] [--seq 256] [--threads N] [--steps 5]\n");
+                       "       dstrain-bench model [--preset small] [--batch 8] [--seq 256] [--threads N] [--steps 5]\n"
+                       "       dstrain-bench checkpoint [--preset medium] [--dir DIR]\n");
   return 2;
 }

@@ -1,0 +1,175 @@
+// dstrain-ckpt: look into and convert dstrain checkpoints.
+//   dstrain-ckpt info PATH              step, tokens, layout, format, config, tensor table
+//   dstrain-ckpt diff A B               per-tensor max |difference| of two checkpoints
+//   dstrain-ckpt export-hf PATH OUT_DIR config.json + model.safetensors for Hugging Face
+// PATH is a checkpoint file or a checkpoint directory (its `latest`).
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "engine/common/error.h"
+#include "engine/common/strings.h"
+#include "engine/io/hdf5_file.h"
+#include "engine/runtime/checkpoint.h"
+
+namespace {
+
+using dstrain::io::H5File;
+namespace fs = std::filesystem;
+
+const char* kUsage =
+    "usage: dstrain-ckpt info PATH\n"
+    "       dstrain-ckpt diff A B\n"
+    "       dstrain-ckpt export-hf PATH OUT_DIR\n"
+    "PATH: a checkpoint file, or a checkpoint directory (its latest)\n";
+
+std::string resolve(const std::string& path) {
+  if (fs::is_directory(path)) {
+    const std::string p = dstrain::runtime::latest_checkpoint(path);
+    if (p.empty()) throw dstrain::ConfigError(fmt::format("{}: no `latest` checkpoint in this directory", path));
+    return p;
+  }
+  if (!fs::exists(path)) throw dstrain::ConfigError(fmt::format("{}: no such checkpoint", path));
+  return path;
+}
+
+std::unique_ptr<H5File> open_checkpoint(const std::string& path) {
+  auto f = std::make_unique<H5File>(path, H5File::Mode::kRead);
+  std::string format;
+  try {
+    format = f->attr_string("format");
+  } catch (const dstrain::Error&) {
+  }
+  if (format != "dstrain-checkpoint") throw dstrain::ConfigError(fmt::format("{}: not a dstrain checkpoint", path));
+  return f;
+}
+
+std::string shape_text(const std::vector<int64_t>& s) { return fmt::format("[{}]", fmt::join(s, ", ")); }
+
+int info(const std::string& arg) {
+  const std::string path = resolve(arg);
+  const auto f = open_checkpoint(path);
+  std::printf("checkpoint %s (%s)\n", path.c_str(), dstrain::human_bytes(double(fs::file_size(path))).c_str());
+  std::printf("format     dstrain-checkpoint version %d\n", int(f->attr_double("format_version")));
+  std::printf("step       %s (%s tokens seen)\n", dstrain::with_commas(int64_t(f->attr_double("step"))).c_str(),
+              dstrain::with_commas(int64_t(f->attr_double("tokens_seen"))).c_str());
+  std::printf("layout     %s\n", f->attr_string("layout").c_str());
+  std::printf("optimizer  %s (exp_avg, exp_avg_sq per parameter); loss scale %g\n",
+              f->attr_string("optimizer").c_str(), f->attr_double("loss_scale"));
+  int64_t count = 0, elements = 0;
+  std::printf("tensors (model/, fp32, full shapes):\n");
+  for (const std::string& name : f->list("model")) {
+    const auto s = f->shape("model/" + name);
+    int64_t n = 1;
+    for (int64_t d : s) n *= d;
+    ++count, elements += n;
+    std::printf("  %-64s %-16s %s\n", name.c_str(), shape_text(s).c_str(), dstrain::human_bytes(4.0 * double(n)).c_str());
+  }
+  std::printf("%s tensors, %s elements (%s); optimizer state %s tensors\n", dstrain::with_commas(count).c_str(),
+              dstrain::with_commas(elements).c_str(), dstrain::human_bytes(4.0 * double(elements)).c_str(),
+              dstrain::with_commas(int64_t(f->list("optimizer/exp_avg").size() * 2)).c_str());
+  std::printf("config:\n%s", f->attr_string("config_yaml").c_str());
+  return 0;
+}
+
+int diff(const std::string& a_arg, const std::string& b_arg) {
+  const auto a = open_checkpoint(resolve(a_arg)), b = open_checkpoint(resolve(b_arg));
+  double worst = 0;
+  int differing = 0, missing = 0;
+  for (const char* group : {"model", "optimizer/exp_avg", "optimizer/exp_avg_sq"}) {
+    const auto names = a->list(group);
+    for (const std::string& name : names) {
+      const std::string ds = std::string(group) + "/" + name;
+      if (!b->exists(ds)) {
+        std::printf("%-80s only in A\n", ds.c_str());
+        ++missing;
+        continue;
+      }
+      if (a->shape(ds) != b->shape(ds)) {
+        std::printf("%-80s shapes %s vs %s\n", ds.c_str(), shape_text(a->shape(ds)).c_str(), shape_text(b->shape(ds)).c_str());
+        ++missing;
+        continue;
+      }
+      const auto x = a->read_floats(ds), y = b->read_floats(ds);
+      double d = 0;
+      for (size_t i = 0; i < x.size(); ++i) d = std::max(d, double(std::fabs(x[i] - y[i])));
+      if (d > 0) {
+        std::printf("%-80s max |A-B| %.6g\n", ds.c_str(), d);
+        ++differing;
+      }
+      worst = std::max(worst, d);
+    }
+    for (const std::string& name : b->list(group))
+      if (!a->exists(std::string(group) + "/" + name)) {
+        std::printf("%s/%-74s only in B\n", group, name.c_str());
+        ++missing;
+      }
+  }
+  std::printf("%d tensors differ (largest difference %.6g), %d missing or reshaped; steps %g and %g\n", differing,
+              worst, missing, a->attr_double("step"), b->attr_double("step"));
+  return 0;
+}
+
+// safetensors: 8-byte little-endian header size, a JSON header with dtype, shape and byte
+// offsets per tensor, then the raw little-endian data.
+int export_hf(const std::string& arg, const std::string& out_dir) {
+  const std::string path = resolve(arg);
+  const auto f = open_checkpoint(path);
+  fs::create_directories(out_dir);
+  {
+    std::ofstream cfg(fs::path(out_dir) / "config.json");
+    cfg << f->attr_string("hf_config");
+    if (!cfg.flush()) throw dstrain::Error(fmt::format("{}: cannot write config.json", out_dir));
+  }
+  const auto names = f->list("model");
+  std::string header = "{\"__metadata__\": {\"format\": \"pt\", \"source\": \"dstrain\"}";
+  int64_t offset = 0;
+  for (const std::string& name : names) {
+    const auto s = f->shape("model/" + name);
+    int64_t n = 1;
+    for (int64_t d : s) n *= d;
+    header += fmt::format(", \"{}\": {{\"dtype\": \"F32\", \"shape\": {}, \"data_offsets\": [{}, {}]}}", name,
+                          shape_text(s), offset, offset + 4 * n);
+    offset += 4 * n;
+  }
+  header += "}";
+  header.append((8 - header.size() % 8) % 8, ' ');  // the data starts 8-byte aligned
+  const std::string out = (fs::path(out_dir) / "model.safetensors").string(), tmp = out + ".tmp";
+  {
+    std::ofstream st(tmp, std::ios::binary);
+    const uint64_t len = header.size();
+    st.write(reinterpret_cast<const char*>(&len), 8);
+    st.write(header.data(), std::streamsize(header.size()));
+    for (const std::string& name : names) {
+      const auto data = f->read_floats("model/" + name);
+      st.write(reinterpret_cast<const char*>(data.data()), std::streamsize(4 * data.size()));
+    }
+    if (!st.flush()) throw dstrain::Error(fmt::format("{}: write failed", tmp));
+  }
+  fs::rename(tmp, out);
+  std::printf("wrote %s/config.json and model.safetensors (%zu tensors, %s) from %s\n", out_dir.c_str(), names.size(),
+              dstrain::human_bytes(double(offset)).c_str(), path.c_str());
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const std::vector<std::string> a(argv + 1, argv + argc);
+  try {
+    if (a.size() == 2 && a[0] == "info") return info(a[1]);
+    if (a.size() == 3 && a[0] == "diff") return diff(a[1], a[2]);
+    if (a.size() == 3 && a[0] == "export-hf") return export_hf(a[1], a[2]);
+    std::fputs(kUsage, stderr);
+    return 2;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "dstrain-ckpt: error: %s\n", e.what());
+    return 1;
+  }
+}
