@@ -8,6 +8,8 @@
 #include <immintrin.h>
 #include <omp.h>
 #include <unistd.h>
+
+#include <thread>
 #include <sys/resource.h>
 
 #include <chrono>
@@ -303,6 +305,9 @@ int bench_checkpoint(int argc, char** argv) {
   int64_t largest = 0;
   for (const auto& p : plan.params) largest = std::max(largest, p.numel());
   const double bytes = 3.0 * 4.0 * double(params.num_params());
+  // --settle S waits before saving, as a trainer saves minutes into a run (measured here: no
+  // difference after 20 s; writes stay slow while the process holds gigabytes).
+  std::this_thread::sleep_for(std::chrono::seconds(arg_int(argc, argv, "--settle", 0)));
   for (const bool async : {false, true}) {
     cfg.checkpoint.async = async;
     const plan::ParallelPlan p2 = plan::make_plan(cfg, 1);
@@ -355,6 +360,6 @@ int main(int argc, char** argv) {
   if (mode == "checkpoint") return bench_checkpoint(argc, argv);
   std::fprintf(stderr, "usage: dstrain-bench kernels [--threads N]\n"
                        "       dstrain-bench model [--preset small] [--batch 8] [--seq 256] [--threads N] [--steps 5]\n"
-                       "       dstrain-bench checkpoint [--preset medium] [--dir DIR]\n");
+                       "       dstrain-bench checkpoint [--preset medium] [--dir DIR] [--settle SECONDS]\n");
   return 2;
 }
