@@ -223,7 +223,7 @@ TrainSummary Trainer::run() {
   const auto start = Clock::now();
   auto window_start = Clock::now();
   double excluded = 0;  // validation and checkpoint time inside the current window
-  int64_t window_steps = 0, last_saved = start_step_;
+  int64_t window_steps = 0;
   StepResult last;
   if (start_step_ >= cfg_.train_steps && rank_ == 0)
     spdlog::info("step {} reached train_steps {}: nothing to train (raise train_steps, or start afresh "
@@ -257,7 +257,6 @@ TrainSummary Trainer::run() {
     if (interval || last_step || stop) {
       const auto t = Clock::now();
       save_checkpoint(step + 1);
-      last_saved = step + 1;
       excluded += seconds_since(t);
     }
     if (stop) {
@@ -270,7 +269,6 @@ TrainSummary Trainer::run() {
   }
   checkpointer_->wait();
   g_loop_running.store(false);
-  (void)last_saved;
   out.final_loss = last.loss.ce;
   out.seconds = seconds_since(start);
   out.tokens_per_sec = double((out.steps - start_step_) * plan_.batch.tokens_per_step()) / out.seconds;
