@@ -28,6 +28,7 @@ forbid engine/plan    'engine/(model|comm|parallel|runtime)/|mpi\.h|nccl\.h|dstr
 forbid engine/model   'engine/(comm|parallel|runtime)/|mpi\.h|nccl\.h'     'comm, parallel, runtime, MPI or NCCL'
 forbid engine/comm    'engine/(plan|model|parallel|runtime|config)/'       'plan, config, model, parallel or runtime'
 forbid engine/parallel 'engine/runtime/'                                   'runtime'
+forbid engine/parallel/zero 'engine/(model|comm|runtime)/|mpi\.h|nccl\.h|dstrain/kernels' 'model, comm, kernels, MPI or NCCL (pure math)'
 
 if [ $# -ge 1 ]; then
   for lib in dstrain_common dstrain_config dstrain_plan dstrain_model dstrain_kernels_cpu; do
