@@ -47,6 +47,7 @@ ParamStore::ParamStore(const std::vector<plan::ParamInfo>& table,
     views_[info.name] = v;
     order_.push_back(info.name);
   }
+  dense_numel_ = dense, expert_numel_ = expert, num_params_ = dense + expert;
   dense_.assign(dense, 0.0f);
   dense_grad_.assign(dense, 0.0f);
   expert_.assign(expert, 0.0f);
@@ -110,6 +111,12 @@ void ParamStore::initialize(uint64_t seed, double initializer_range,
       if (row >= 0 && row < v.shard.local_shape[0]) std::fill(p + row * H, p + (row + 1) * H, 0.0f);
     }
   }
+}
+
+void ParamStore::pad(int64_t dense_len, int64_t expert_len) {
+  DS_CHECK(dense_len >= dense_numel_ && expert_len >= expert_numel_, "padding shrinks the buffers");
+  dense_.resize(dense_len, 0.0f), dense_grad_.resize(dense_len, 0.0f);
+  expert_.resize(expert_len, 0.0f), expert_grad_.resize(expert_len, 0.0f);
 }
 
 void ParamStore::zero_grads() {

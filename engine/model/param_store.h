@@ -60,7 +60,14 @@ class ParamStore {
   std::vector<float>& expert_grads() { return expert_grad_; }
   std::vector<float>& buffers() { return buffers_; }
 
-  int64_t num_params() const { return int64_t(dense_.size() + expert_.size()); }
+  // Parameters held (without any padding).
+  int64_t num_params() const { return num_params_; }
+  int64_t dense_numel() const { return dense_numel_; }
+  int64_t expert_numel() const { return expert_numel_; }
+  // Extends the flat parameter and gradient buffers with zeros to these lengths (ZeRO partitions
+  // are equal-sized, so the buffers are padded to a multiple of the data-parallel size). Moves the
+  // buffers: call it before anything keeps pointers into them.
+  void pad(int64_t dense_len, int64_t expert_len);
 
   // Copies between a full tensor and a rank's slice of it held in `local` (any flat buffer laid
   // out like this store's, e.g. optimizer moments: pass the address of the view's first element).
@@ -78,6 +85,7 @@ class ParamStore {
   std::map<std::string, ParamView> views_;
   std::vector<std::string> order_;
   std::vector<float> dense_, expert_, dense_grad_, expert_grad_, buffers_;
+  int64_t num_params_ = 0, dense_numel_ = 0, expert_numel_ = 0;
 };
 
 }  // namespace dstrain::model

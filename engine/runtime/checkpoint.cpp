@@ -132,6 +132,32 @@ void Checkpointer::finish_file(const std::string& tmp, const std::string& path) 
   for (int64_t i = 0; i + keep < int64_t(all.size()); ++i) fs::remove(all[i]);
 }
 
+// ZeRO shards of the moments (data-parallel layouts): the tensor occupies [offset, offset + n) of
+// its flat buffer on every rank; rank r holds moments for its shard of that buffer. Rank 0
+// assembles the full tensor from the overlaps, the others send theirs.
+void Checkpointer::gather_sharded_moments(const plan::ParamInfo& info, model::ParamStore& params, AdamW& adam,
+                                          int k, std::vector<float>& full) const {
+  const model::ParamView& v = params.view(info.name);
+  const int world = plan_.degrees.world();
+  if (rank_ == 0) full.assign(info.numel(), 0.0f);
+  std::vector<float> piece;
+  for (int r = 0; r < world; ++r) {
+    const ZeroShards z = zero_shards(params.dense_numel(), params.expert_numel(), world, r);
+    const FlatRange sh = v.expert ? z.expert : z.dense;
+    const int64_t lo = std::max(v.offset, sh.begin), hi = std::min(v.offset + v.numel, sh.end);
+    if (lo >= hi) continue;
+    if (r == rank_) {
+      const std::vector<float>& m = k == 1 ? (v.expert ? adam.exp_avg_expert() : adam.exp_avg_dense())
+                                           : (v.expert ? adam.exp_avg_sq_expert() : adam.exp_avg_sq_dense());
+      const float* src = m.data() + (lo - sh.begin);
+      if (rank_ == 0) std::copy(src, src + (hi - lo), full.begin() + (lo - v.offset));
+      else comm::send(src, hi - lo, 0, k, world_);
+    } else if (rank_ == 0) {
+      comm::recv(full.data() + (lo - v.offset), hi - lo, r, k, world_);
+    }
+  }
+}
+
 std::string Checkpointer::save(const TrainState& state, model::ParamStore& params, AdamW& adam) {
   wait();  // one save in flight at a time
   ++saves_;
@@ -157,6 +183,25 @@ std::string Checkpointer::save(const TrainState& state, model::ParamStore& param
     const plan::ParamInfo& info = plan_.params[i];
     const std::vector<int> who = owners(plan_, i);
     for (int k = 0; k < (info.buffer ? 1 : 3); ++k) {
+      if (k > 0 && adam.sharded()) {  // ZeRO: the moments of this tensor lie in several ranks' shards
+        gather_sharded_moments(info, params, adam, k, full);
+        if (rank_ == 0 && error.empty()) {
+          const std::string name = kGroups[k] + info.name;
+          if (async) {
+            if (staged == pending->tensors.size()) pending->tensors.emplace_back();
+            Pending::Tensor& t = pending->tensors[staged++];
+            t.name = name, t.shape = info.shape;
+            t.data.assign(full.begin(), full.end());
+          } else {
+            try {
+              file->write_checked(name, full.data(), info.shape);
+            } catch (const std::exception& e) {
+              error = e.what();
+            }
+          }
+        }
+        continue;
+      }
       const bool mine = std::find(who.begin(), who.end(), rank_) != who.end();
       if (rank_ != 0) {
         if (mine) {
@@ -300,6 +345,21 @@ TrainState Checkpointer::load(const std::string& path, model::ParamStore& params
       if (shape != v.info->shape)
         throw fail(fmt::format("tensor '{}' has shape [{}] in the checkpoint but [{}] in this config", ds,
                                fmt::join(shape, ", "), fmt::join(v.info->shape, ", ")));
+      if (k > 0 && adam->sharded()) {  // ZeRO: only the overlap with this rank's shard
+        const FlatRange sh = v.expert ? adam->expert_shard() : adam->dense_shard();
+        const int64_t lo = std::max(v.offset, sh.begin), hi = std::min(v.offset + v.numel, sh.end);
+        if (lo >= hi) continue;
+        std::vector<float> whole;
+        try {
+          whole = f->read_floats(ds);
+        } catch (const Error&) {
+          throw fail(fmt::format("tensor '{}' fails its checksum or cannot be read (corrupt or truncated file)", ds));
+        }
+        std::vector<float>& m = k == 1 ? (v.expert ? adam->exp_avg_expert() : adam->exp_avg_dense())
+                                       : (v.expert ? adam->exp_avg_sq_expert() : adam->exp_avg_sq_dense());
+        std::copy(whole.begin() + (lo - v.offset), whole.begin() + (hi - v.offset), m.begin() + (lo - sh.begin));
+        continue;
+      }
       std::vector<float> slice;
       try {
         slice = f->read_slice(ds, v.shard.offset, v.shard.local_shape);

@@ -53,6 +53,8 @@ class Checkpointer {
  private:
   struct Pending;
   std::string write_path(int64_t step) const;
+  void gather_sharded_moments(const plan::ParamInfo& info, model::ParamStore& params, AdamW& adam, int k,
+                              std::vector<float>& full) const;
   void finish_file(const std::string& tmp, const std::string& path) const;
 
   const plan::ParallelPlan& plan_;

@@ -1,11 +1,21 @@
 #include "engine/runtime/optimizer.h"
 
+#include "engine/parallel/zero/partition.h"
+
+#include <algorithm>
 #include <cmath>
+#include <utility>
 
 namespace dstrain::runtime {
 
 AdamW::AdamW(const config::OptimizerConfig& cfg, model::ParamStore& params, kernels::Backend& be)
-    : cfg_(cfg), params_(params), be_(be) {
+    : AdamW(cfg, params, be, {0, params.dense_numel()}, {0, params.expert_numel()}) {
+  sharded_ = false;
+}
+
+AdamW::AdamW(const config::OptimizerConfig& cfg, model::ParamStore& params, kernels::Backend& be,
+             FlatRange dense_shard, FlatRange expert_shard)
+    : cfg_(cfg), params_(params), be_(be), dense_shard_(dense_shard), expert_shard_(expert_shard), sharded_(true) {
   // Consecutive parameters with the same decay setting form one run (one kernel call).
   for (const std::string& name : params.names()) {
     const model::ParamView& v = params.view(name);
@@ -17,10 +27,18 @@ AdamW::AdamW(const config::OptimizerConfig& cfg, model::ParamStore& params, kern
     else
       runs_.push_back({v.expert, v.offset, v.numel, decay});
   }
-  m_dense_.assign(params.dense_params().size(), 0.0f);
-  v_dense_.assign(params.dense_params().size(), 0.0f);
-  m_expert_.assign(params.expert_params().size(), 0.0f);
-  v_expert_.assign(params.expert_params().size(), 0.0f);
+  // Keep only the parts of the runs inside this rank's shards.
+  std::vector<Run> clipped;
+  for (const Run& r : runs_) {
+    const FlatRange& sh = r.expert ? expert_shard_ : dense_shard_;
+    const int64_t lo = std::max(r.offset, sh.begin), hi = std::min(r.offset + r.numel, sh.end);
+    if (lo < hi) clipped.push_back({r.expert, lo, hi - lo, r.decay});
+  }
+  runs_ = std::move(clipped);
+  m_dense_.assign(dense_shard_.size(), 0.0f);
+  v_dense_.assign(dense_shard_.size(), 0.0f);
+  m_expert_.assign(expert_shard_.size(), 0.0f);
+  v_expert_.assign(expert_shard_.size(), 0.0f);
 }
 
 void AdamW::step(double lr, int64_t step) {
@@ -32,8 +50,9 @@ void AdamW::step(double lr, int64_t step) {
     a.weight_decay = r.decay ? float(p.weight_decay) : 0.0f;
     float* w = (r.expert ? params_.expert_params() : params_.dense_params()).data() + r.offset;
     const float* g = (r.expert ? params_.expert_grads() : params_.dense_grads()).data() + r.offset;
-    float* m = (r.expert ? m_expert_ : m_dense_).data() + r.offset;
-    float* v = (r.expert ? v_expert_ : v_dense_).data() + r.offset;
+    const int64_t base = r.expert ? expert_shard_.begin : dense_shard_.begin;
+    float* m = (r.expert ? m_expert_ : m_dense_).data() + (r.offset - base);
+    float* v = (r.expert ? v_expert_ : v_dense_).data() + (r.offset - base);
     if (cfg_.type == "Adam" && !p.adam_w_mode) {
       // L2-regularised Adam: the decay joins the gradient instead of the update. Rare; done
       // with a temporary so the AdamW kernel stays the one path.
@@ -48,27 +67,40 @@ void AdamW::step(double lr, int64_t step) {
   }
 }
 
-double gradient_norm(model::ParamStore& params) {
+ZeroShards zero_shards(int64_t dense_numel, int64_t expert_numel, int dp, int r) {
+  const auto d = parallel::partition_flat(dense_numel, dp, 16), e = parallel::partition_flat(expert_numel, dp, 16);
+  return {{d[r].begin, d[r].end}, {e[r].begin, e[r].end}, d.back().end, e.back().end};
+}
+
+double gradient_square_sum(model::ParamStore& params, FlatRange dense, FlatRange expert) {
   double sum = 0;
-  for (auto* buf : {&params.dense_grads(), &params.expert_grads()}) {
+  for (const auto& [buf, r] : {std::pair{&params.dense_grads(), dense}, std::pair{&params.expert_grads(), expert}}) {
     const float* g = buf->data();
-    const int64_t n = int64_t(buf->size());
 #pragma omp parallel for simd reduction(+ : sum) schedule(static)
-    for (int64_t i = 0; i < n; ++i) sum += double(g[i]) * double(g[i]);
+    for (int64_t i = r.begin; i < r.end; ++i) sum += double(g[i]) * double(g[i]);
   }
-  return std::sqrt(sum);
+  return sum;
+}
+
+double gradient_norm(model::ParamStore& params) {
+  return std::sqrt(gradient_square_sum(params, {0, int64_t(params.dense_grads().size())},
+                                       {0, int64_t(params.expert_grads().size())}));
+}
+
+double clip_gradients(model::ParamStore& params, double norm, double max_norm, FlatRange dense, FlatRange expert) {
+  if (max_norm <= 0.0 || norm <= max_norm) return 1.0;
+  const double factor = max_norm / (norm + 1e-6);
+  for (const auto& [buf, r] : {std::pair{&params.dense_grads(), dense}, std::pair{&params.expert_grads(), expert}}) {
+    float* g = buf->data();
+#pragma omp parallel for simd schedule(static)
+    for (int64_t i = r.begin; i < r.end; ++i) g[i] = float(g[i] * factor);
+  }
+  return factor;
 }
 
 double clip_gradients(model::ParamStore& params, double norm, double max_norm) {
-  if (max_norm <= 0.0 || norm <= max_norm) return 1.0;
-  const double factor = max_norm / (norm + 1e-6);
-  for (auto* buf : {&params.dense_grads(), &params.expert_grads()}) {
-    float* g = buf->data();
-    const int64_t n = int64_t(buf->size());
-#pragma omp parallel for simd schedule(static)
-    for (int64_t i = 0; i < n; ++i) g[i] = float(g[i] * factor);
-  }
-  return factor;
+  return clip_gradients(params, norm, max_norm, {0, int64_t(params.dense_grads().size())},
+                        {0, int64_t(params.expert_grads().size())});
 }
 
 }  // namespace dstrain::runtime

@@ -13,12 +13,27 @@
 
 namespace dstrain::runtime {
 
+// [begin, end) of a flat buffer.
+struct FlatRange {
+  int64_t begin = 0, end = 0;
+  int64_t size() const { return end - begin; }
+};
+
 class AdamW {
  public:
+  // Updates the whole flat buffers, or with ZeRO only this rank's shards of them: the moments
+  // then exist for the shard alone (exp_avg_dense()[i] belongs to flat element
+  // dense_shard().begin + i).
   AdamW(const config::OptimizerConfig& cfg, model::ParamStore& params, kernels::Backend& be);
+  AdamW(const config::OptimizerConfig& cfg, model::ParamStore& params, kernels::Backend& be,
+        FlatRange dense_shard, FlatRange expert_shard);
 
   // One step with learning rate `lr`; `step` is 1-based (bias correction).
   void step(double lr, int64_t step);
+
+  FlatRange dense_shard() const { return dense_shard_; }
+  FlatRange expert_shard() const { return expert_shard_; }
+  bool sharded() const { return sharded_; }
 
   std::vector<float>& exp_avg_dense() { return m_dense_; }
   std::vector<float>& exp_avg_sq_dense() { return v_dense_; }
@@ -36,12 +51,26 @@ class AdamW {
   kernels::Backend& be_;
   std::vector<Run> runs_;
   std::vector<float> m_dense_, v_dense_, m_expert_, v_expert_;
+  FlatRange dense_shard_, expert_shard_;
+  bool sharded_ = false;
 };
 
-// sqrt(sum of squared gradients) over this rank's dense and expert gradients (double sums).
+// ZeRO's partition of a rank's flat buffers over `dp` data-parallel ranks: equal shards aligned
+// to 16 elements (the buffers are padded to dp x the shard size). Shard of rank `r`.
+struct ZeroShards {
+  FlatRange dense, expert;
+  int64_t dense_padded = 0, expert_padded = 0;
+};
+ZeroShards zero_shards(int64_t dense_numel, int64_t expert_numel, int dp, int r);
+
+// Sum of squared gradients over [dense range) and [expert range) of the flat buffers (double).
+double gradient_square_sum(model::ParamStore& params, FlatRange dense, FlatRange expert);
+// sqrt of the sum over all of this rank's dense and expert gradients.
 double gradient_norm(model::ParamStore& params);
 
-// Scales the gradients so their norm is at most max_norm (0: no clipping). Returns the factor.
+// Scales the gradients (in the given ranges; default all) so their norm is at most max_norm
+// (0: no clipping). Returns the factor.
 double clip_gradients(model::ParamStore& params, double norm, double max_norm);
+double clip_gradients(model::ParamStore& params, double norm, double max_norm, FlatRange dense, FlatRange expert);
 
 }  // namespace dstrain::runtime

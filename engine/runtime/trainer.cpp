@@ -52,9 +52,22 @@ Trainer::Trainer(const plan::ParallelPlan& plan, int threads, MPI_Comm world)
   be_ = kernels::make_cpu_backend(threads);
   params_ = std::make_unique<model::ParamStore>(plan_.params, plan_.param_stage, m.num_routed(), model::ShardCoords{});
   params_->initialize(uint64_t(cfg_.seed), m.initializer_range, m.pad_token_id);
+  zero_ = int(cfg_.zero_optimization.stage);
+  if (dp_size_ > 1) dp_ = comm::make_mpi_communicator(world_, "dp");
+  dense_shard_ = {0, params_->dense_numel()}, expert_shard_ = {0, params_->expert_numel()};
+  if (zero_ >= 1 && dp_size_ > 1) {
+    // ZeRO: this rank keeps AdamW state (and, at stage 2, reduced gradients) for its shard only.
+    // The flat buffers are padded now, before the model takes pointers into them.
+    const ZeroShards z = zero_shards(params_->dense_numel(), params_->expert_numel(), dp_size_, rank_);
+    params_->pad(z.dense_padded, z.expert_padded);
+    dense_shard_ = z.dense, expert_shard_ = z.expert;
+  }
   dataset_ = std::make_unique<data::TokenDataset>(cfg_);
   model_ = std::make_unique<model::DeepSeekModel>(m, *be_, coll_, *params_, plan_.batch.micro, cfg_.seq_length);
-  adam_ = std::make_unique<AdamW>(cfg_.optimizer, *params_, *be_);
+  if (zero_ >= 1 && dp_size_ > 1)
+    adam_ = std::make_unique<AdamW>(cfg_.optimizer, *params_, *be_, dense_shard_, expert_shard_);
+  else
+    adam_ = std::make_unique<AdamW>(cfg_.optimizer, *params_, *be_);
   tokens_.resize(plan_.batch.micro * (cfg_.seq_length + 1));
   peak_flops_ = cfg_.monitor.peak_tflops > 0 ? cfg_.monitor.peak_tflops * 1e12 : measure_peak_flops();
   checkpointer_ = std::make_unique<Checkpointer>(plan_, world_);
@@ -86,8 +99,16 @@ double Trainer::measure_peak_flops() {
 // ranks are the single-rank gradients, losses and expert loads.
 void Trainer::reduce_gradients(StepResult& r) {
   if (dp_size_ == 1) return;
-  comm::all_reduce_sum(params_->dense_grads().data(), int64_t(params_->dense_grads().size()), world_);
-  comm::all_reduce_sum(params_->expert_grads().data(), int64_t(params_->expert_grads().size()), world_);
+  for (const auto& [grads, shard] : {std::pair{&params_->dense_grads(), dense_shard_},
+                                     std::pair{&params_->expert_grads(), expert_shard_}}) {
+    if (zero_ >= 2) {  // each rank receives the summed gradients of its own shard only
+      shard_tmp_.resize(shard.size());
+      dp_->reduce_scatter(shard_tmp_.data(), grads->data(), shard.size(), comm::ReduceOp::kSum)->wait();
+      std::copy(shard_tmp_.begin(), shard_tmp_.end(), grads->begin() + shard.begin);
+    } else {
+      dp_->all_reduce(grads->data(), int64_t(grads->size()), comm::ReduceOp::kSum)->wait();
+    }
+  }
   std::vector<double> scalars = {r.loss.ce, r.loss.aux, r.loss.mtp};
   for (const auto& l : r.expert_loads) scalars.insert(scalars.end(), l.begin(), l.end());
   comm::all_reduce_sum(scalars.data(), int64_t(scalars.size()), world_);
@@ -120,13 +141,32 @@ StepResult Trainer::compute_gradients(int64_t step) {
   return r;
 }
 
+// The norm of the whole reduced gradient: at ZeRO-2 each rank holds only its shard of it.
+double Trainer::global_grad_norm() {
+  if (zero_ < 2 || dp_size_ == 1) return gradient_norm(*params_);
+  double sq = gradient_square_sum(*params_, dense_shard_, expert_shard_);
+  comm::all_reduce_sum(&sq, 1, world_);
+  return std::sqrt(sq);
+}
+
+// ZeRO: every rank updated its shard; all-gather the shards into every rank's full parameters.
+void Trainer::gather_parameters() {
+  if (zero_ < 1 || dp_size_ == 1) return;
+  for (const auto& [w, shard] : {std::pair{&params_->dense_params(), dense_shard_},
+                                 std::pair{&params_->expert_params(), expert_shard_}}) {
+    shard_tmp_.assign(w->begin() + shard.begin, w->begin() + shard.end);
+    dp_->all_gather(w->data(), shard_tmp_.data(), shard.size())->wait();
+  }
+}
+
 StepResult Trainer::train_step(int64_t step) {
   StepResult r = compute_gradients(step);
   const auto t0 = Clock::now();
-  r.grad_norm = gradient_norm(*params_);
-  clip_gradients(*params_, r.grad_norm, cfg_.gradient_clipping);
+  r.grad_norm = global_grad_norm();
+  clip_gradients(*params_, r.grad_norm, cfg_.gradient_clipping, dense_shard_, expert_shard_);
   r.lr = schedule_.lr(step);
   adam_->step(r.lr, step + 1);
+  gather_parameters();
   const auto moes = model_->moe_layers();
   for (size_t i = 0; i < moes.size(); ++i)
     if (moes[i]->router_bias() && cfg_.model.bias_update_speed > 0)
@@ -213,6 +253,12 @@ TrainSummary Trainer::run() {
                  d.path, with_commas(d.tokens), d.tokenizer, with_commas(d.train_samples),
                  with_commas(d.validation_samples), cfg_.seq_length + 1,
                  with_commas(plan_.batch.tokens_per_step()));
+    const double state = 4.0 * double(adam_->exp_avg_dense().size() + adam_->exp_avg_expert().size()) * 2;
+    const double grads = 4.0 * double(zero_ >= 2 ? dense_shard_.size() + expert_shard_.size() : params_->num_params());
+    spdlog::info("memory per rank: parameters {}, gradients {}{}, optimizer state {} (ZeRO-{}{})",
+                 human_bytes(4.0 * double(params_->num_params())), human_bytes(grads),
+                 zero_ >= 2 && dp_size_ > 1 ? " reduced" : "", human_bytes(state), zero_,
+                 dp_size_ > 1 && zero_ > 0 ? fmt::format(" over {} data-parallel ranks", dp_size_) : "");
     spdlog::info("model {} parameters on {}{}; MFU against {:.3f} TFLOP/s ({})",
                  with_commas(params_->num_params()), be_->name(),
                  dp_size_ > 1 ? fmt::format(" x {} data-parallel ranks", dp_size_) : "", peak_flops_ / 1e12,

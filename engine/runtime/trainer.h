@@ -15,6 +15,7 @@
 #include <memory>
 #include <vector>
 
+#include "engine/comm/communicator.h"
 #include "engine/data/token_dataset.h"
 #include "engine/model/deepseek_model.h"
 #include "engine/plan/parallel_plan.h"
@@ -68,6 +69,8 @@ class Trainer {
  private:
   double measure_peak_flops();
   void reduce_gradients(StepResult& r);
+  double global_grad_norm();
+  void gather_parameters();
   void log_step(int64_t step, const StepResult& r, double window_s, int64_t window_steps,
                 double elapsed_s, const std::optional<double>& val);
   void log_expert_stats(int64_t step, const StepResult& r);
@@ -86,7 +89,10 @@ class Trainer {
   std::vector<int32_t> tokens_;
   double peak_flops_ = 0;
   MPI_Comm world_ = MPI_COMM_NULL;
-  int rank_ = 0, dp_size_ = 1;
+  int rank_ = 0, dp_size_ = 1, zero_ = 0;
+  std::unique_ptr<comm::Communicator> dp_;  // the data-parallel group (when more than one rank)
+  FlatRange dense_shard_, expert_shard_;   // this rank's ZeRO shards (the whole buffers without)
+  std::vector<float> shard_tmp_;
   std::unique_ptr<Checkpointer> checkpointer_;
   int64_t start_step_ = 0;
 };

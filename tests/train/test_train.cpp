@@ -102,6 +102,27 @@ TEST(Optimizer, AdamWDecaysOnlyMatrices) {
   EXPECT_NEAR(adam.exp_avg_sq_dense()[0], 0.0004, 1e-9);
 }
 
+// ZeRO-1/2: a rank's optimizer state is the unsharded state / DP, up to the padding.
+TEST(Optimizer, ZeroShardsHoldOneDataParallelShareOfTheState) {
+  const plan::ParallelPlan p = tiny_plan();
+  model::ParamStore params(p.params, p.param_stage, 4, {});
+  auto be = kernels::make_cpu_backend(1);
+  const int64_t dense = params.dense_numel(), expert = params.expert_numel();
+  for (int dp : {2, 4, 8}) {
+    int64_t total = 0;
+    for (int r = 0; r < dp; ++r) {
+      const ZeroShards z = zero_shards(dense, expert, dp, r);
+      AdamW adam(p.config.optimizer, params, *be, z.dense, z.expert);
+      const int64_t state = int64_t(adam.exp_avg_dense().size() + adam.exp_avg_expert().size());
+      EXPECT_EQ(int64_t(adam.exp_avg_sq_dense().size() + adam.exp_avg_sq_expert().size()), state);
+      EXPECT_LE(std::abs(double(state) - double(dense + expert) / dp), 2 * 16.0) << "dp " << dp;
+      total += state;
+    }
+    EXPECT_GE(total, dense + expert);
+    EXPECT_LT(total - (dense + expert), 2 * dp * 16);  // padding below one block per rank and buffer
+  }
+}
+
 TEST(Optimizer, GlobalNormAndClipping) {
   const plan::ParallelPlan p = tiny_plan();
   model::ParamStore params(p.params, p.param_stage, 4, {});
