@@ -222,13 +222,13 @@ void Trainer::log_step(int64_t step, const StepResult& r, double window_s, int64
   line += fmt::format(" | lr {:.3e} | grad_norm {:.3f} | {} tok/s | {:.3f} TFLOP/s | MFU {:.1f}% | "
                       "elapsed {} | ETA {}",
                       r.lr, r.grad_norm, with_commas(int64_t(tps)), flops / 1e12,
-                      100.0 * flops / peak_flops_, clock_text(elapsed_s), clock_text(remaining));
+                      100.0 * flops / (peak_flops_ * dp_size_), clock_text(elapsed_s), clock_text(remaining));
   if (cfg_.wall_clock_breakdown)
     line += fmt::format(" | fwd {:.0f} ms bwd {:.0f} ms opt {:.0f} ms", r.forward_s * 1e3,
                         r.backward_s * 1e3, r.optimizer_s * 1e3);
   spdlog::info("{}", line);
   Scalars s = {{"loss", r.loss.ce}, {"lr", r.lr}, {"grad_norm", r.grad_norm}, {"tokens_per_sec", tps},
-               {"tflops", flops / 1e12}, {"mfu", flops / peak_flops_}, {"aux_loss", r.loss.aux},
+               {"tflops", flops / 1e12}, {"mfu", flops / (peak_flops_ * dp_size_)}, {"aux_loss", r.loss.aux},
                {"mtp_loss", r.loss.mtp}, {"elapsed_s", elapsed_s}};
   if (val) s.push_back({"val_loss", *val});
   if (cfg_.wall_clock_breakdown)
@@ -259,7 +259,7 @@ TrainSummary Trainer::run() {
                  human_bytes(4.0 * double(params_->num_params())), human_bytes(grads),
                  zero_ >= 2 && dp_size_ > 1 ? " reduced" : "", human_bytes(state), zero_,
                  dp_size_ > 1 && zero_ > 0 ? fmt::format(" over {} data-parallel ranks", dp_size_) : "");
-    spdlog::info("model {} parameters on {}{}; MFU against {:.3f} TFLOP/s ({})",
+    spdlog::info("model {} parameters on {}{}; MFU against {:.3f} TFLOP/s per rank ({})",
                  with_commas(params_->num_params()), be_->name(),
                  dp_size_ > 1 ? fmt::format(" x {} data-parallel ranks", dp_size_) : "", peak_flops_ / 1e12,
                  cfg_.monitor.peak_tflops > 0 ? "monitor.peak_tflops" : "measured fp32 GEMM peak");
