@@ -4,6 +4,7 @@
 // job on every rank with a non-zero exit and one clear line — never a hang.
 #include <cstdio>
 #include <iostream>
+#include <memory>
 #include <optional>
 
 #include "engine/common/error.h"
@@ -135,14 +136,22 @@ int run(const launcher::Options& opts, int rank, int world) {
     report_groups(*p, rank, world, groups);
     return 0;
   }
-  std::optional<std::string> train_error;
+  // Construction can fail on some ranks only (a file one rank opens, a shard of a corrupt
+  // checkpoint): agree on it before any rank enters the collectives of the loop.
+  error.reset();
+  std::unique_ptr<runtime::Trainer> trainer;
   try {
-    runtime::Trainer trainer(*p, opts.threads, MPI_COMM_WORLD);
-    trainer.run();
+    trainer = std::make_unique<runtime::Trainer>(*p, opts.threads, MPI_COMM_WORLD);
   } catch (const Error& e) {
-    train_error = e.what();
+    error = e.what();
   }
-  return agree_on_failure(train_error, rank, world) ? 1 : 0;
+  if (agree_on_failure(error, rank, world)) return 1;
+  try {
+    trainer->run();
+  } catch (const Error& e) {
+    error = e.what();
+  }
+  return agree_on_failure(error, rank, world) ? 1 : 0;
 }
 
 }  // namespace
@@ -169,12 +178,19 @@ int main(int argc, char** argv) {
     return 0;
   }
   if (opts.ranks_needed) return print_ranks_needed(opts);
+  std::unique_ptr<comm::MpiEnvironment> mpi;
   try {
-    comm::MpiEnvironment mpi(&argc, &argv);
-    return run(opts, mpi.rank(), mpi.size());
+    mpi = std::make_unique<comm::MpiEnvironment>(&argc, &argv);
   } catch (const std::exception& e) {
-    // Not a user error: an MPI failure or an internal bug. Take the whole job down.
     std::fprintf(stderr, "dstrain: fatal: %s\n", e.what());
+    return 1;
+  }
+  try {
+    return run(opts, mpi->rank(), mpi->size());
+  } catch (const std::exception& e) {
+    // Not a user error: an MPI failure or an internal bug. Take the whole job down now — before
+    // MPI_Finalize, which would wait for ranks still inside collectives.
+    std::fprintf(stderr, "dstrain: fatal: rank %d: %s\n", mpi->rank(), e.what());
     std::fflush(stderr);
     MPI_Abort(MPI_COMM_WORLD, 1);
     return 1;

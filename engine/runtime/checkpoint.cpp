@@ -127,9 +127,13 @@ void Checkpointer::finish_file(const std::string& tmp, const std::string& path) 
   io::fsync_path(latest_tmp);
   fs::rename(latest_tmp, dir / "latest");
   io::fsync_path(dir.string());
-  auto all = list_checkpoints(dir.string());
-  const int64_t keep = plan_.config.checkpoint.keep_last;
-  for (int64_t i = 0; i + keep < int64_t(all.size()); ++i) fs::remove(all[i]);
+  // keep_last counts this checkpoint and the older ones; files of later steps (a run started
+  // afresh in the same directory) are left alone, and this one is never removed.
+  std::vector<std::string> older;
+  for (const std::string& f : list_checkpoints(dir.string()))
+    if (fs::path(f).filename() < fs::path(path).filename()) older.push_back(f);
+  const int64_t keep_older = plan_.config.checkpoint.keep_last - 1;
+  for (int64_t i = 0; i + keep_older < int64_t(older.size()); ++i) fs::remove(older[i]);
 }
 
 // ZeRO shards of the moments (data-parallel layouts): the tensor occupies [offset, offset + n) of
@@ -159,16 +163,20 @@ void Checkpointer::gather_sharded_moments(const plan::ParamInfo& info, model::Pa
 }
 
 std::string Checkpointer::save(const TrainState& state, model::ParamStore& params, AdamW& adam) {
-  wait();  // one save in flight at a time
+  std::string error;
+  try {
+    wait();  // one save in flight at a time; its error is reported on every rank below
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
   ++saves_;
   const config::TrainConfig& cfg = plan_.config;
   const std::string path = write_path(state.step), tmp = path + ".tmp";
   const bool async = cfg.checkpoint.async;
   std::unique_ptr<io::H5File> file;
-  std::string error;
   auto pending = spare_ ? std::move(spare_) : std::make_unique<Pending>();
   size_t staged = 0;  // async: tensors copied into the (reused) staging buffers
-  if (rank_ == 0) {
+  if (rank_ == 0 && error.empty()) {
     try {
       fs::create_directories(cfg.checkpoint.dir);
       for (const auto& e : fs::directory_iterator(cfg.checkpoint.dir))  // leftovers of a crash
@@ -257,6 +265,7 @@ std::string Checkpointer::save(const TrainState& state, model::ParamStore& param
   };
   if (rank_ == 0 && error.empty()) {
     if (async) {
+      pending->tensors.resize(staged);  // before the writer reads them
       Pending* p = pending.get();
       pending->writer = std::thread([p, tmp, path, write_meta, this] {
         try {
@@ -274,6 +283,7 @@ std::string Checkpointer::save(const TrainState& state, model::ParamStore& param
           p->error = e.what();
         }
       });
+      pending_ = std::move(pending);  // owned (and joined) by the Checkpointer from now on
     } else {
       try {
         write_meta(*file);
@@ -286,11 +296,7 @@ std::string Checkpointer::save(const TrainState& state, model::ParamStore& param
   }
   if (world_ != MPI_COMM_NULL) error = comm::broadcast(error, 0, world_);
   if (!error.empty()) throw Error(fmt::format("saving checkpoint {} failed: {}", path, error));
-  if (async) {
-    pending->tensors.resize(staged);
-    pending_ = std::move(pending);
-  }
-  else if (rank_ == 0) spdlog::info("saved checkpoint {} (durable)", path);
+  if (!async && rank_ == 0) spdlog::info("saved checkpoint {} (durable)", path);
   return path;
 }
 

@@ -265,6 +265,9 @@ TrainSummary Trainer::run() {
                  cfg_.monitor.peak_tflops > 0 ? "monitor.peak_tflops" : "measured fp32 GEMM peak");
   }
   g_loop_running.store(true);
+  struct LoopGuard {  // also when the loop throws: a later signal then exits at once
+    ~LoopGuard() { g_loop_running.store(false); }
+  } loop_guard;
   TrainSummary out;
   const auto start = Clock::now();
   auto window_start = Clock::now();
@@ -314,7 +317,6 @@ TrainSummary Trainer::run() {
     out.steps = step + 1;
   }
   checkpointer_->wait();
-  g_loop_running.store(false);
   out.final_loss = last.loss.ce;
   out.seconds = seconds_since(start);
   out.tokens_per_sec = double((out.steps - start_step_) * plan_.batch.tokens_per_step()) / out.seconds;

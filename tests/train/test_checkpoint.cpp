@@ -76,6 +76,24 @@ TEST(Checkpoint, LatestPointsAtTheNewestAndOldOnesArePruned) {
   EXPECT_NE(f.attr_string("config_yaml").find("train_steps: 8"), std::string::npos);
 }
 
+// Starting afresh in a directory that holds later steps must not prune the new checkpoint.
+TEST(Checkpoint, PruningNeverRemovesTheCheckpointJustWritten) {
+  const std::string dir = fresh_dir("prune_fresh");
+  {
+    Trainer t(tiny_plan(dir, {"train_steps=8", "checkpoint.resume=none", "steps_per_print=100"}), 1);
+    t.run();  // leaves step_00000008.h5
+  }
+  Trainer t(tiny_plan(dir, {"train_steps=3", "checkpoint.interval=1", "checkpoint.keep_last=2",
+                            "checkpoint.resume=none", "steps_per_print=100"}),
+            1);
+  t.run();
+  EXPECT_EQ(latest_checkpoint(dir), dir + "/step_00000003.h5");
+  EXPECT_TRUE(fs::exists(dir + "/step_00000003.h5"));
+  EXPECT_TRUE(fs::exists(dir + "/step_00000002.h5"));
+  EXPECT_FALSE(fs::exists(dir + "/step_00000001.h5"));
+  EXPECT_TRUE(fs::exists(dir + "/step_00000008.h5"));  // a later step of another run: untouched
+}
+
 TEST(Checkpoint, AsyncWriteProducesTheSameFile) {
   const std::string dir = fresh_dir("async");
   std::string sync_path, async_path;
