@@ -58,12 +58,9 @@ class MpiCommunicator final : public Communicator {
   uint64_t seq() const override { return seq_; }
 
   std::unique_ptr<Work> all_reduce(float* buf, int64_t n, ReduceOp op) override {
-    std::vector<MPI_Request> reqs;
-    for (int64_t off = 0; off < n; off += kMaxCount) {
-      reqs.emplace_back();
-      DS_MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, buf + off, count(n - off), MPI_FLOAT, mpi_op(op), comm_, &reqs.back()));
-    }
-    return work("all_reduce", std::move(reqs));
+    return chunked("all_reduce", n, [&](int64_t off, int cnt, MPI_Request* r) {
+      return MPI_Iallreduce(MPI_IN_PLACE, buf + off, cnt, MPI_FLOAT, mpi_op(op), comm_, r);
+    });
   }
 
   std::unique_ptr<Work> reduce_scatter(float* out, const float* in, int64_t n, ReduceOp op) override {
@@ -103,30 +100,21 @@ class MpiCommunicator final : public Communicator {
   }
 
   std::unique_ptr<Work> send(const float* buf, int64_t n, int peer) override {
-    std::vector<MPI_Request> reqs;
-    for (int64_t off = 0; off < n; off += kMaxCount) {
-      reqs.emplace_back();
-      DS_MPI_CHECK(MPI_Isend(buf + off, count(n - off), MPI_FLOAT, peer, 0, comm_, &reqs.back()));
-    }
-    return work(fmt::format("send to {}", peer), std::move(reqs));
+    return chunked(fmt::format("send to {}", peer), n, [&](int64_t off, int cnt, MPI_Request* r) {
+      return MPI_Isend(buf + off, cnt, MPI_FLOAT, peer, 0, comm_, r);
+    });
   }
 
   std::unique_ptr<Work> recv(float* buf, int64_t n, int peer) override {
-    std::vector<MPI_Request> reqs;
-    for (int64_t off = 0; off < n; off += kMaxCount) {
-      reqs.emplace_back();
-      DS_MPI_CHECK(MPI_Irecv(buf + off, count(n - off), MPI_FLOAT, peer, 0, comm_, &reqs.back()));
-    }
-    return work(fmt::format("recv from {}", peer), std::move(reqs));
+    return chunked(fmt::format("recv from {}", peer), n, [&](int64_t off, int cnt, MPI_Request* r) {
+      return MPI_Irecv(buf + off, cnt, MPI_FLOAT, peer, 0, comm_, r);
+    });
   }
 
   std::unique_ptr<Work> broadcast(float* buf, int64_t n, int root) override {
-    std::vector<MPI_Request> reqs;
-    for (int64_t off = 0; off < n; off += kMaxCount) {
-      reqs.emplace_back();
-      DS_MPI_CHECK(MPI_Ibcast(buf + off, count(n - off), MPI_FLOAT, root, comm_, &reqs.back()));
-    }
-    return work("broadcast", std::move(reqs));
+    return chunked("broadcast", n, [&](int64_t off, int cnt, MPI_Request* r) {
+      return MPI_Ibcast(buf + off, cnt, MPI_FLOAT, root, comm_, r);
+    });
   }
 
  private:
@@ -135,6 +123,19 @@ class MpiCommunicator final : public Communicator {
   void check_count(int64_t n, const char* op) const {
     if (n > kMaxCount) throw CommError(fmt::format("{}: {} of {} floats exceeds MPI's int count", name_, op, n));
   }
+  // One non-blocking call per INT_MAX floats: issue(offset, count, &request) -> MPI return code.
+  template <class Issue>
+  std::unique_ptr<Work> chunked(const std::string& op, int64_t n, Issue&& issue) {
+    std::vector<MPI_Request> reqs;
+    for (int64_t off = 0; off < n; off += kMaxCount) {
+      reqs.emplace_back();
+      const int rc = issue(off, count(n - off), &reqs.back());
+      if (rc != MPI_SUCCESS)
+        throw CommError(fmt::format("group {} {}: {}", name_, op, mpi_error_text(rc)));
+    }
+    return work(op, std::move(reqs));
+  }
+
   std::unique_ptr<Work> work(const std::string& op, std::vector<MPI_Request> reqs,
                              std::unique_ptr<AllToAllArrays> arrays = nullptr) {
     ++seq_;

@@ -187,27 +187,28 @@ std::string Checkpointer::save(const TrainState& state, model::ParamStore& param
     }
   }
   std::vector<float> full, piece;
+  // Rank 0: the assembled tensor goes to the staging buffers (async) or straight to the file.
+  const auto emit = [&](const std::string& name, const std::vector<int64_t>& shape) {
+    if (async) {
+      if (staged == pending->tensors.size()) pending->tensors.emplace_back();
+      Pending::Tensor& t = pending->tensors[staged++];
+      t.name = name, t.shape = shape;
+      t.data.assign(full.begin(), full.end());
+      return;
+    }
+    try {
+      file->write_checked(name, full.data(), shape);
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+  };
   for (size_t i = 0; i < plan_.params.size(); ++i) {
     const plan::ParamInfo& info = plan_.params[i];
     const std::vector<int> who = owners(plan_, i);
     for (int k = 0; k < (info.buffer ? 1 : 3); ++k) {
       if (k > 0 && adam.sharded()) {  // ZeRO: the moments of this tensor lie in several ranks' shards
         gather_sharded_moments(info, params, adam, k, full);
-        if (rank_ == 0 && error.empty()) {
-          const std::string name = kGroups[k] + info.name;
-          if (async) {
-            if (staged == pending->tensors.size()) pending->tensors.emplace_back();
-            Pending::Tensor& t = pending->tensors[staged++];
-            t.name = name, t.shape = info.shape;
-            t.data.assign(full.begin(), full.end());
-          } else {
-            try {
-              file->write_checked(name, full.data(), info.shape);
-            } catch (const std::exception& e) {
-              error = e.what();
-            }
-          }
-        }
+        if (rank_ == 0 && error.empty()) emit(kGroups[k] + info.name, info.shape);
         continue;
       }
       const bool mine = std::find(who.begin(), who.end(), rank_) != who.end();
@@ -233,20 +234,7 @@ std::string Checkpointer::save(const TrainState& state, model::ParamStore& param
       }
       if (!error.empty()) continue;  // keep receiving so no sender blocks, write nothing
       if (crash_now(saves_, i, plan_.params.size())) std::abort();
-      const std::string name = kGroups[k] + info.name;
-      if (async) {
-        if (staged == pending->tensors.size()) pending->tensors.emplace_back();
-        Pending::Tensor& t = pending->tensors[staged++];
-        t.name = name, t.shape = info.shape;
-        t.data.assign(full.begin(), full.end());
-      }
-      else {
-        try {
-          file->write_checked(name, full.data(), info.shape);
-        } catch (const std::exception& e) {
-          error = e.what();
-        }
-      }
+      emit(kGroups[k] + info.name, info.shape);
     }
   }
   const auto write_meta = [&cfg, state, this](io::H5File& f) {
