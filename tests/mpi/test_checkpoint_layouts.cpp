@@ -12,14 +12,12 @@
 #include "engine/io/hdf5_file.h"
 #include "engine/runtime/checkpoint.h"
 
+#include "tests/mpi/mpi_test_util.h"
+
 namespace dstrain {
 namespace {
 
-int world_rank() {
-  int r = 0;
-  MPI_Comm_rank(MPI_COMM_WORLD, &r);
-  return r;
-}
+using testing::world_rank;
 
 plan::ParallelPlan make(int tp, int pp, int ep, int world, const std::string& dir) {
   const auto cfg = config::load_config_file(

@@ -10,19 +10,13 @@
 #include "engine/comm/process_groups.h"
 #include "engine/runtime/groups.h"
 
+#include "tests/mpi/mpi_test_util.h"
+
 namespace dstrain {
 namespace {
 
-int world_rank() {
-  int r = 0;
-  MPI_Comm_rank(MPI_COMM_WORLD, &r);
-  return r;
-}
-int world_size() {
-  int s = 0;
-  MPI_Comm_size(MPI_COMM_WORLD, &s);
-  return s;
-}
+using testing::world_rank;
+using testing::world_size;
 
 std::vector<plan::Degrees> layouts_for(int world) {
   std::vector<plan::Degrees> out;
