@@ -1,8 +1,13 @@
 // One object per process group (STYLE §3.4.5): the collectives every parallel runtime uses,
 // non-blocking — each call returns a Work to wait on — on host memory over MPI (the NCCL
 // implementation on device memory has the same interface). All members must call the same
-// operations in the same order; every call is checked and numbered, and the sequence number
-// of the last call is kept for diagnostics (which collective a stuck group was in).
+// operations in the same order. Every call is checked and numbered; every outstanding Work is
+// registered with the watchdog (watchdog.h), which aborts the job with a report naming the
+// group, the operation and its sequence number when one outlives its deadline.
+//
+// Progress: the host implementation has no progress thread. A Work advances when it, or its
+// group's progress(), is called — the data-parallel gradient sync calls progress() between the
+// backward pass's kernels so that reductions run while the rank computes.
 #pragma once
 
 #include <mpi.h>
@@ -19,8 +24,15 @@ enum class ReduceOp { kSum, kMax };
 class Work {
  public:
   virtual ~Work() = default;
-  virtual void wait() = 0;  // throws CommError naming the group, the op and its sequence number
+  // Blocks until complete, advancing the group's other outstanding work meanwhile. Throws
+  // CommError naming the group, the op and its sequence number.
+  virtual void wait() = 0;
+  // Advances the work without blocking; true once complete.
   virtual bool done() = 0;
+};
+
+struct CommOptions {
+  double timeout_s = 600;  // the watchdog's deadline for every Work of the group
 };
 
 class Communicator {
@@ -29,24 +41,43 @@ class Communicator {
   virtual const std::string& name() const = 0;
   virtual int rank() const = 0;
   virtual int size() const = 0;
-  virtual uint64_t seq() const = 0;  // collectives issued so far
+  virtual uint64_t seq() const = 0;  // operations issued so far
 
-  // In place over n floats.
+  // In place over n elements.
   virtual std::unique_ptr<Work> all_reduce(float* buf, int64_t n, ReduceOp op) = 0;
+  virtual std::unique_ptr<Work> all_reduce(double* buf, int64_t n, ReduceOp op) = 0;
+  virtual std::unique_ptr<Work> all_reduce(int64_t* buf, int64_t n, ReduceOp op) = 0;
   // out[n] = this rank's block of the reduction of in[n * size] (block r to rank r).
   virtual std::unique_ptr<Work> reduce_scatter(float* out, const float* in, int64_t n, ReduceOp op) = 0;
+  // In place, blocks of unequal size: buf holds size() consecutive blocks of counts[p] floats;
+  // afterwards block rank() holds the reduction of every rank's block rank() (the other
+  // blocks are left as scratch). A ZeRO-2 gradient bucket cut by the shard boundaries.
+  virtual std::unique_ptr<Work> reduce_scatter_v(float* buf, const std::vector<int64_t>& counts, ReduceOp op) = 0;
   // out[n * size] = the in[n] of every rank, in rank order.
   virtual std::unique_ptr<Work> all_gather(float* out, const float* in, int64_t n) = 0;
+  // In place, blocks of unequal size: block p of buf (counts[p] floats) comes from rank p.
+  virtual std::unique_ptr<Work> all_gather_v(float* buf, const std::vector<int64_t>& counts) = 0;
   // Variable all-to-all: rank r sends in_counts[p] floats (consecutive in `in`) to each rank p
   // and receives out_counts[p] floats from it (consecutive in `out`).
   virtual std::unique_ptr<Work> all_to_all_v(float* out, const std::vector<int64_t>& out_counts,
                                              const float* in, const std::vector<int64_t>& in_counts) = 0;
+  // Point to point; messages between two ranks arrive in the order they were sent.
   virtual std::unique_ptr<Work> send(const float* buf, int64_t n, int peer) = 0;
   virtual std::unique_ptr<Work> recv(float* buf, int64_t n, int peer) = 0;
   virtual std::unique_ptr<Work> broadcast(float* buf, int64_t n, int root) = 0;
+  virtual std::unique_ptr<Work> broadcast(char* buf, int64_t n, int root) = 0;
+  virtual std::unique_ptr<Work> barrier() = 0;
+
+  // Advances every outstanding Work of this group without blocking.
+  virtual void progress() = 0;
 };
 
-// A communicator over an existing MPI communicator (which it does not own).
-std::unique_ptr<Communicator> make_mpi_communicator(MPI_Comm comm, std::string name);
+// A communicator over a duplicate of an existing MPI communicator (collective over `comm`).
+std::unique_ptr<Communicator> make_mpi_communicator(MPI_Comm comm, std::string name, CommOptions options = {});
+
+// Blocking conveniences.
+std::string broadcast_string(Communicator& c, const std::string& s, int root);
+double all_reduce_value(Communicator& c, double x, ReduceOp op);
+int64_t all_reduce_value(Communicator& c, int64_t x, ReduceOp op);
 
 }  // namespace dstrain::comm

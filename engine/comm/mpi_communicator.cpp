@@ -1,158 +1,471 @@
+// The host implementation of Communicator over MPI.
+//
+// Large float reductions (all-reduce, reduce-scatter-v) and gathers (all-gather-v) are rings of
+// point-to-point messages driven by a small state machine, not MPI's non-blocking collectives:
+// Open MPI's allocate a message-sized temporary on every call (an mmap and fresh page faults
+// for large ones, ../shared/perf/cpu-limits.md) and only advance inside MPI calls, so a ring we
+// step ourselves — reusing pooled receive buffers and reducing as each piece arrives — is both
+// faster and progresses at every progress() call. Ring all-reduce = ring reduce-scatter + ring
+// all-gather, each size-1 steps; a piece goes in chunks of at most 16 MiB (the fastest message
+// size on one host). Small reductions and the other collectives use MPI's own calls.
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <climits>
+#include <thread>
 
 #include "engine/comm/communicator.h"
 #include "engine/comm/mpi_check.h"
+#include "engine/comm/watchdog.h"
 
 namespace dstrain::comm {
 namespace {
 
+constexpr int64_t kRingMinBytes = 64 << 10;  // below this, one MPI_Iallreduce (latency-bound)
+constexpr int64_t kChunkFloats = 4 << 20;    // 16 MiB of floats per ring chunk
+constexpr int kUserTag = 0;                  // point-to-point messages; rings use 1..kMaxRingTag
+constexpr int kMaxRingTag = 32000;           // MPI guarantees tags up to 32767
+
 MPI_Op mpi_op(ReduceOp op) { return op == ReduceOp::kMax ? MPI_MAX : MPI_SUM; }
+int mod(int a, int n) { return ((a % n) + n) % n; }
+
+class MpiCommunicator;
+
+// A Work of this communicator: registered with the group (for progress()) and the watchdog
+// until it completes.
+class MpiWork : public Work {
+ public:
+  MpiWork(MpiCommunicator& c, std::string what);
+  ~MpiWork() override;
+  void wait() override;
+  bool done() override;
+  const std::string& what() const { return what_; }
+
+ protected:
+  // Advances the operation; true once it is complete. Throws CommError on an MPI failure.
+  virtual bool advance() = 0;
+  MpiCommunicator& comm_;
+
+ private:
+  void finish();
+  std::string what_;
+  uint64_t watchdog_id_ = 0;
+  bool complete_ = false;
+};
 
 // Count and displacement arrays of an all-to-all-v, which MPI reads until the call completes.
 struct AllToAllArrays {
   std::vector<int> send_counts, send_displs, recv_counts, recv_displs;
 };
 
-// A Work over one or more MPI requests (counts above INT_MAX are split into several calls).
-class MpiWork final : public Work {
- public:
-  MpiWork(std::string what, std::vector<MPI_Request> requests, std::unique_ptr<AllToAllArrays> arrays = nullptr)
-      : what_(std::move(what)), requests_(std::move(requests)), arrays_(std::move(arrays)) {}
-  ~MpiWork() override {
-    try {
-      wait();
-    } catch (...) {
-    }
-  }
-  void wait() override {
-    if (requests_.empty()) return;
-    const int rc = MPI_Waitall(int(requests_.size()), requests_.data(), MPI_STATUSES_IGNORE);
-    requests_.clear();
-    if (rc != MPI_SUCCESS) throw CommError(fmt::format("{} failed: {}", what_, mpi_error_text(rc)));
-  }
-  bool done() override {
-    if (requests_.empty()) return true;
-    int flag = 0;
-    DS_MPI_CHECK(MPI_Testall(int(requests_.size()), requests_.data(), &flag, MPI_STATUSES_IGNORE));
-    if (flag) requests_.clear();
-    return flag != 0;
-  }
-
- private:
-  std::string what_;
-  std::vector<MPI_Request> requests_;
-  std::unique_ptr<AllToAllArrays> arrays_;  // kept alive until the Work is destroyed
-};
-
 class MpiCommunicator final : public Communicator {
  public:
-  MpiCommunicator(MPI_Comm comm, std::string name) : comm_(comm), name_(std::move(name)) {
+  MpiCommunicator(MPI_Comm comm, std::string name, CommOptions options) : name_(std::move(name)), options_(options) {
+    DS_MPI_CHECK(MPI_Comm_dup(comm, &comm_));
+    DS_MPI_CHECK(MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN));
     DS_MPI_CHECK(MPI_Comm_rank(comm_, &rank_));
     DS_MPI_CHECK(MPI_Comm_size(comm_, &size_));
   }
+  ~MpiCommunicator() override {
+    int finalized = 0;
+    MPI_Finalized(&finalized);
+    if (!finalized) MPI_Comm_free(&comm_);
+  }
+
   const std::string& name() const override { return name_; }
   int rank() const override { return rank_; }
   int size() const override { return size_; }
   uint64_t seq() const override { return seq_; }
+  MPI_Comm mpi() const { return comm_; }
+  double timeout_s() const { return options_.timeout_s; }
 
-  std::unique_ptr<Work> all_reduce(float* buf, int64_t n, ReduceOp op) override {
-    return chunked("all_reduce", n, [&](int64_t off, int cnt, MPI_Request* r) {
-      return MPI_Iallreduce(MPI_IN_PLACE, buf + off, cnt, MPI_FLOAT, mpi_op(op), comm_, r);
-    });
+  std::unique_ptr<Work> all_reduce(float* buf, int64_t n, ReduceOp op) override;
+  std::unique_ptr<Work> all_reduce(double* buf, int64_t n, ReduceOp op) override {
+    return small_all_reduce(buf, n, MPI_DOUBLE, op);
   }
-
-  std::unique_ptr<Work> reduce_scatter(float* out, const float* in, int64_t n, ReduceOp op) override {
-    check_count(n, "reduce_scatter");
-    std::vector<MPI_Request> reqs(1);
-    DS_MPI_CHECK(MPI_Ireduce_scatter_block(in, out, int(n), MPI_FLOAT, mpi_op(op), comm_, &reqs[0]));
-    return work("reduce_scatter", std::move(reqs));
+  std::unique_ptr<Work> all_reduce(int64_t* buf, int64_t n, ReduceOp op) override {
+    return small_all_reduce(buf, n, MPI_INT64_T, op);
   }
-
-  std::unique_ptr<Work> all_gather(float* out, const float* in, int64_t n) override {
-    check_count(n, "all_gather");
-    std::vector<MPI_Request> reqs(1);
-    DS_MPI_CHECK(MPI_Iallgather(in, int(n), MPI_FLOAT, out, int(n), MPI_FLOAT, comm_, &reqs[0]));
-    return work("all_gather", std::move(reqs));
-  }
-
+  std::unique_ptr<Work> reduce_scatter(float* out, const float* in, int64_t n, ReduceOp op) override;
+  std::unique_ptr<Work> reduce_scatter_v(float* buf, const std::vector<int64_t>& counts, ReduceOp op) override;
+  std::unique_ptr<Work> all_gather(float* out, const float* in, int64_t n) override;
+  std::unique_ptr<Work> all_gather_v(float* buf, const std::vector<int64_t>& counts) override;
   std::unique_ptr<Work> all_to_all_v(float* out, const std::vector<int64_t>& out_counts, const float* in,
-                                     const std::vector<int64_t>& in_counts) override {
-    if (int(out_counts.size()) != size_ || int(in_counts.size()) != size_)
-      throw CommError(fmt::format("{}: all_to_all_v needs {} counts per direction", name_, size_));
-    auto arrays = std::make_unique<AllToAllArrays>();  // int counts and displacements (MPI-3)
-    AllToAllArrays& s = *arrays;
-    int64_t so = 0, ro = 0;
-    for (int p = 0; p < size_; ++p) {
-      check_count(so + in_counts[p], "all_to_all_v");
-      check_count(ro + out_counts[p], "all_to_all_v");
-      s.send_counts.push_back(int(in_counts[p]));
-      s.send_displs.push_back(int(so));
-      s.recv_counts.push_back(int(out_counts[p]));
-      s.recv_displs.push_back(int(ro));
-      so += in_counts[p], ro += out_counts[p];
-    }
-    std::vector<MPI_Request> reqs(1);
-    DS_MPI_CHECK(MPI_Ialltoallv(in, s.send_counts.data(), s.send_displs.data(), MPI_FLOAT, out, s.recv_counts.data(),
-                                s.recv_displs.data(), MPI_FLOAT, comm_, &reqs[0]));
-    return work("all_to_all_v", std::move(reqs), std::move(arrays));
-  }
-
-  std::unique_ptr<Work> send(const float* buf, int64_t n, int peer) override {
-    return chunked(fmt::format("send to {}", peer), n, [&](int64_t off, int cnt, MPI_Request* r) {
-      return MPI_Isend(buf + off, cnt, MPI_FLOAT, peer, 0, comm_, r);
-    });
-  }
-
-  std::unique_ptr<Work> recv(float* buf, int64_t n, int peer) override {
-    return chunked(fmt::format("recv from {}", peer), n, [&](int64_t off, int cnt, MPI_Request* r) {
-      return MPI_Irecv(buf + off, cnt, MPI_FLOAT, peer, 0, comm_, r);
-    });
-  }
-
+                                     const std::vector<int64_t>& in_counts) override;
+  std::unique_ptr<Work> send(const float* buf, int64_t n, int peer) override;
+  std::unique_ptr<Work> recv(float* buf, int64_t n, int peer) override;
   std::unique_ptr<Work> broadcast(float* buf, int64_t n, int root) override {
     return chunked("broadcast", n, [&](int64_t off, int cnt, MPI_Request* r) {
       return MPI_Ibcast(buf + off, cnt, MPI_FLOAT, root, comm_, r);
     });
   }
+  std::unique_ptr<Work> broadcast(char* buf, int64_t n, int root) override {
+    return chunked("broadcast", n, [&](int64_t off, int cnt, MPI_Request* r) {
+      return MPI_Ibcast(buf + off, cnt, MPI_CHAR, root, comm_, r);
+    });
+  }
+  std::unique_ptr<Work> barrier() override;
+
+  void progress() override {
+    // A completing Work unregisters itself: iterate over a copy.
+    std::vector<MpiWork*> live = live_;
+    for (MpiWork* w : live)
+      if (std::find(live_.begin(), live_.end(), w) != live_.end()) w->done();
+  }
+
+  void attach(MpiWork* w) { live_.push_back(w); }
+  void detach(MpiWork* w) { live_.erase(std::remove(live_.begin(), live_.end(), w), live_.end()); }
+
+  // Receive buffers of the rings, reused across calls (no allocation per collective).
+  std::vector<float> take_buffer(int64_t n) {
+    for (size_t i = 0; i < pool_.size(); ++i)
+      if (int64_t(pool_[i].capacity()) >= n) {
+        std::vector<float> b = std::move(pool_[i]);
+        pool_.erase(pool_.begin() + int64_t(i));
+        b.resize(size_t(n));
+        return b;
+      }
+    return std::vector<float>(size_t(n));
+  }
+  void give_buffer(std::vector<float> b) {
+    if (pool_.size() < 8) pool_.push_back(std::move(b));
+  }
+
+  std::string describe(const std::string& op) {
+    ++seq_;
+    return fmt::format("group {} {} #{} (rank {} of {})", name_, op, seq_, rank_, size_);
+  }
+  int ring_tag() const { return 1 + int(seq_ % kMaxRingTag); }
+  void check_count(int64_t n, const char* op) const {
+    if (n > INT_MAX) throw CommError(fmt::format("group {}: {} of {} elements exceeds MPI's int count", name_, op, n));
+  }
+
+  // One non-blocking call per INT_MAX elements: issue(offset, count, &request) -> MPI return code.
+  template <class Issue>
+  std::unique_ptr<Work> chunked(const std::string& op, int64_t n, Issue&& issue);
 
  private:
-  static constexpr int64_t kMaxCount = INT_MAX;
-  static int count(int64_t remaining) { return int(std::min<int64_t>(remaining, kMaxCount)); }
-  void check_count(int64_t n, const char* op) const {
-    if (n > kMaxCount) throw CommError(fmt::format("{}: {} of {} floats exceeds MPI's int count", name_, op, n));
-  }
-  // One non-blocking call per INT_MAX floats: issue(offset, count, &request) -> MPI return code.
-  template <class Issue>
-  std::unique_ptr<Work> chunked(const std::string& op, int64_t n, Issue&& issue) {
-    std::vector<MPI_Request> reqs;
-    for (int64_t off = 0; off < n; off += kMaxCount) {
-      reqs.emplace_back();
-      const int rc = issue(off, count(n - off), &reqs.back());
-      if (rc != MPI_SUCCESS)
-        throw CommError(fmt::format("group {} {}: {}", name_, op, mpi_error_text(rc)));
-    }
-    return work(op, std::move(reqs));
-  }
+  template <class T>
+  std::unique_ptr<Work> small_all_reduce(T* buf, int64_t n, MPI_Datatype type, ReduceOp op);
 
-  std::unique_ptr<Work> work(const std::string& op, std::vector<MPI_Request> reqs,
-                             std::unique_ptr<AllToAllArrays> arrays = nullptr) {
-    ++seq_;
-    return std::make_unique<MpiWork>(fmt::format("group {} {} #{} (rank {} of {})", name_, op, seq_, rank_, size_),
-                                     std::move(reqs), std::move(arrays));
-  }
-
-  MPI_Comm comm_;
+  MPI_Comm comm_ = MPI_COMM_NULL;
   std::string name_;
+  CommOptions options_;
   int rank_ = 0, size_ = 1;
   uint64_t seq_ = 0;
+  std::vector<MpiWork*> live_;
+  std::vector<std::vector<float>> pool_;
 };
+
+MpiWork::MpiWork(MpiCommunicator& c, std::string what) : comm_(c), what_(std::move(what)) {
+  watchdog_id_ = Watchdog::instance().add(what_, c.timeout_s());
+  comm_.attach(this);
+}
+
+// Each final class waits in its own destructor (an unfinished Work would leave MPI writing into
+// freed memory); here only the registrations remain to drop.
+MpiWork::~MpiWork() {
+  if (!complete_) finish();
+}
+
+void MpiWork::finish() {
+  complete_ = true;
+  comm_.detach(this);
+  Watchdog::instance().remove(watchdog_id_);
+}
+
+bool MpiWork::done() {
+  if (complete_) return true;
+  try {
+    if (advance()) finish();
+  } catch (const CommError& e) {
+    finish();
+    throw CommError(fmt::format("{} failed: {}", what_, e.what()));
+  }
+  return complete_;
+}
+
+void MpiWork::wait() {
+  while (!done()) {
+    comm_.progress();
+    std::this_thread::yield();  // ranks may share cores (--oversubscribe)
+  }
+}
+
+// A set of MPI requests, complete together.
+class RequestWork final : public MpiWork {
+ public:
+  RequestWork(MpiCommunicator& c, std::string what, std::vector<MPI_Request> requests,
+              std::unique_ptr<AllToAllArrays> arrays = nullptr)
+      : MpiWork(c, std::move(what)), requests_(std::move(requests)), arrays_(std::move(arrays)) {}
+  ~RequestWork() override {
+    try {
+      wait();
+    } catch (...) {
+    }
+  }
+
+ private:
+  bool advance() override {
+    if (requests_.empty()) return true;
+    int flag = 0;
+    const int rc = MPI_Testall(int(requests_.size()), requests_.data(), &flag, MPI_STATUSES_IGNORE);
+    if (rc != MPI_SUCCESS) throw CommError(mpi_error_text(rc));
+    if (flag) requests_.clear();
+    return flag != 0;
+  }
+  std::vector<MPI_Request> requests_;
+  std::unique_ptr<AllToAllArrays> arrays_;  // kept alive until complete
+};
+
+// Ring reduce-scatter and/or all-gather over blocks of unequal size, in place, one chunk of
+// blocks after another. Reduce-scatter step s (of size-1): send block r-s-1 to the right
+// neighbour, receive block r-s-2 from the left one and reduce it in — after the last step rank
+// r holds the whole reduction of block r. All-gather step s: send block r-s, receive block
+// r-s-1 straight into place.
+class RingWork final : public MpiWork {
+ public:
+  struct Chunk {
+    float* base;
+    std::vector<int64_t> counts;  // per rank
+  };
+  RingWork(MpiCommunicator& c, std::string what, std::vector<Chunk> chunks, bool reduce, bool gather, ReduceOp op)
+      : MpiWork(c, std::move(what)), chunks_(std::move(chunks)), reduce_(reduce), gather_(gather), op_(op),
+        tag_(c.ring_tag()), P_(c.size()), r_(c.rank()) {
+    phase_ = reduce_ ? Phase::kReduce : Phase::kGather;
+    int64_t most = 0;
+    for (const Chunk& ch : chunks_) {
+      for (int64_t n : ch.counts) {
+        c.check_count(n, "ring piece");
+        most = std::max(most, n);
+      }
+    }
+    if (reduce_) tmp_ = c.take_buffer(most);
+    if (P_ == 1) chunk_ = chunks_.size();
+  }
+  ~RingWork() override {
+    try {
+      wait();
+    } catch (...) {
+    }
+    if (tmp_.capacity() > 0) comm_.give_buffer(std::move(tmp_));
+  }
+
+ private:
+  enum class Phase { kReduce, kGather };
+
+  bool advance() override {
+    for (;;) {
+      if (chunk_ >= chunks_.size()) return true;
+      if (!posted_) post();
+      int flag = 0;
+      const int rc = MPI_Testall(2, reqs_, &flag, MPI_STATUSES_IGNORE);
+      if (rc != MPI_SUCCESS) throw CommError(mpi_error_text(rc));
+      if (!flag) return false;
+      posted_ = false;
+      if (phase_ == Phase::kReduce) combine(block(recv_block_), tmp_.data(), chunks_[chunk_].counts[recv_block_]);
+      if (++step_ < P_ - 1) continue;
+      step_ = 0;
+      if (phase_ == Phase::kReduce && gather_) {
+        phase_ = Phase::kGather;
+      } else {
+        ++chunk_;
+        phase_ = reduce_ ? Phase::kReduce : Phase::kGather;
+      }
+    }
+  }
+
+  float* block(int p) const {
+    const Chunk& ch = chunks_[chunk_];
+    int64_t off = 0;
+    for (int q = 0; q < p; ++q) off += ch.counts[q];
+    return ch.base + off;
+  }
+
+  void post() {
+    const Chunk& ch = chunks_[chunk_];
+    const int right = mod(r_ + 1, P_), left = mod(r_ - 1, P_);
+    const MPI_Comm c = comm_.mpi();
+    int send_block, rc;
+    float* into;
+    if (phase_ == Phase::kReduce) {
+      send_block = mod(r_ - step_ - 1, P_), recv_block_ = mod(r_ - step_ - 2, P_);
+      into = tmp_.data();
+    } else {
+      send_block = mod(r_ - step_, P_), recv_block_ = mod(r_ - step_ - 1, P_);
+      into = block(recv_block_);
+    }
+    rc = MPI_Irecv(into, int(ch.counts[recv_block_]), MPI_FLOAT, left, tag_, c, &reqs_[0]);
+    if (rc == MPI_SUCCESS)
+      rc = MPI_Isend(block(send_block), int(ch.counts[send_block]), MPI_FLOAT, right, tag_, c, &reqs_[1]);
+    if (rc != MPI_SUCCESS) throw CommError(mpi_error_text(rc));
+    posted_ = true;
+  }
+
+  void combine(float* y, const float* x, int64_t n) const {
+    if (op_ == ReduceOp::kSum) {
+      for (int64_t i = 0; i < n; ++i) y[i] += x[i];
+    } else {
+      for (int64_t i = 0; i < n; ++i) y[i] = std::max(y[i], x[i]);
+    }
+  }
+
+  std::vector<Chunk> chunks_;
+  bool reduce_, gather_;
+  ReduceOp op_;
+  int tag_, P_, r_;
+  std::vector<float> tmp_;
+  size_t chunk_ = 0;
+  Phase phase_;
+  int step_ = 0, recv_block_ = 0;
+  bool posted_ = false;
+  MPI_Request reqs_[2] = {MPI_REQUEST_NULL, MPI_REQUEST_NULL};
+};
+
+template <class Issue>
+std::unique_ptr<Work> MpiCommunicator::chunked(const std::string& op, int64_t n, Issue&& issue) {
+  std::string what = describe(op);
+  std::vector<MPI_Request> reqs;
+  for (int64_t off = 0; off < n || (n == 0 && reqs.empty()); off += INT_MAX) {
+    reqs.emplace_back();
+    const int rc = issue(off, int(std::min<int64_t>(n - off, INT_MAX)), &reqs.back());
+    if (rc != MPI_SUCCESS) throw CommError(fmt::format("{}: {}", what, mpi_error_text(rc)));
+    if (n == 0) break;
+  }
+  return std::make_unique<RequestWork>(*this, std::move(what), std::move(reqs));
+}
+
+template <class T>
+std::unique_ptr<Work> MpiCommunicator::small_all_reduce(T* buf, int64_t n, MPI_Datatype type, ReduceOp op) {
+  return chunked(fmt::format("all_reduce of {} {}", n, type == MPI_FLOAT ? "floats" : type == MPI_DOUBLE ? "doubles" : "int64"), n, [&](int64_t off, int cnt, MPI_Request* r) {
+    return MPI_Iallreduce(MPI_IN_PLACE, buf + off, cnt, type, mpi_op(op), comm_, r);
+  });
+}
+
+// Equal blocks of at most 16 MiB in all per chunk (multiples of 16 floats, the last one short).
+std::vector<RingWork::Chunk> even_chunks(float* buf, int64_t n, int P) {
+  std::vector<RingWork::Chunk> out;
+  for (int64_t off = 0; off < n; off += kChunkFloats) {
+    const int64_t len = std::min(kChunkFloats, n - off);
+    const int64_t per = (len + 16 * P - 1) / (16 * P) * 16;
+    RingWork::Chunk ch{buf + off, {}};
+    for (int p = 0; p < P; ++p) ch.counts.push_back(std::clamp<int64_t>(len - p * per, 0, per));
+    out.push_back(std::move(ch));
+  }
+  return out;
+}
+
+std::unique_ptr<Work> MpiCommunicator::all_reduce(float* buf, int64_t n, ReduceOp op) {
+  if (size_ == 1 || n * int64_t(sizeof(float)) < kRingMinBytes) return small_all_reduce(buf, n, MPI_FLOAT, op);
+  std::string what = describe(fmt::format("all_reduce of {} floats", n));
+  return std::make_unique<RingWork>(*this, std::move(what), even_chunks(buf, n, size_), true, true, op);
+}
+
+std::unique_ptr<Work> MpiCommunicator::reduce_scatter(float* out, const float* in, int64_t n, ReduceOp op) {
+  check_count(n, "reduce_scatter");
+  std::vector<MPI_Request> reqs(1);
+  std::string what = describe("reduce_scatter");
+  const int rc = MPI_Ireduce_scatter_block(in, out, int(n), MPI_FLOAT, mpi_op(op), comm_, &reqs[0]);
+  if (rc != MPI_SUCCESS) throw CommError(fmt::format("{}: {}", what, mpi_error_text(rc)));
+  return std::make_unique<RequestWork>(*this, std::move(what), std::move(reqs));
+}
+
+std::unique_ptr<Work> MpiCommunicator::reduce_scatter_v(float* buf, const std::vector<int64_t>& counts, ReduceOp op) {
+  if (int(counts.size()) != size_)
+    throw CommError(fmt::format("group {}: reduce_scatter_v needs {} counts, got {}", name_, size_, counts.size()));
+  int64_t total = 0;
+  for (int64_t c : counts) total += c;
+  std::string what = describe(fmt::format("reduce_scatter_v of {} floats", total));
+  return std::make_unique<RingWork>(*this, std::move(what), std::vector<RingWork::Chunk>{{buf, counts}}, true, false,
+                                    op);
+}
+
+std::unique_ptr<Work> MpiCommunicator::all_gather(float* out, const float* in, int64_t n) {
+  check_count(n, "all_gather");
+  std::vector<MPI_Request> reqs(1);
+  std::string what = describe("all_gather");
+  const int rc = MPI_Iallgather(in, int(n), MPI_FLOAT, out, int(n), MPI_FLOAT, comm_, &reqs[0]);
+  if (rc != MPI_SUCCESS) throw CommError(fmt::format("{}: {}", what, mpi_error_text(rc)));
+  return std::make_unique<RequestWork>(*this, std::move(what), std::move(reqs));
+}
+
+std::unique_ptr<Work> MpiCommunicator::all_gather_v(float* buf, const std::vector<int64_t>& counts) {
+  if (int(counts.size()) != size_)
+    throw CommError(fmt::format("group {}: all_gather_v needs {} counts, got {}", name_, size_, counts.size()));
+  int64_t total = 0;
+  for (int64_t c : counts) total += c;
+  std::string what = describe(fmt::format("all_gather_v of {} floats", total));
+  return std::make_unique<RingWork>(*this, std::move(what), std::vector<RingWork::Chunk>{{buf, counts}}, false, true,
+                                    ReduceOp::kSum);
+}
+
+std::unique_ptr<Work> MpiCommunicator::all_to_all_v(float* out, const std::vector<int64_t>& out_counts,
+                                                    const float* in, const std::vector<int64_t>& in_counts) {
+  if (int(out_counts.size()) != size_ || int(in_counts.size()) != size_)
+    throw CommError(fmt::format("group {}: all_to_all_v needs {} counts per direction", name_, size_));
+  auto arrays = std::make_unique<AllToAllArrays>();  // int counts and displacements (MPI-3)
+  AllToAllArrays& s = *arrays;
+  int64_t so = 0, ro = 0;
+  for (int p = 0; p < size_; ++p) {
+    check_count(so + in_counts[p], "all_to_all_v");
+    check_count(ro + out_counts[p], "all_to_all_v");
+    s.send_counts.push_back(int(in_counts[p]));
+    s.send_displs.push_back(int(so));
+    s.recv_counts.push_back(int(out_counts[p]));
+    s.recv_displs.push_back(int(ro));
+    so += in_counts[p], ro += out_counts[p];
+  }
+  std::vector<MPI_Request> reqs(1);
+  std::string what = describe("all_to_all_v");
+  const int rc = MPI_Ialltoallv(in, s.send_counts.data(), s.send_displs.data(), MPI_FLOAT, out, s.recv_counts.data(),
+                                s.recv_displs.data(), MPI_FLOAT, comm_, &reqs[0]);
+  if (rc != MPI_SUCCESS) throw CommError(fmt::format("{}: {}", what, mpi_error_text(rc)));
+  return std::make_unique<RequestWork>(*this, std::move(what), std::move(reqs), std::move(arrays));
+}
+
+std::unique_ptr<Work> MpiCommunicator::send(const float* buf, int64_t n, int peer) {
+  return chunked(fmt::format("send to {}", peer), n, [&](int64_t off, int cnt, MPI_Request* r) {
+    return MPI_Isend(buf + off, cnt, MPI_FLOAT, peer, kUserTag, comm_, r);
+  });
+}
+
+std::unique_ptr<Work> MpiCommunicator::recv(float* buf, int64_t n, int peer) {
+  return chunked(fmt::format("recv from {}", peer), n, [&](int64_t off, int cnt, MPI_Request* r) {
+    return MPI_Irecv(buf + off, cnt, MPI_FLOAT, peer, kUserTag, comm_, r);
+  });
+}
+
+std::unique_ptr<Work> MpiCommunicator::barrier() {
+  std::vector<MPI_Request> reqs(1);
+  std::string what = describe("barrier");
+  const int rc = MPI_Ibarrier(comm_, &reqs[0]);
+  if (rc != MPI_SUCCESS) throw CommError(fmt::format("{}: {}", what, mpi_error_text(rc)));
+  return std::make_unique<RequestWork>(*this, std::move(what), std::move(reqs));
+}
 
 }  // namespace
 
-std::unique_ptr<Communicator> make_mpi_communicator(MPI_Comm comm, std::string name) {
-  return std::make_unique<MpiCommunicator>(comm, std::move(name));
+std::unique_ptr<Communicator> make_mpi_communicator(MPI_Comm comm, std::string name, CommOptions options) {
+  return std::make_unique<MpiCommunicator>(comm, std::move(name), options);
+}
+
+std::string broadcast_string(Communicator& c, const std::string& s, int root) {
+  int64_t len = int64_t(s.size());
+  c.broadcast(reinterpret_cast<char*>(&len), int64_t(sizeof(len)), root)->wait();
+  std::string out = s;
+  out.resize(size_t(len));
+  if (len > 0) c.broadcast(out.data(), len, root)->wait();
+  return out;
+}
+
+double all_reduce_value(Communicator& c, double x, ReduceOp op) {
+  c.all_reduce(&x, 1, op)->wait();
+  return x;
+}
+
+int64_t all_reduce_value(Communicator& c, int64_t x, ReduceOp op) {
+  c.all_reduce(&x, 1, op)->wait();
+  return x;
 }
 
 }  // namespace dstrain::comm

@@ -124,6 +124,7 @@ void describe(V& v, ParallelConfig& c) {
   v.field("expert", c.expert, at_least(1));
   v.field("data", c.data);
   v.field("stage_layers", c.stage_layers, at_least(1));
+  v.field("comm_timeout_s", c.comm_timeout_s, real_range(0.1, 1e7));
 }
 
 template <class V>
@@ -145,6 +146,9 @@ void describe(V& v, Bf16Config& c) {
 template <class V>
 void describe(V& v, ZeroConfig& c) {
   v.field("stage", c.stage, int_range(0, 2));
+  v.field("overlap_comm", c.overlap_comm);
+  v.field("reduce_bucket_size", c.reduce_bucket_size, at_least(1024));
+  v.field("allgather_bucket_size", c.allgather_bucket_size, at_least(1024));
 }
 
 template <class V>

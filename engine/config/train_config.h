@@ -97,6 +97,7 @@ struct ParallelConfig {
   int64_t expert = 1;
   AutoInt data;                      // auto: world_size / (tensor * pipeline)
   std::vector<int64_t> stage_layers;  // decoder layers per pipeline stage; empty: uniform
+  double comm_timeout_s = 600;        // watchdog deadline of every collective
 };
 
 struct Fp16Config {  // DeepSpeed `fp16` with its defaults
@@ -113,8 +114,11 @@ struct Bf16Config {
   bool enabled = false;
 };
 
-struct ZeroConfig {
+struct ZeroConfig {  // DeepSpeed `zero_optimization` (sizes in elements, as DeepSpeed's)
   int64_t stage = 0;
+  bool overlap_comm = true;                  // reduce gradient buckets during backward
+  int64_t reduce_bucket_size = 4'194'304;    // 16 MiB of fp32: the fastest all-reduce size on one host
+  int64_t allgather_bucket_size = 4'194'304; // ZeRO-1/2 parameter all-gather pieces
 };
 
 struct OptimizerParams {  // DeepSpeed Adam / AdamW params

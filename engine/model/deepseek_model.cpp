@@ -52,9 +52,11 @@ void DecoderLayer::backward(float* dh, const float* h_in, int64_t B, int64_t S, 
   env_.scratch->reset();
   if (moe_) moe_->backward(tmp1, dh, u_.data(), B, S);
   else mlp_->backward(tmp1, dh, u_.data(), N, 0.0f);
+  env_.poll();
   be.rmsnorm_backward(tmp2, post_norm_.g, tmp1, h_mid_.data(), post_norm_.w, rstd2_.data(), N, H_);
   be.add(dh, tmp2, N * H_);  // dL/dh_mid
   attn_.backward(tmp1, dh, a_.data(), B, S);
+  env_.poll();
   be.rmsnorm_backward(tmp2, in_norm_.g, tmp1, h_in, in_norm_.w, rstd1_.data(), N, H_);
   be.add(dh, tmp2, N * H_);  // dL/dh_in
 }
@@ -100,7 +102,7 @@ DeepSeekModel::DeepSeekModel(const config::ModelConfig& cfg, kernels::Backend& b
   DS_CHECK(tp_size == 1 || cfg.vocab_size % tp_size == 0, "vocab");
   const int64_t N = B * S;
   ones_.assign(N, 1.0f);
-  env_ = LayerEnv{&cfg_, &be_, &coll, &params, &scratch_, ones_.data(), tp_size};
+  env_ = LayerEnv{&cfg_, &be_, &coll, &params, &scratch_, ones_.data(), &progress_, tp_size};
   embed_.bind(params, "model.embed_tokens.weight");
   norm_.bind(params, "model.norm.weight");
   lm_head_.bind(params, "lm_head.weight");
@@ -209,12 +211,27 @@ void DeepSeekModel::backward() {
   const int64_t N = B_ * S_;
   // Head: dz = dlogits W_lm, dW_lm += dlogits^T z; MTP adds its gradient of h^0 = z.
   linear_backward(be_, dz_.data(), lm_head_.g, logits_.data(), z_.data(), lm_head_.w, N, V_, H_);
+  progress_.poll();
   if (!mtp_.empty()) mtp_backward(dz_.data());
   be_.rmsnorm_backward(dh_.data(), norm_.g, dz_.data(), hidden_[L_].data(), norm_.w,
                        rstd_f_.data(), N, H_);
-  for (int64_t i = L_ - 1; i >= 0; --i)
+  progress_.grads_final(L_);  // final norm, LM head, MTP modules
+  for (int64_t i = L_ - 1; i >= 0; --i) {
     layers_[i]->backward(dh_.data(), hidden_[i].data(), B_, S_, tmp1_.data(), tmp2_.data());
+    progress_.grads_final(i);
+  }
   be_.embedding_backward(embed_.g, dh_.data(), ids_.data(), N, H_, V_);
+  progress_.grads_final(L_ + 1);
+}
+
+int64_t DeepSeekModel::backward_unit(const std::string& name, int64_t num_layers) {
+  static const std::string layers = "model.layers.";
+  if (name.rfind(layers, 0) == 0) {
+    const int64_t i = std::stoll(name.substr(layers.size()));
+    return i < num_layers ? i : num_layers;  // MTP modules finish with the head
+  }
+  if (name.rfind("model.embed_tokens.", 0) == 0) return num_layers + 1;
+  return num_layers;  // model.norm, lm_head
 }
 
 void DeepSeekModel::mtp_backward(float* dz) {

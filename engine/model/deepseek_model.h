@@ -48,8 +48,14 @@ class DeepSeekModel {
 
   // tokens [B, S+1]: inputs T[:, :S], targets T[:, 1:] (-100 ignored). Keeps what backward needs.
   Losses forward(const int32_t* tokens, const LossScale& scale);
-  // Accumulates this micro-batch's gradients into the parameter store.
+  // Accumulates this micro-batch's gradients into the parameter store, telling `observer` (if
+  // set) as the parts' gradients become final, in this order: unit L (the final norm, the LM
+  // head and the MTP modules), then units L-1 ... 0 (the decoder layers), then unit L+1 (the
+  // embedding); and polling it between kernels.
   void backward();
+  void set_backward_observer(BackwardObserver* observer) { progress_.observer = observer; }
+  // The backward unit of a parameter (by HF name) in a model of `num_layers` decoder layers.
+  static int64_t backward_unit(const std::string& name, int64_t num_layers);
 
   // With keep_logits, forward copies the main head's logits [B*S, V] here before the loss.
   void keep_logits(bool on) { keep_logits_ = on; }
@@ -73,6 +79,7 @@ class DeepSeekModel {
 
   const config::ModelConfig& cfg_;
   kernels::Backend& be_;
+  Progress progress_;
   LayerEnv env_;
   Scratch scratch_;
   std::vector<float> ones_;

@@ -205,8 +205,10 @@ void MoeLayer::backward(float* du, const float* dout, const float* u, int64_t B,
   }
   be.gemm_grouped(dM.C.data(), dM.A.data(), dM.B.data(), dM.M.data(), dM.N.data(), dM.K.data(),
                   int64_t(dM.C.size()), false, false, 1.0f, 0.0f);
+  env_.poll();
   be.gemm_grouped(dWd.C.data(), dWd.A.data(), dWd.B.data(), dWd.M.data(), dWd.N.data(),
                   dWd.K.data(), int64_t(dWd.C.size()), true, false, 1.0f, 1.0f);
+  env_.poll();
   be.swiglu_backward(dGUp, dMp, GUp_.data(), rows, I_);
   Group dX, dWgu;
   for (int64_t e = 0; e < E_; ++e) {
@@ -217,13 +219,16 @@ void MoeLayer::backward(float* du, const float* dout, const float* u, int64_t B,
   }
   be.gemm_grouped(dX.C.data(), dX.A.data(), dX.B.data(), dX.M.data(), dX.N.data(), dX.K.data(),
                   int64_t(dX.C.size()), false, false, 1.0f, 0.0f);
+  env_.poll();
   be.gemm_grouped(dWgu.C.data(), dWgu.A.data(), dWgu.B.data(), dWgu.M.data(), dWgu.N.data(),
                   dWgu.K.data(), int64_t(dWgu.C.size()), true, false, 1.0f, 1.0f);
+  env_.poll();
   be.fill(du, 0.0f, N * H_);
   be.moe_dispatch_backward(du, dXp, pos_.data(), N, k_, H_);
   float* dlogits = scratch.take(N * E_);
   be.router_backward(dlogits, dw, dscores_.data(), scores_.data(), idx_.data(), N, rp_);
   linear_backward(be, du, gate_.g, dlogits, u, gate_.w, N, E_, H_, 1.0f);
+  env_.poll();
   if (shared_) shared_->backward(du, dout, u, N, 1.0f);
 }
 

@@ -32,6 +32,28 @@ class Scratch {
   int64_t used_ = 0;
 };
 
+// What the backward pass tells whoever reduces the gradients (the data-parallel gradient sync,
+// engine/parallel/grad_sync.h) without the model seeing any communicator: that a part's
+// gradients are final, and — between kernels — chances to advance communication in flight.
+class BackwardObserver {
+ public:
+  virtual ~BackwardObserver() = default;
+  // Gradients of backward unit `unit` (DeepSeekModel::backward_unit) are final.
+  virtual void grads_final(int64_t unit) = 0;
+  virtual void poll() = 0;
+};
+
+// Shared by the model and its layers; `observer` may change between backward passes.
+struct Progress {
+  BackwardObserver* observer = nullptr;
+  void poll() const {
+    if (observer) observer->poll();
+  }
+  void grads_final(int64_t unit) const {
+    if (observer) observer->grads_final(unit);
+  }
+};
+
 struct LayerEnv {
   const config::ModelConfig* cfg = nullptr;
   kernels::Backend* be = nullptr;
@@ -39,7 +61,11 @@ struct LayerEnv {
   ParamStore* params = nullptr;
   Scratch* scratch = nullptr;
   const float* ones = nullptr;  // at least as many 1.0f as tokens (bias gradients)
+  const Progress* progress = nullptr;
   int tp_size = 1;
+  void poll() const {
+    if (progress) progress->poll();
+  }
   int64_t heads() const { return cfg->num_attention_heads / tp_size; }  // local heads
 };
 

@@ -142,6 +142,7 @@ void MlaAttention::backward(float* da, const float* dout, const float* a, int64_
   float* dQ = scratch.take(N * nh_ * dqk_);
   float* dK = scratch.take(N * nh_ * dqk_);
   float* dV = scratch.take(N * nh_ * dv_);
+  env_.poll();
   be.attention_backward(dQ, dK, dV, dO, Q_.data(), K_.data(), V_.data(), O_.data(), lse_.data(), B,
                         S, nh_, dqk_, dv_, rope_->attention_scale);
   // KV branch: dkv = [dk_nope | dv] per head; dk_pe sums the rope-inverted keys over heads.
@@ -153,6 +154,7 @@ void MlaAttention::backward(float* da, const float* dout, const float* a, int64_
   be.rope_backward(dkpe, dr_, 0, dK + dn_, nh_ * dqk_, dqk_, rope_->cos.data(), rope_->sin.data(),
                    N, S, nh_, dr_, env_.cfg->rope_interleave, true);
   float* dckvn = scratch.take(N * rkv_);
+  env_.poll();
   linear_backward(be, dckvn, kv_b_.g, dkv, ckvn_.data(), kv_b_.w, N, nh_ * kv_w, rkv_);
   // Query branch: dq = [dq_nope | rope^-1(dq_pe)].
   float* dq = scratch.take(N * nh_ * dqk_);

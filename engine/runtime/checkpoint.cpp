@@ -9,7 +9,7 @@
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
 
-#include "engine/comm/collectives.h"
+#include "engine/comm/communicator.h"
 #include "engine/common/error.h"
 #include "engine/config/load_config.h"
 #include "engine/io/hdf5_file.h"
@@ -74,8 +74,10 @@ struct Checkpointer::Pending {
   std::string error;
 };
 
-Checkpointer::Checkpointer(const plan::ParallelPlan& plan, MPI_Comm world) : plan_(plan), world_(world) {
-  if (world_ != MPI_COMM_NULL) MPI_Comm_rank(world_, &rank_);
+Checkpointer::Checkpointer(const plan::ParallelPlan& plan, MPI_Comm world) : plan_(plan) {
+  if (world == MPI_COMM_NULL) return;
+  comm_ = comm::make_mpi_communicator(world, "checkpoint", {plan.config.parallel.comm_timeout_s});
+  rank_ = comm_->rank();
 }
 
 Checkpointer::~Checkpointer() {
@@ -155,9 +157,9 @@ void Checkpointer::gather_sharded_moments(const plan::ParamInfo& info, model::Pa
                                            : (v.expert ? adam.exp_avg_sq_expert() : adam.exp_avg_sq_dense());
       const float* src = m.data() + (lo - sh.begin);
       if (rank_ == 0) std::copy(src, src + (hi - lo), full.begin() + (lo - v.offset));
-      else comm::send(src, hi - lo, 0, k, world_);
+      else comm_->send(src, hi - lo, 0)->wait();
     } else if (rank_ == 0) {
-      comm::recv(full.data() + (lo - v.offset), hi - lo, r, k, world_);
+      comm_->recv(full.data() + (lo - v.offset), hi - lo, r)->wait();
     }
   }
 }
@@ -215,7 +217,7 @@ std::string Checkpointer::save(const TrainState& state, model::ParamStore& param
       if (rank_ != 0) {
         if (mine) {
           const model::ParamView& v = params.view(info.name);
-          comm::send(local_data(params, adam, v, k), v.numel, 0, k, world_);
+          comm_->send(local_data(params, adam, v, k), v.numel, 0)->wait();
         }
         continue;
       }
@@ -229,7 +231,7 @@ std::string Checkpointer::save(const TrainState& state, model::ParamStore& param
           continue;
         }
         piece.resize(v.shard.local_numel());
-        comm::recv(piece.data(), int64_t(piece.size()), r, k, world_);
+        comm_->recv(piece.data(), int64_t(piece.size()), r)->wait();
         model::ParamStore::slice_to_full(v, piece.data(), full.data());
       }
       if (!error.empty()) continue;  // keep receiving so no sender blocks, write nothing
@@ -282,7 +284,7 @@ std::string Checkpointer::save(const TrainState& state, model::ParamStore& param
       }
     }
   }
-  if (world_ != MPI_COMM_NULL) error = comm::broadcast(error, 0, world_);
+  if (comm_) error = comm::broadcast_string(*comm_, error, 0);
   if (!error.empty()) throw Error(fmt::format("saving checkpoint {} failed: {}", path, error));
   if (!async && rank_ == 0) spdlog::info("saved checkpoint {} (durable)", path);
   return path;

@@ -15,6 +15,7 @@
 #include <thread>
 #include <vector>
 
+#include "engine/comm/communicator.h"
 #include "engine/model/param_store.h"
 #include "engine/plan/parallel_plan.h"
 #include "engine/runtime/optimizer.h"
@@ -58,7 +59,7 @@ class Checkpointer {
   void finish_file(const std::string& tmp, const std::string& path) const;
 
   const plan::ParallelPlan& plan_;
-  MPI_Comm world_ = MPI_COMM_NULL;
+  std::unique_ptr<comm::Communicator> comm_;  // null in a single process without MPI
   int rank_ = 0;
   std::unique_ptr<Pending> pending_;
   std::unique_ptr<Pending> spare_;  // an async save's buffers, kept for the next one

@@ -41,11 +41,12 @@ AdamW::AdamW(const config::OptimizerConfig& cfg, model::ParamStore& params, kern
   v_expert_.assign(expert_shard_.size(), 0.0f);
 }
 
-void AdamW::step(double lr, int64_t step) {
+void AdamW::step(double lr, int64_t step, double grad_scale) {
   const config::OptimizerParams& p = cfg_.params;
   kernels::AdamWParams a;
   a.lr = float(lr), a.beta1 = float(p.betas[0]), a.beta2 = float(p.betas[1]), a.eps = float(p.eps);
   a.step = step;
+  a.grad_scale = float(grad_scale);
   for (const Run& r : runs_) {
     a.weight_decay = r.decay ? float(p.weight_decay) : 0.0f;
     float* w = (r.expert ? params_.expert_params() : params_.dense_params()).data() + r.offset;
@@ -57,9 +58,9 @@ void AdamW::step(double lr, int64_t step) {
       // L2-regularised Adam: the decay joins the gradient instead of the update. Rare; done
       // with a temporary so the AdamW kernel stays the one path.
       std::vector<float> g2(g, g + r.numel);
-      for (int64_t i = 0; i < r.numel; ++i) g2[i] += a.weight_decay * w[i];
+      for (int64_t i = 0; i < r.numel; ++i) g2[i] = g2[i] * a.grad_scale + a.weight_decay * w[i];
       kernels::AdamWParams plain = a;
-      plain.weight_decay = 0.0f;
+      plain.weight_decay = 0.0f, plain.grad_scale = 1.0f;
       be_.adamw(w, g2.data(), m, v, r.numel, plain);
       continue;
     }
@@ -87,9 +88,13 @@ double gradient_norm(model::ParamStore& params) {
                                        {0, int64_t(params.expert_grads().size())}));
 }
 
+double clip_factor(double norm, double max_norm) {
+  return max_norm <= 0.0 || norm <= max_norm ? 1.0 : max_norm / (norm + 1e-6);
+}
+
 double clip_gradients(model::ParamStore& params, double norm, double max_norm, FlatRange dense, FlatRange expert) {
-  if (max_norm <= 0.0 || norm <= max_norm) return 1.0;
-  const double factor = max_norm / (norm + 1e-6);
+  const double factor = clip_factor(norm, max_norm);
+  if (factor == 1.0) return 1.0;
   for (const auto& [buf, r] : {std::pair{&params.dense_grads(), dense}, std::pair{&params.expert_grads(), expert}}) {
     float* g = buf->data();
 #pragma omp parallel for simd schedule(static)

@@ -29,7 +29,9 @@ class AdamW {
         FlatRange dense_shard, FlatRange expert_shard);
 
   // One step with learning rate `lr`; `step` is 1-based (bias correction).
-  void step(double lr, int64_t step);
+  // `grad_scale` multiplies every gradient on the way in (gradient clipping without a pass of
+  // its own over the gradients).
+  void step(double lr, int64_t step, double grad_scale = 1.0);
 
   FlatRange dense_shard() const { return dense_shard_; }
   FlatRange expert_shard() const { return expert_shard_; }
@@ -70,6 +72,9 @@ double gradient_norm(model::ParamStore& params);
 
 // Scales the gradients (in the given ranges; default all) so their norm is at most max_norm
 // (0: no clipping). Returns the factor.
+// The factor that brings a gradient of global norm `norm` down to `max_norm` (1 when it is
+// under the limit or max_norm is 0: clipping off).
+double clip_factor(double norm, double max_norm);
 double clip_gradients(model::ParamStore& params, double norm, double max_norm);
 double clip_gradients(model::ParamStore& params, double norm, double max_norm, FlatRange dense, FlatRange expert);
 

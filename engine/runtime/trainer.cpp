@@ -2,10 +2,10 @@
 
 #include <atomic>
 #include <cmath>
+#include <cstdlib>
 
 #include <spdlog/spdlog.h>
 
-#include "engine/comm/collectives.h"
 
 #include "engine/common/error.h"
 #include "engine/common/strings.h"
@@ -20,6 +20,16 @@ std::string clock_text(double s) {
   const int64_t t = int64_t(s + 0.5);
   return t >= 3600 ? fmt::format("{}:{:02}:{:02}", t / 3600, t / 60 % 60, t % 60)
                    : fmt::format("{}:{:02}", t / 60, t % 60);
+}
+
+// Fault injection for the watchdog test: DSTRAIN_FAULT_INJECT=skip_grad_sync:N makes the last
+// rank skip the gradient reduction of step N (1-based), as a rank with a bug would; the others
+// then wait on it until the watchdog aborts the job. 0: no fault.
+int64_t skip_grad_sync_step() {
+  const char* env = std::getenv("DSTRAIN_FAULT_INJECT");
+  const std::string key = "skip_grad_sync:";
+  if (!env || std::string(env).rfind(key, 0) != 0) return 0;
+  return std::atoll(env + key.size());
 }
 
 std::atomic<int> g_stop_signal{0};
@@ -53,7 +63,9 @@ Trainer::Trainer(const plan::ParallelPlan& plan, int threads, MPI_Comm world)
   params_ = std::make_unique<model::ParamStore>(plan_.params, plan_.param_stage, m.num_routed(), model::ShardCoords{});
   params_->initialize(uint64_t(cfg_.seed), m.initializer_range, m.pad_token_id);
   zero_ = int(cfg_.zero_optimization.stage);
-  if (dp_size_ > 1) dp_ = comm::make_mpi_communicator(world_, "dp");
+  const comm::CommOptions copts{cfg_.parallel.comm_timeout_s};
+  if (world_ != MPI_COMM_NULL) world_comm_ = comm::make_mpi_communicator(world_, "world", copts);
+  if (dp_size_ > 1) dp_ = comm::make_mpi_communicator(world_, "dp", copts);
   dense_shard_ = {0, params_->dense_numel()}, expert_shard_ = {0, params_->expert_numel()};
   if (zero_ >= 1 && dp_size_ > 1) {
     // ZeRO: this rank keeps AdamW state (and, at stage 2, reduced gradients) for its shard only.
@@ -64,6 +76,13 @@ Trainer::Trainer(const plan::ParallelPlan& plan, int threads, MPI_Comm world)
   }
   dataset_ = std::make_unique<data::TokenDataset>(cfg_);
   model_ = std::make_unique<model::DeepSeekModel>(m, *be_, coll_, *params_, plan_.batch.micro, cfg_.seq_length);
+  skip_sync_step_ = skip_grad_sync_step();
+  if (dp_size_ > 1) {
+    const config::ZeroConfig& z = cfg_.zero_optimization;
+    grad_sync_ = std::make_unique<parallel::GradSync>(
+        *params_, *dp_, m.num_hidden_layers,
+        parallel::GradSyncOptions{int(z.stage), z.overlap_comm, z.reduce_bucket_size});
+  }
   if (zero_ >= 1 && dp_size_ > 1)
     adam_ = std::make_unique<AdamW>(cfg_.optimizer, *params_, *be_, dense_shard_, expert_shard_);
   else
@@ -96,22 +115,13 @@ double Trainer::measure_peak_flops() {
 }
 
 // Data parallelism: every rank computed its slice's share of the global mean; the sums over
-// ranks are the single-rank gradients, losses and expert loads.
-void Trainer::reduce_gradients(StepResult& r) {
+// ranks are the single-rank gradients (reduced by grad_sync_ during the last backward pass),
+// losses and expert loads.
+void Trainer::reduce_losses(StepResult& r) {
   if (dp_size_ == 1) return;
-  for (const auto& [grads, shard] : {std::pair{&params_->dense_grads(), dense_shard_},
-                                     std::pair{&params_->expert_grads(), expert_shard_}}) {
-    if (zero_ >= 2) {  // each rank receives the summed gradients of its own shard only
-      shard_tmp_.resize(shard.size());
-      dp_->reduce_scatter(shard_tmp_.data(), grads->data(), shard.size(), comm::ReduceOp::kSum)->wait();
-      std::copy(shard_tmp_.begin(), shard_tmp_.end(), grads->begin() + shard.begin);
-    } else {
-      dp_->all_reduce(grads->data(), int64_t(grads->size()), comm::ReduceOp::kSum)->wait();
-    }
-  }
   std::vector<double> scalars = {r.loss.ce, r.loss.aux, r.loss.mtp};
   for (const auto& l : r.expert_loads) scalars.insert(scalars.end(), l.begin(), l.end());
-  comm::all_reduce_sum(scalars.data(), int64_t(scalars.size()), world_);
+  dp_->all_reduce(scalars.data(), int64_t(scalars.size()), comm::ReduceOp::kSum)->wait();
   r.loss.ce = scalars[0], r.loss.aux = scalars[1], r.loss.mtp = scalars[2];
   size_t at = 3;
   for (auto& l : r.expert_loads)
@@ -123,6 +133,7 @@ StepResult Trainer::compute_gradients(int64_t step) {
   const plan::BatchPlan& b = plan_.batch;
   const model::LossScale scale{double(b.global * cfg_.seq_length), double(b.global)};
   params_->zero_grads();
+  const bool sync = grad_sync_ && !(step + 1 == skip_sync_step_ && rank_ == dp_size_ - 1);
   auto moes = model_->moe_layers();
   for (auto* moe : moes) std::fill(moe->stats().loads.begin(), moe->stats().loads.end(), 0);
   for (int64_t m = 0; m < b.accumulation; ++m) {
@@ -131,41 +142,57 @@ StepResult Trainer::compute_gradients(int64_t step) {
     auto t0 = Clock::now();
     const model::Losses l = model_->forward(tokens_.data(), scale);
     r.forward_s += seconds_since(t0);
+    const bool last = m + 1 == b.accumulation;
+    if (last && sync) {  // the gradients become final in this backward pass
+      grad_sync_->begin();
+      model_->set_backward_observer(grad_sync_.get());
+    }
     t0 = Clock::now();
     model_->backward();
     r.backward_s += seconds_since(t0);
+    model_->set_backward_observer(nullptr);
     r.loss.ce += l.ce, r.loss.aux += l.aux, r.loss.mtp += l.mtp;
   }
+  if (sync) r.comm_wait_s = grad_sync_->finish();
   for (auto* moe : moes) r.expert_loads.push_back(moe->stats().loads);
-  reduce_gradients(r);
+  reduce_losses(r);
   return r;
 }
 
 // The norm of the whole reduced gradient: at ZeRO-2 each rank holds only its shard of it.
 double Trainer::global_grad_norm() {
   if (zero_ < 2 || dp_size_ == 1) return gradient_norm(*params_);
-  double sq = gradient_square_sum(*params_, dense_shard_, expert_shard_);
-  comm::all_reduce_sum(&sq, 1, world_);
+  const double sq = comm::all_reduce_value(*dp_, gradient_square_sum(*params_, dense_shard_, expert_shard_),
+                                           comm::ReduceOp::kSum);
   return std::sqrt(sq);
 }
 
 // ZeRO: every rank updated its shard; all-gather the shards into every rank's full parameters.
 void Trainer::gather_parameters() {
   if (zero_ < 1 || dp_size_ == 1) return;
-  for (const auto& [w, shard] : {std::pair{&params_->dense_params(), dense_shard_},
-                                 std::pair{&params_->expert_params(), expert_shard_}}) {
-    shard_tmp_.assign(w->begin() + shard.begin, w->begin() + shard.end);
-    dp_->all_gather(w->data(), shard_tmp_.data(), shard.size())->wait();
+  // In place, in pieces of allgather_bucket_size launched together: block p of a piece is the
+  // part of it in rank p's shard.
+  const int64_t piece = cfg_.zero_optimization.allgather_bucket_size;
+  std::vector<std::unique_ptr<comm::Work>> work;
+  for (auto* w : {&params_->dense_params(), &params_->expert_params()}) {
+    const int64_t n = int64_t(w->size()), shard = n / dp_size_;  // padded: equal shards
+    for (int64_t lo = 0; lo < n; lo += piece) {
+      const int64_t hi = std::min(n, lo + piece);
+      std::vector<int64_t> counts;
+      for (int p = 0; p < dp_size_; ++p)
+        counts.push_back(std::max<int64_t>(0, std::min(hi, (p + 1) * shard) - std::max(lo, p * shard)));
+      work.push_back(dp_->all_gather_v(w->data() + lo, counts));
+    }
   }
+  for (auto& wk : work) wk->wait();
 }
 
 StepResult Trainer::train_step(int64_t step) {
   StepResult r = compute_gradients(step);
   const auto t0 = Clock::now();
   r.grad_norm = global_grad_norm();
-  clip_gradients(*params_, r.grad_norm, cfg_.gradient_clipping, dense_shard_, expert_shard_);
   r.lr = schedule_.lr(step);
-  adam_->step(r.lr, step + 1);
+  adam_->step(r.lr, step + 1, clip_factor(r.grad_norm, cfg_.gradient_clipping));  // clipping fused
   gather_parameters();
   const auto moes = model_->moe_layers();
   for (size_t i = 0; i < moes.size(); ++i)
@@ -187,7 +214,7 @@ double Trainer::validate() {
                                  b.micro);
       ce += model_->forward(tokens_.data(), scale).ce;
     }
-  if (dp_size_ > 1) comm::all_reduce_sum(&ce, 1, world_);
+  if (dp_size_ > 1) ce = comm::all_reduce_value(*dp_, ce, comm::ReduceOp::kSum);
   for (auto* moe : model_->moe_layers()) std::fill(moe->stats().loads.begin(), moe->stats().loads.end(), 0);
   return ce;
 }
@@ -224,8 +251,8 @@ void Trainer::log_step(int64_t step, const StepResult& r, double window_s, int64
                       r.lr, r.grad_norm, with_commas(int64_t(tps)), flops / 1e12,
                       100.0 * flops / (peak_flops_ * dp_size_), clock_text(elapsed_s), clock_text(remaining));
   if (cfg_.wall_clock_breakdown)
-    line += fmt::format(" | fwd {:.0f} ms bwd {:.0f} ms opt {:.0f} ms", r.forward_s * 1e3,
-                        r.backward_s * 1e3, r.optimizer_s * 1e3);
+    line += fmt::format(" | fwd {:.0f} ms bwd {:.0f} ms comm wait {:.1f} ms opt {:.0f} ms", r.forward_s * 1e3,
+                        r.backward_s * 1e3, r.comm_wait_s * 1e3, r.optimizer_s * 1e3);
   spdlog::info("{}", line);
   Scalars s = {{"loss", r.loss.ce}, {"lr", r.lr}, {"grad_norm", r.grad_norm}, {"tokens_per_sec", tps},
                {"tflops", flops / 1e12}, {"mfu", flops / (peak_flops_ * dp_size_)}, {"aux_loss", r.loss.aux},
@@ -233,7 +260,7 @@ void Trainer::log_step(int64_t step, const StepResult& r, double window_s, int64
   if (val) s.push_back({"val_loss", *val});
   if (cfg_.wall_clock_breakdown)
     for (const auto& kv : Scalars{{"forward_ms", r.forward_s * 1e3}, {"backward_ms", r.backward_s * 1e3},
-                                  {"optimizer_ms", r.optimizer_s * 1e3}})
+                                  {"comm_wait_ms", r.comm_wait_s * 1e3}, {"optimizer_ms", r.optimizer_s * 1e3}})
       s.push_back(kv);
   metrics_.write(step + 1, s);
   tensorboard_.write(step + 1, s);
@@ -301,7 +328,8 @@ TrainSummary Trainer::run() {
     if (rank_ == 0 && cfg_.monitor.expert_stats_interval > 0 && (step + 1) % cfg_.monitor.expert_stats_interval == 0)
       log_expert_stats(step, last);
     int stop = g_stop_signal.load();
-    if (world_ != MPI_COMM_NULL) stop = comm::all_reduce_max(stop, world_);  // stop together
+    if (world_comm_)  // stop together
+      stop = int(comm::all_reduce_value(*world_comm_, int64_t(stop), comm::ReduceOp::kMax));
     const bool interval = cfg_.checkpoint.interval > 0 && (step + 1) % cfg_.checkpoint.interval == 0;
     if (interval || last_step || stop) {
       const auto t = Clock::now();

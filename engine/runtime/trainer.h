@@ -7,8 +7,9 @@
 // saved every checkpoint.interval steps, at the end, and on SIGTERM / SIGINT (then the run
 // stops cleanly); checkpoint.resume picks the checkpoint to continue from.
 //
-// Layouts: data parallelism over plain MPI all-reduces (bucketing, overlap and ZeRO come with
-// the data-parallel issue); tensor, pipeline and expert parallelism are not trained yet.
+// Layouts: data parallelism with ZeRO 0/1/2, the gradients reduced in buckets during the
+// backward pass (engine/parallel/grad_sync.h); tensor, pipeline and expert parallelism are
+// not trained yet.
 #pragma once
 
 #include <chrono>
@@ -18,6 +19,7 @@
 #include "engine/comm/communicator.h"
 #include "engine/data/token_dataset.h"
 #include "engine/model/deepseek_model.h"
+#include "engine/parallel/grad_sync.h"
 #include "engine/plan/parallel_plan.h"
 #include "engine/runtime/checkpoint.h"
 #include "engine/runtime/lr_schedule.h"
@@ -30,6 +32,7 @@ struct StepResult {
   model::Losses loss;  // summed over the micro-batches (each already scaled to the global mean)
   double grad_norm = 0, lr = 0;
   double forward_s = 0, backward_s = 0, optimizer_s = 0;
+  double comm_wait_s = 0;  // waiting for the gradient reduction after the backward pass
   std::vector<std::vector<int64_t>> expert_loads;  // per MoE layer, this step
 };
 
@@ -68,7 +71,7 @@ class Trainer {
 
  private:
   double measure_peak_flops();
-  void reduce_gradients(StepResult& r);
+  void reduce_losses(StepResult& r);
   double global_grad_norm();
   void gather_parameters();
   void log_step(int64_t step, const StepResult& r, double window_s, int64_t window_steps,
@@ -90,11 +93,13 @@ class Trainer {
   double peak_flops_ = 0;
   MPI_Comm world_ = MPI_COMM_NULL;
   int rank_ = 0, dp_size_ = 1, zero_ = 0;
+  std::unique_ptr<comm::Communicator> world_comm_;  // every rank (stop requests)
   std::unique_ptr<comm::Communicator> dp_;  // the data-parallel group (when more than one rank)
+  std::unique_ptr<parallel::GradSync> grad_sync_;  // bucketed gradient reduction over dp_
   FlatRange dense_shard_, expert_shard_;   // this rank's ZeRO shards (the whole buffers without)
-  std::vector<float> shard_tmp_;
   std::unique_ptr<Checkpointer> checkpointer_;
   int64_t start_step_ = 0;
+  int64_t skip_sync_step_ = 0;  // fault injection (DSTRAIN_FAULT_INJECT=skip_grad_sync:N)
 };
 
 }  // namespace dstrain::runtime

@@ -485,10 +485,10 @@ void adamw(T* param, const T* grad, T* m, T* v, int64_t n, const AdamWParams& p)
   const T b1 = p.beta1, b2 = p.beta2;
   const T bc1 = T(1) - std::pow(b1, T(p.step)), bc2 = T(1) - std::pow(b2, T(p.step));
   const T step_size = T(p.lr) / bc1, inv_sqrt_bc2 = T(1) / std::sqrt(bc2);
-  const T decay = T(1) - T(p.lr) * T(p.weight_decay), eps = p.eps;
+  const T decay = T(1) - T(p.lr) * T(p.weight_decay), eps = p.eps, scale = p.grad_scale;
 #pragma omp parallel for simd schedule(static)
   for (int64_t i = 0; i < n; ++i) {
-    const T g = grad[i];
+    const T g = grad[i] * scale;
     const T mi = m[i] = b1 * m[i] + (T(1) - b1) * g;
     const T vi = v[i] = b2 * v[i] + (T(1) - b2) * g * g;
     param[i] = param[i] * decay - step_size * mi / (std::sqrt(vi) * inv_sqrt_bc2 + eps);

@@ -4,6 +4,7 @@
 
 #include <cstdio>
 #include <cmath>
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
@@ -309,26 +310,57 @@ double max_weight_difference(const std::string& a_path, const std::string& b_pat
 }
 
 // Data parallelism with ZeRO 0, 1 and 2 on 2 and 4 ranks reproduces the single-rank run: the loss
-// at every step to 1e-6, the final parameters to 1e-5.
+// at every step to 1e-6, the final parameters to 1e-5. Also with small buckets (many of them, on
+// the ring path, launched during backward; the ZeRO parameter gather in many pieces) and with
+// the overlap off. DP 2 accumulates two micro-batches per step, DP 4 one.
 TEST(DataParallel, EveryRankCountAndZeroStageMatchesOneRank) {
   const std::string dir = ::testing::TempDir() + "/dp_zero";
   std::filesystem::remove_all(dir);
-  ASSERT_EQ(run(train_cmd(dir, "one", 10, "--resume none --set train_batch_size=16 --set train_micro_batch_size_per_gpu=4")).rc, 0);
+  const std::string batch = "--resume none --set train_batch_size=16 --set train_micro_batch_size_per_gpu=4";
+  ASSERT_EQ(run(train_cmd(dir, "one", 10, batch)).rc, 0);
   const auto ref = losses(dir + "/one.jsonl");
   ASSERT_EQ(ref.size(), 10u);
+  struct Case {
+    int np, zero;
+    std::string name, extra;
+  };
+  const std::string small = " --set zero_optimization.reduce_bucket_size=20000 "
+                            "--set zero_optimization.allgather_bucket_size=3000";
+  std::vector<Case> cases;
   for (int np : {2, 4})
-    for (int zero : {0, 1, 2}) {
-      const std::string name = "dp" + std::to_string(np) + "_zero" + std::to_string(zero);
-      const Result r = run(mpirun(np) + train_cmd(dir, name, 10, "--resume none --set train_batch_size=16 "
-                                                  "--set train_micro_batch_size_per_gpu=4 --set zero_optimization.stage=" +
-                                                  std::to_string(zero)));
-      ASSERT_EQ(r.rc, 0) << name << r.err;
-      const auto got = losses(dir + "/" + name + ".jsonl");
-      ASSERT_EQ(got.size(), 10u) << name;
-      for (const auto& [step, loss] : ref) EXPECT_NEAR(got.at(step), loss, 1e-6 * loss) << name << " step " << step;
-      EXPECT_LT(max_weight_difference(dir + "/one/step_00000010.h5", dir + "/" + name + "/step_00000010.h5"), 1e-5)
-          << name;
-    }
+    for (int zero : {0, 1, 2}) cases.push_back({np, zero, "", ""});
+  cases.push_back({2, 0, "_small_buckets", small});
+  cases.push_back({4, 2, "_small_buckets", small});
+  cases.push_back({2, 2, "_no_overlap", " --set zero_optimization.overlap_comm=false"});
+  for (const Case& c : cases) {
+    const std::string name = "dp" + std::to_string(c.np) + "_zero" + std::to_string(c.zero) + c.name;
+    const Result r = run(mpirun(c.np) + train_cmd(dir, name, 10, batch + " --set zero_optimization.stage=" +
+                                                                    std::to_string(c.zero) + c.extra));
+    ASSERT_EQ(r.rc, 0) << name << r.err;
+    const auto got = losses(dir + "/" + name + ".jsonl");
+    ASSERT_EQ(got.size(), 10u) << name;
+    for (const auto& [step, loss] : ref) EXPECT_NEAR(got.at(step), loss, 1e-6 * loss) << name << " step " << step;
+    EXPECT_LT(max_weight_difference(dir + "/one/step_00000010.h5", dir + "/" + name + "/step_00000010.h5"), 1e-5)
+        << name;
+  }
+}
+
+// A rank that skips a collective ends the job through the watchdog, with a report naming the
+// group, the operation and its sequence number, instead of hanging.
+TEST(DataParallel, SkippedReductionIsCaughtByTheWatchdog) {
+  const std::string dir = ::testing::TempDir() + "/dp_watchdog";
+  std::filesystem::remove_all(dir);
+  const auto t0 = std::chrono::steady_clock::now();
+  const Result r = run("DSTRAIN_FAULT_INJECT=skip_grad_sync:3 " + mpirun(2) +
+                       train_cmd(dir, "run", 10, "--resume none --set parallel.comm_timeout_s=2"));
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_NE(r.rc, 0);
+  EXPECT_LT(secs, 60.0);
+  EXPECT_NE(r.err.find("dstrain watchdog: world rank"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("did not complete within 2 s"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("group dp "), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find(" #"), std::string::npos) << r.err;
+  EXPECT_FALSE(std::filesystem::exists(dir + "/run/step_00000010.h5"));
 }
 
 // A checkpoint of DP 4 with ZeRO-2 (moments in four shards) resumes on one rank, and the reverse.

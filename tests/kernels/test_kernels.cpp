@@ -472,6 +472,23 @@ TEST_P(Kernels, AdamWMatchesAHandComputedStep) {
   EXPECT_NEAR(p[1], p1, 1e-6);
 }
 
+// grad_scale (fused clipping) equals scaling the gradient beforehand.
+TEST_P(Kernels, AdamWGradScaleEqualsScaledGradient) {
+  FVec p1 = {1.0f, -2.0f, 0.5f}, g = {0.5f, -0.25f, 3.0f}, m1 = {0.1f, 0.0f, -0.2f}, v1 = {0.01f, 0.0f, 0.3f};
+  FVec p2 = p1, m2 = m1, v2 = v1, g2 = g;
+  AdamWParams a;
+  a.lr = 0.05f, a.weight_decay = 0.1f, a.step = 2;
+  for (float& x : g2) x *= 0.375f;
+  be->adamw(p2.data(), g2.data(), m2.data(), v2.data(), 3, a);
+  a.grad_scale = 0.375f;
+  be->adamw(p1.data(), g.data(), m1.data(), v1.data(), 3, a);
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_FLOAT_EQ(p1[i], p2[i]);
+    EXPECT_FLOAT_EQ(m1[i], m2[i]);
+    EXPECT_FLOAT_EQ(v1[i], v2[i]);
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Gemm, Kernels, ::testing::Values(GemmLibrary::kOpenBlas, GemmLibrary::kOneDnn),
                          [](const auto& info) { return std::string(info.param == GemmLibrary::kOneDnn ? "onednn" : "openblas"); });
 

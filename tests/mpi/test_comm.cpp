@@ -4,7 +4,11 @@
 #include <gtest/gtest.h>
 #include <mpi.h>
 
+#include <chrono>
+#include <thread>
+
 #include "engine/comm/communicator.h"
+#include "engine/comm/watchdog.h"
 #include "engine/common/error.h"
 
 namespace dstrain::comm {
@@ -86,6 +90,101 @@ TEST(Communicator, OverlappingCallsAndSequenceNumbers) {
   for (auto& b : bufs) EXPECT_EQ(b[999], float(c->size()));
   EXPECT_EQ(c->seq(), before + 4);
   EXPECT_TRUE(works[0]->done());
+}
+
+// Sizes that take the ring path (>= 64 KiB), odd, and past one 16 MiB chunk: every element is a
+// small integer sum, exact in float.
+TEST(Communicator, RingAllReduceOddAndMultiChunkSizes) {
+  auto c = world();
+  const int r = c->rank(), P = c->size();
+  for (const int64_t n : {int64_t(16385), int64_t(100003), int64_t((4 << 20) + 4099)}) {
+    std::vector<float> x(n);
+    for (int64_t i = 0; i < n; ++i) x[i] = float((r + 1) * (i % 7) + r);
+    c->all_reduce(x.data(), n, ReduceOp::kSum)->wait();
+    int64_t bad = 0;
+    for (int64_t i = 0; i < n; ++i) bad += x[i] != float((i % 7) * P * (P + 1) / 2 + P * (P - 1) / 2);
+    EXPECT_EQ(bad, 0) << "n = " << n;
+  }
+  std::vector<float> y(50000);
+  for (int64_t i = 0; i < 50000; ++i) y[i] = float((i + r) % P);
+  c->all_reduce(y.data(), 50000, ReduceOp::kMax)->wait();
+  EXPECT_EQ(*std::min_element(y.begin(), y.end()), float(P - 1));
+}
+
+// Unequal blocks, some empty: rank p ends with the sum of block p, and the gather puts every
+// rank's block in place.
+TEST(Communicator, ReduceScatterAndAllGatherWithUnequalBlocks) {
+  auto c = world();
+  const int r = c->rank(), P = c->size();
+  std::vector<int64_t> counts;
+  for (int p = 0; p < P; ++p) counts.push_back(p == 1 ? 0 : 20000 + 37 * p);
+  int64_t total = 0, mine_at = 0;
+  for (int p = 0; p < P; ++p) total += counts[p], mine_at += p < r ? counts[p] : 0;
+  std::vector<float> x(total);
+  for (int64_t i = 0; i < total; ++i) x[i] = float(i % 1000 + 1000 * r);
+  c->reduce_scatter_v(x.data(), counts, ReduceOp::kSum)->wait();
+  for (int64_t i = mine_at; i < mine_at + counts[r]; ++i)
+    ASSERT_EQ(x[i], float(P * (i % 1000) + 1000 * P * (P - 1) / 2)) << "element " << i;
+  std::vector<float> g(total, -1.0f);
+  for (int64_t i = mine_at; i < mine_at + counts[r]; ++i) g[i] = float(r);
+  c->all_gather_v(g.data(), counts)->wait();
+  int64_t at = 0;
+  for (int p = 0; p < P; ++p)
+    for (int64_t i = 0; i < counts[p]; ++i) ASSERT_EQ(g[at++], float(p));
+  EXPECT_THROW(c->reduce_scatter_v(x.data(), {1}, ReduceOp::kSum), CommError);
+}
+
+// Rings advance from progress() alone, several in flight at once, completed in any order.
+TEST(Communicator, ProgressAdvancesRingsInFlight) {
+  auto c = world();
+  const int P = c->size();
+  std::vector<std::vector<float>> bufs(3, std::vector<float>(70000, 1.0f));
+  std::vector<std::unique_ptr<Work>> works;
+  for (auto& b : bufs) works.push_back(c->all_reduce(b.data(), int64_t(b.size()), ReduceOp::kSum));
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  bool all = false;
+  while (!all && std::chrono::steady_clock::now() < deadline) {
+    c->progress();
+    all = true;
+    for (auto& w : works) all = all && w->done();
+    std::this_thread::yield();
+  }
+  ASSERT_TRUE(all);
+  for (auto& b : bufs) EXPECT_EQ(b[69999], float(P));
+}
+
+TEST(Communicator, ScalarsStringsAndBarrier) {
+  auto c = world();
+  const int r = c->rank(), P = c->size();
+  EXPECT_EQ(all_reduce_value(*c, double(r) + 0.5, ReduceOp::kSum), P * (P - 1) / 2.0 + 0.5 * P);
+  EXPECT_EQ(all_reduce_value(*c, int64_t(r) * (int64_t(1) << 40), ReduceOp::kMax), int64_t(P - 1) << 40);
+  EXPECT_EQ(broadcast_string(*c, r == P - 1 ? "from the last rank" : "", P - 1), "from the last rank");
+  EXPECT_EQ(broadcast_string(*c, r == 0 ? "" : "ignored", 0), "");
+  c->barrier()->wait();
+}
+
+// An operation is registered with the watchdog while outstanding (group, op, sequence number),
+// and unregistered once complete.
+TEST(Communicator, OutstandingWorkIsRegisteredWithTheWatchdog) {
+  auto c = make_mpi_communicator(MPI_COMM_WORLD, "wd-test");
+  const int r = c->rank(), P = c->size();
+  if (P < 2) GTEST_SKIP() << "needs two ranks";
+  float x = 0;
+  if (r == 0) {
+    auto rx = c->recv(&x, 1, 1);
+    const std::string listed = Watchdog::instance().outstanding();
+    EXPECT_NE(listed.find("group wd-test recv from 1 #1 (rank 0 of"), std::string::npos) << listed;
+    c->barrier()->wait();  // now rank 1 sends
+    rx->wait();
+    EXPECT_EQ(x, 42.0f);
+    EXPECT_EQ(Watchdog::instance().outstanding().find("wd-test recv"), std::string::npos);
+  } else {
+    c->barrier()->wait();
+    if (r == 1) {
+      const float v = 42.0f;
+      c->send(&v, 1, 0)->wait();
+    }
+  }
 }
 
 }  // namespace

@@ -33,6 +33,7 @@ struct RouterParams {
 struct AdamWParams {
   float lr = 1e-3f, beta1 = 0.9f, beta2 = 0.999f, eps = 1e-8f, weight_decay = 0.0f;
   int64_t step = 1;          // 1-based, for bias correction
+  float grad_scale = 1.0f;   // the gradient enters as grad * grad_scale (clipping, fused)
 };
 
 class Backend {

@@ -1,0 +1,113 @@
+#include "engine/comm/watchdog.h"
+
+#include <mpi.h>
+
+#include <condition_variable>
+#include <cstdio>
+#include <cstdlib>
+#include <map>
+#include <mutex>
+#include <thread>
+
+#include <fmt/format.h>
+
+namespace dstrain::comm {
+namespace {
+using Clock = std::chrono::steady_clock;
+
+struct Entry {
+  std::string what;
+  Clock::time_point start, deadline;
+  double timeout_s = 0;
+};
+
+double seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
+}  // namespace
+
+struct Watchdog::Impl {
+  mutable std::mutex mu;
+  std::condition_variable cv;
+  std::map<uint64_t, Entry> entries;
+  uint64_t next_id = 1;
+  bool stopping = false;
+  std::thread thread;
+
+  std::string report_locked(Clock::time_point now) const {
+    std::string out;
+    for (const auto& [id, e] : entries)
+      out += fmt::format("  {} — outstanding {:.1f} s (deadline {:.0f} s)\n", e.what, seconds(now - e.start),
+                         e.timeout_s);
+    return out;
+  }
+
+  // Wakes often enough to notice a passed deadline within a second; sleeps while idle.
+  void run() {
+    std::unique_lock<std::mutex> lock(mu);
+    while (!stopping) {
+      cv.wait_for(lock, std::chrono::milliseconds(250));
+      if (stopping) break;
+      const auto now = Clock::now();
+      for (const auto& [id, e] : entries)
+        if (now >= e.deadline) abort_job(e, now);  // does not return
+    }
+  }
+
+  [[noreturn]] void abort_job(const Entry& late, Clock::time_point now) const {
+    int rank = -1, initialized = 0, finalized = 0;
+    MPI_Initialized(&initialized);
+    MPI_Finalized(&finalized);
+    const bool mpi = initialized && !finalized;
+    if (mpi) MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+    const std::string text = fmt::format(
+        "dstrain watchdog: world rank {}: {} did not complete within {:.0f} s — a rank skipped or "
+        "reordered a collective, died, or is stuck. Operations outstanding on this rank:\n{}"
+        "Aborting the job (parallel.comm_timeout_s sets the deadline).\n",
+        rank, late.what, late.timeout_s, report_locked(now));
+    std::fputs(text.c_str(), stderr);
+    std::fflush(stderr);
+    if (mpi) MPI_Abort(MPI_COMM_WORLD, 7);
+    std::_Exit(7);
+  }
+};
+
+Watchdog& Watchdog::instance() {
+  static Watchdog w;
+  return w;
+}
+
+Watchdog::Watchdog() : impl_(new Impl) {
+  impl_->thread = std::thread([this] { impl_->run(); });
+}
+
+Watchdog::~Watchdog() {
+  {
+    std::lock_guard<std::mutex> lock(impl_->mu);
+    impl_->stopping = true;
+  }
+  impl_->cv.notify_all();
+  impl_->thread.join();
+  delete impl_;
+}
+
+uint64_t Watchdog::add(std::string what, double timeout_s) {
+  const auto now = Clock::now();
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  const uint64_t id = impl_->next_id++;
+  impl_->entries.emplace(
+      id, Entry{std::move(what), now,
+                now + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_s)),
+                timeout_s});
+  return id;
+}
+
+void Watchdog::remove(uint64_t id) {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  impl_->entries.erase(id);
+}
+
+std::string Watchdog::outstanding() const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  return impl_->report_locked(Clock::now());
+}
+
+}  // namespace dstrain::comm
