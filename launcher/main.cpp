@@ -8,6 +8,7 @@
 #include <optional>
 
 #include "engine/common/error.h"
+#include "engine/common/host_memory.h"
 #include "engine/common/logging.h"
 #include "engine/common/strings.h"
 #include "engine/comm/mpi_check.h"
@@ -157,6 +158,7 @@ int run(const launcher::Options& opts, int rank, int world) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  tune_host_allocator();
   launcher::install_stop_signals();
   launcher::Options opts;
   try {

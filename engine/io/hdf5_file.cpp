@@ -1,4 +1,5 @@
 #include "engine/io/hdf5_file.h"
+#include "engine/io/direct_vfd.h"
 
 #include <fcntl.h>
 #include <hdf5.h>
@@ -60,10 +61,16 @@ std::vector<T> read_impl(hid_t file, const std::string& path, const std::string&
 
 }  // namespace
 
-H5File::H5File(const std::string& path, Mode mode) : path_(path) {
-  file_ = mode == Mode::kCreate ? H5Fcreate(path.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, H5P_DEFAULT)
-          : mode == Mode::kRead ? H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT)
-                                : H5Fopen(path.c_str(), H5F_ACC_RDWR, H5P_DEFAULT);
+H5File::H5File(const std::string& path, Mode mode, Driver driver) : path_(path) {
+  hid_t fapl = H5P_DEFAULT;
+  if (driver == Driver::kDirect) {
+    fapl = hid_t(direct_vfd_fapl());
+    if (fapl < 0) throw Error(fmt::format("{}: cannot set up the direct-I/O HDF5 driver", path));
+  }
+  file_ = mode == Mode::kCreate ? H5Fcreate(path.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, fapl)
+          : mode == Mode::kRead ? H5Fopen(path.c_str(), H5F_ACC_RDONLY, fapl)
+                                : H5Fopen(path.c_str(), H5F_ACC_RDWR, fapl);
+  if (fapl != H5P_DEFAULT) H5Pclose(fapl);
   if (file_ < 0)
     throw Error(fmt::format("{}: cannot {} the HDF5 file", path,
                             mode == Mode::kCreate ? "create" : "open (missing or not HDF5?)"));

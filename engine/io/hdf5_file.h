@@ -11,7 +11,10 @@ namespace dstrain::io {
 class H5File {
  public:
   enum class Mode { kCreate, kRead, kReadWrite };
-  H5File(const std::string& path, Mode mode);
+  // Driver: the default (buffered, page cache) or direct (engine/io/direct_vfd.h: large
+  // transfers with O_DIRECT, fsync on close) — for checkpoints, gigabytes written once.
+  enum class Driver { kDefault, kDirect };
+  H5File(const std::string& path, Mode mode, Driver driver = Driver::kDefault);
   ~H5File();
   H5File(const H5File&) = delete;
   H5File& operator=(const H5File&) = delete;

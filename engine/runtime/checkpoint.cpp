@@ -183,7 +183,7 @@ std::string Checkpointer::save(const TrainState& state, model::ParamStore& param
       fs::create_directories(cfg.checkpoint.dir);
       for (const auto& e : fs::directory_iterator(cfg.checkpoint.dir))  // leftovers of a crash
         if (e.path().extension() == ".tmp") fs::remove(e.path());
-      if (!async) file = std::make_unique<io::H5File>(tmp, io::H5File::Mode::kCreate);
+      if (!async) file = std::make_unique<io::H5File>(tmp, io::H5File::Mode::kCreate, io::H5File::Driver::kDirect);
     } catch (const std::exception& e) {
       error = fmt::format("{}: {}", tmp, e.what());
     }
@@ -259,7 +259,7 @@ std::string Checkpointer::save(const TrainState& state, model::ParamStore& param
       Pending* p = pending.get();
       pending->writer = std::thread([p, tmp, path, write_meta, this] {
         try {
-          io::H5File f(tmp, io::H5File::Mode::kCreate);
+          io::H5File f(tmp, io::H5File::Mode::kCreate, io::H5File::Driver::kDirect);
           for (const auto& t : p->tensors) f.write_checked(t.name, t.data.data(), t.shape);
           write_meta(f);
         } catch (const std::exception& e) {
@@ -317,7 +317,7 @@ TrainState Checkpointer::load(const std::string& path, model::ParamStore& params
   };
   std::unique_ptr<io::H5File> f;
   try {
-    f = std::make_unique<io::H5File>(path, io::H5File::Mode::kRead);
+    f = std::make_unique<io::H5File>(path, io::H5File::Mode::kRead, io::H5File::Driver::kDirect);
   } catch (const Error&) {
     throw fail("cannot be opened as HDF5 (missing, truncated or not a checkpoint)");
   }
