@@ -70,6 +70,14 @@ class Communicator {
 
   // Advances every outstanding Work of this group without blocking.
   virtual void progress() = 0;
+
+  // Collective: offers [base, base + n) — the corresponding buffer on every rank — for direct
+  // access. Where every member is on this host and the buffer is shared memory
+  // (engine/common/shared_memory.h), each rank maps its peers' buffers, and all-reduce,
+  // reduce-scatter-v and all-gather-v inside it read the peers' memory directly (a handshake of
+  // empty messages orders the accesses) instead of sending it. Returns whether that is so on
+  // every rank; otherwise the calls keep using messages. Register again if the buffer moves.
+  virtual bool register_peer_memory(float* base, int64_t n) = 0;
 };
 
 // A communicator over a duplicate of an existing MPI communicator (collective over `comm`).

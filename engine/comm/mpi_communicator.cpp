@@ -8,11 +8,16 @@
 // faster and progresses at every progress() call. Ring all-reduce = ring reduce-scatter + ring
 // all-gather, each size-1 steps; a piece goes in chunks of at most 16 MiB (the fastest message
 // size on one host). Small reductions and the other collectives use MPI's own calls.
+#include <fcntl.h>
 #include <fmt/format.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <climits>
 #include <thread>
+
+#include "engine/common/shared_memory.h"
 
 #include "engine/comm/communicator.h"
 #include "engine/comm/mpi_check.h"
@@ -58,6 +63,15 @@ struct AllToAllArrays {
   std::vector<int> send_counts, send_displs, recv_counts, recv_displs;
 };
 
+// A registered buffer: this rank's [base, base + n) and where each peer's corresponding buffer
+// is mapped here (nullptr for this rank).
+struct PeerMapping {
+  float* base = nullptr;
+  int64_t n = 0;
+  std::vector<const float*> peer;
+  std::vector<std::pair<void*, size_t>> maps;  // to munmap
+};
+
 class MpiCommunicator final : public Communicator {
  public:
   MpiCommunicator(MPI_Comm comm, std::string name, CommOptions options) : name_(std::move(name)), options_(options) {
@@ -67,6 +81,8 @@ class MpiCommunicator final : public Communicator {
     DS_MPI_CHECK(MPI_Comm_size(comm_, &size_));
   }
   ~MpiCommunicator() override {
+    for (PeerMapping& m : mappings_)
+      for (auto [p, bytes] : m.maps) munmap(p, bytes);
     int finalized = 0;
     MPI_Finalized(&finalized);
     if (!finalized) MPI_Comm_free(&comm_);
@@ -107,10 +123,22 @@ class MpiCommunicator final : public Communicator {
   std::unique_ptr<Work> barrier() override;
 
   void progress() override {
-    // A completing Work unregisters itself: iterate over a copy.
-    std::vector<MpiWork*> live = live_;
-    for (MpiWork* w : live)
+    // A completing Work unregisters itself: iterate over a copy (reusing its storage).
+    snapshot_.assign(live_.begin(), live_.end());
+    for (MpiWork* w : snapshot_)
       if (std::find(live_.begin(), live_.end(), w) != live_.end()) w->done();
+  }
+
+  bool register_peer_memory(float* base, int64_t n) override;
+  // The peers' copies of [p, p + n) when it lies in a registered buffer; empty otherwise.
+  std::vector<const float*> peers_of(const float* p, int64_t n) const {
+    for (const PeerMapping& m : mappings_)
+      if (p >= m.base && p + n <= m.base + m.n) {
+        std::vector<const float*> out;
+        for (const float* q : m.peer) out.push_back(q ? q + (p - m.base) : nullptr);
+        return out;
+      }
+    return {};
   }
 
   void attach(MpiWork* w) { live_.push_back(w); }
@@ -153,7 +181,8 @@ class MpiCommunicator final : public Communicator {
   CommOptions options_;
   int rank_ = 0, size_ = 1;
   uint64_t seq_ = 0;
-  std::vector<MpiWork*> live_;
+  std::vector<MpiWork*> live_, snapshot_;
+  std::vector<PeerMapping> mappings_;
   std::vector<std::vector<float>> pool_;
 };
 
@@ -322,6 +351,163 @@ class RingWork final : public MpiWork {
   MPI_Request reqs_[2] = {MPI_REQUEST_NULL, MPI_REQUEST_NULL};
 };
 
+// Reduce-scatter and/or all-gather over unequal blocks of a registered buffer (in place), by
+// reading the peers' mapped copies. Every rank reduces its own block from every peer's copy of
+// it, then — for an all-gather — copies every peer's block from that peer. Empty messages order
+// the accesses: "ready" (my data is final), "reduced" (my block is complete; an all-reduce's
+// gather may read it, and I no longer read yours), "done" (I no longer read your buffer — only
+// then may the owner reuse it, so a completed Work leaves nothing pending).
+class DirectWork final : public MpiWork {
+ public:
+  DirectWork(MpiCommunicator& c, std::string what, float* buf, std::vector<int64_t> counts,
+             std::vector<const float*> peers, bool reduce, bool gather, ReduceOp op)
+      : MpiWork(c, std::move(what)), buf_(buf), counts_(std::move(counts)), peers_(std::move(peers)),
+        reduce_(reduce), gather_(gather), op_(op), tag_(c.ring_tag()), P_(c.size()), r_(c.rank()) {
+    int64_t off = 0;
+    for (int64_t n : counts_) offsets_.push_back(off), off += n;
+    signal();  // ready
+  }
+  ~DirectWork() override {
+    try {
+      wait();
+    } catch (...) {
+    }
+  }
+
+ private:
+  enum class Stage { kReady, kReduced, kDone, kComplete };
+
+  // Posts one empty message to every peer and a receive from every peer.
+  void signal() {
+    reqs_.clear();
+    for (int q = 0; q < P_; ++q) {
+      if (q == r_) continue;
+      reqs_.emplace_back();
+      int rc = MPI_Irecv(nullptr, 0, MPI_BYTE, q, tag_, comm_.mpi(), &reqs_.back());
+      reqs_.emplace_back();
+      if (rc == MPI_SUCCESS) rc = MPI_Isend(nullptr, 0, MPI_BYTE, q, tag_, comm_.mpi(), &reqs_.back());
+      if (rc != MPI_SUCCESS) throw CommError(mpi_error_text(rc));
+    }
+  }
+
+  bool advance() override {
+    while (stage_ != Stage::kComplete) {
+      int flag = 0;
+      const int rc = MPI_Testall(int(reqs_.size()), reqs_.data(), &flag, MPI_STATUSES_IGNORE);
+      if (rc != MPI_SUCCESS) throw CommError(mpi_error_text(rc));
+      if (!flag) return false;
+      switch (stage_) {
+        case Stage::kReady:
+          if (reduce_) reduce_own_block();
+          if (reduce_ && gather_) {
+            stage_ = Stage::kReduced;
+          } else {
+            if (gather_) gather_blocks();
+            stage_ = Stage::kDone;
+          }
+          signal();
+          break;
+        case Stage::kReduced:
+          gather_blocks();
+          stage_ = Stage::kDone;
+          signal();
+          break;
+        case Stage::kDone:
+          stage_ = Stage::kComplete;
+          break;
+        case Stage::kComplete:
+          break;
+      }
+    }
+    return true;
+  }
+
+  void reduce_own_block() {
+    float* y = buf_ + offsets_[r_];
+    const int64_t n = counts_[r_];
+    for (int q = 0; q < P_; ++q) {
+      if (q == r_) continue;
+      const float* x = peers_[q] + offsets_[r_];
+      if (op_ == ReduceOp::kSum) {
+        for (int64_t i = 0; i < n; ++i) y[i] += x[i];
+      } else {
+        for (int64_t i = 0; i < n; ++i) y[i] = std::max(y[i], x[i]);
+      }
+    }
+  }
+
+  void gather_blocks() {
+    for (int q = 0; q < P_; ++q)
+      if (q != r_) std::copy(peers_[q] + offsets_[q], peers_[q] + offsets_[q] + counts_[q], buf_ + offsets_[q]);
+  }
+
+  float* buf_;
+  std::vector<int64_t> counts_, offsets_;
+  std::vector<const float*> peers_;
+  bool reduce_, gather_;
+  ReduceOp op_;
+  int tag_, P_, r_;
+  Stage stage_ = Stage::kReady;
+  std::vector<MPI_Request> reqs_;
+};
+
+bool MpiCommunicator::register_peer_memory(float* base, int64_t n) {
+  // Drop an earlier registration overlapping this one (the buffer moved or is registered again).
+  for (auto it = mappings_.begin(); it != mappings_.end();) {
+    if (it->base < base + n && base < it->base + it->n) {
+      for (auto [p, bytes] : it->maps) munmap(p, bytes);
+      it = mappings_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  // Every member on this host?
+  MPI_Comm node = MPI_COMM_NULL;
+  DS_MPI_CHECK(MPI_Comm_split_type(comm_, MPI_COMM_TYPE_SHARED, rank_, MPI_INFO_NULL, &node));
+  int node_size = 0;
+  DS_MPI_CHECK(MPI_Comm_size(node, &node_size));
+  DS_MPI_CHECK(MPI_Comm_free(&node));
+  const auto region = find_shared_region(base, size_t(n) * sizeof(float));
+  // pid, fd, region bytes, offset of base in the region, usable
+  int64_t mine[5] = {int64_t(getpid()), region ? region->fd : -1, region ? int64_t(region->bytes) : 0,
+                     region ? int64_t(reinterpret_cast<char*>(base) - static_cast<char*>(region->base)) : 0,
+                     region && node_size == size_ && size_ > 1 ? 1 : 0};
+  std::vector<int64_t> all(size_t(5 * size_));
+  DS_MPI_CHECK(MPI_Allgather(mine, 5, MPI_INT64_T, all.data(), 5, MPI_INT64_T, comm_));
+  bool usable = true;
+  for (int q = 0; q < size_; ++q) usable = usable && all[size_t(5 * q + 4)] == 1;
+  if (!usable) return false;
+  PeerMapping m;
+  m.base = base, m.n = n, m.peer.assign(size_t(size_), nullptr);
+  int ok = 1;
+  for (int q = 0; q < size_ && ok; ++q) {
+    if (q == rank_) continue;
+    const int64_t* info = &all[size_t(5 * q)];
+    const std::string path = fmt::format("/proc/{}/fd/{}", info[0], info[1]);
+    const int fd = ::open(path.c_str(), O_RDWR);
+    if (fd < 0) {
+      ok = 0;
+      break;
+    }
+    void* p = mmap(nullptr, size_t(info[2]), PROT_READ, MAP_SHARED, fd, 0);
+    ::close(fd);
+    if (p == MAP_FAILED) {
+      ok = 0;
+      break;
+    }
+    m.maps.push_back({p, size_t(info[2])});
+    m.peer[size_t(q)] = reinterpret_cast<const float*>(static_cast<char*>(p) + info[3]);
+  }
+  int all_ok = 0;
+  DS_MPI_CHECK(MPI_Allreduce(&ok, &all_ok, 1, MPI_INT, MPI_MIN, comm_));
+  if (!all_ok) {
+    for (auto [p, bytes] : m.maps) munmap(p, bytes);
+    return false;
+  }
+  mappings_.push_back(std::move(m));
+  return true;
+}
+
 template <class Issue>
 std::unique_ptr<Work> MpiCommunicator::chunked(const std::string& op, int64_t n, Issue&& issue) {
   std::string what = describe(op);
@@ -358,6 +544,13 @@ std::vector<RingWork::Chunk> even_chunks(float* buf, int64_t n, int P) {
 std::unique_ptr<Work> MpiCommunicator::all_reduce(float* buf, int64_t n, ReduceOp op) {
   if (size_ == 1 || n * int64_t(sizeof(float)) < kRingMinBytes) return small_all_reduce(buf, n, MPI_FLOAT, op);
   std::string what = describe(fmt::format("all_reduce of {} floats", n));
+  if (auto peers = peers_of(buf, n); !peers.empty()) {
+    std::vector<int64_t> counts;  // one block per rank over the whole buffer
+    const int64_t per = (n + 16 * size_ - 1) / (16 * size_) * 16;
+    for (int p = 0; p < size_; ++p) counts.push_back(std::clamp<int64_t>(n - p * per, 0, per));
+    return std::make_unique<DirectWork>(*this, std::move(what), buf, std::move(counts), std::move(peers), true, true,
+                                        op);
+  }
   return std::make_unique<RingWork>(*this, std::move(what), even_chunks(buf, n, size_), true, true, op);
 }
 
@@ -376,6 +569,8 @@ std::unique_ptr<Work> MpiCommunicator::reduce_scatter_v(float* buf, const std::v
   int64_t total = 0;
   for (int64_t c : counts) total += c;
   std::string what = describe(fmt::format("reduce_scatter_v of {} floats", total));
+  if (auto peers = peers_of(buf, total); !peers.empty())
+    return std::make_unique<DirectWork>(*this, std::move(what), buf, counts, std::move(peers), true, false, op);
   return std::make_unique<RingWork>(*this, std::move(what), std::vector<RingWork::Chunk>{{buf, counts}}, true, false,
                                     op);
 }
@@ -395,6 +590,9 @@ std::unique_ptr<Work> MpiCommunicator::all_gather_v(float* buf, const std::vecto
   int64_t total = 0;
   for (int64_t c : counts) total += c;
   std::string what = describe(fmt::format("all_gather_v of {} floats", total));
+  if (auto peers = peers_of(buf, total); !peers.empty())
+    return std::make_unique<DirectWork>(*this, std::move(what), buf, counts, std::move(peers), false, true,
+                                        ReduceOp::kSum);
   return std::make_unique<RingWork>(*this, std::move(what), std::vector<RingWork::Chunk>{{buf, counts}}, false, true,
                                     ReduceOp::kSum);
 }

@@ -30,6 +30,7 @@ void SwiGluMlp::backward(float* du, const float* dout, const float* u, int64_t N
   float* dM = scratch.take(N * w_);
   float* dGU = scratch.take(N * 2 * w_);
   linear_backward(be, dM, down_.g, dout, M_.data(), down_.w, N, H_, w_);
+  env_.poll();
   be.swiglu_backward(dGU, dM, GU_.data(), N, w_);
   // Column-parallel gate/up: the input gradient is partial; reduce it before it meets others.
   float* target = (beta == 0.0f || env_.tp_size == 1) ? du : scratch.take(N * H_);

@@ -173,8 +173,10 @@ void MlaAttention::backward(float* da, const float* dout, const float* a, int64_
     bias_backward(be, kv_a_bias_.g, dckv, env_.ones, N, rkv_);
     bias_backward(be, kv_a_bias_.g + rkv_, dkpe, env_.ones, N, dr_);
   }
+  env_.poll();
   linear_backward(be, da, kv_a_.g, dckv, a, kv_a_.w, N, rkv_, H_);
   linear_backward(be, da, kv_a_.g + rkv_ * H_, dkpe, a, kv_a_.w + rkv_ * H_, N, dr_, H_, 1.0f);
+  env_.poll();
   if (lora_) {
     float* dcq = scratch.take(N * rq_);
     be.rmsnorm_backward(dcq, q_a_norm_.g, dcqn, cq_.data(), q_a_norm_.w, rstd_q_.data(), N, rq_);

@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "engine/common/shared_memory.h"
 #include "engine/plan/param_table.h"
 
 namespace dstrain::model {
@@ -21,6 +22,8 @@ struct ShardCoords {
   int tp = 0, tp_size = 1;
   int ep = 0, ep_size = 1;
 };
+
+using FlatBuffer = SharedVector<float>;
 
 struct ParamView {
   const plan::ParamInfo* info = nullptr;
@@ -54,10 +57,12 @@ class ParamStore {
 
   void zero_grads();
 
-  std::vector<float>& dense_params() { return dense_; }
-  std::vector<float>& expert_params() { return expert_; }
-  std::vector<float>& dense_grads() { return dense_grad_; }
-  std::vector<float>& expert_grads() { return expert_grad_; }
+  // In shared memory (engine/common/shared_memory.h): data-parallel peers on one host reduce
+  // and gather these buffers by mapping them.
+  FlatBuffer& dense_params() { return dense_; }
+  FlatBuffer& expert_params() { return expert_; }
+  FlatBuffer& dense_grads() { return dense_grad_; }
+  FlatBuffer& expert_grads() { return expert_grad_; }
   std::vector<float>& buffers() { return buffers_; }
 
   // Parameters held (without any padding).
@@ -84,7 +89,8 @@ class ParamStore {
 
   std::map<std::string, ParamView> views_;
   std::vector<std::string> order_;
-  std::vector<float> dense_, expert_, dense_grad_, expert_grad_, buffers_;
+  FlatBuffer dense_, expert_, dense_grad_, expert_grad_;
+  std::vector<float> buffers_;
   int64_t num_params_ = 0, dense_numel_ = 0, expert_numel_ = 0;
 };
 

@@ -60,6 +60,11 @@ GradSync::GradSync(model::ParamStore& params, comm::Communicator& dp, int64_t nu
   dense_shard_ = {0, int64_t(params.dense_grads().size())}, expert_shard_ = {0, int64_t(params.expert_grads().size())};
   if (options.zero_stage >= 2) dense_shard_ = dense_parts_[size_t(dp.rank())], expert_shard_ = expert_parts_[size_t(dp.rank())];
 
+  if (options.peer_memory) {  // collective: every rank registers both buffers, in this order
+    const bool d = dp.register_peer_memory(params.dense_grads().data(), int64_t(params.dense_grads().size()));
+    const bool e = dp.register_peer_memory(params.expert_grads().data(), int64_t(params.expert_grads().size()));
+    peer_memory_ = d && e;
+  }
   std::vector<FlatUnitParam> dense, expert;
   for (const std::string& name : params.names()) {
     const model::ParamView& v = params.view(name);

@@ -28,6 +28,7 @@ struct GradSyncOptions {
   int zero_stage = 0;          // 2: reduce-scatter into each rank's shard; else all-reduce
   bool overlap = true;         // launch buckets during backward (zero_optimization.overlap_comm)
   int64_t bucket_elems = 4 << 20;
+  bool peer_memory = true;     // read peers' gradient buffers directly where possible (one host)
 };
 
 struct GradBucket {
@@ -49,6 +50,8 @@ class GradSync final : public model::BackwardObserver {
   double finish();
 
   const std::vector<GradBucket>& buckets() const { return buckets_; }
+  // Whether the gradient buffers are reduced through mapped peer memory (else messages).
+  bool peer_memory() const { return peer_memory_; }
   // This rank's shard of each buffer at ZeRO-2 (the whole buffer otherwise).
   Range dense_shard() const { return dense_shard_; }
   Range expert_shard() const { return expert_shard_; }
@@ -66,6 +69,7 @@ class GradSync final : public model::BackwardObserver {
   std::vector<std::vector<size_t>> unit_buckets_;  // unit -> buckets waiting for it
   std::vector<int64_t> pending_;                   // per bucket: units not final yet
   size_t next_ = 0;                                // buckets launch in index order
+  bool peer_memory_ = false;
   std::vector<std::unique_ptr<comm::Work>> work_;
 };
 

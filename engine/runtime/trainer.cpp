@@ -82,6 +82,16 @@ Trainer::Trainer(const plan::ParallelPlan& plan, int threads, MPI_Comm world)
     grad_sync_ = std::make_unique<parallel::GradSync>(
         *params_, *dp_, m.num_hidden_layers,
         parallel::GradSyncOptions{int(z.stage), z.overlap_comm, z.reduce_bucket_size});
+    bool params_mapped = false;
+    if (zero_ >= 1)  // the ZeRO parameter all-gather reads the owners' buffers directly too
+      params_mapped = dp_->register_peer_memory(params_->dense_params().data(), int64_t(params_->dense_params().size())) &&
+                      dp_->register_peer_memory(params_->expert_params().data(), int64_t(params_->expert_params().size()));
+    if (rank_ == 0)
+      spdlog::info("gradient reduction: {} buckets of at most {} elements, {}, {}{}", grad_sync_->buckets().size(),
+                   with_commas(z.reduce_bucket_size), z.overlap_comm ? "overlapped with backward" : "after backward",
+                   grad_sync_->peer_memory() ? "ranks on one host reading each other's buffers"
+                                             : "ring of MPI messages",
+                   zero_ >= 1 ? fmt::format("; parameter all-gather {}", params_mapped ? "through shared memory" : "by messages") : "");
   }
   if (zero_ >= 1 && dp_size_ > 1)
     adam_ = std::make_unique<AdamW>(cfg_.optimizer, *params_, *be_, dense_shard_, expert_shard_);

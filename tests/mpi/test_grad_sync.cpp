@@ -1,7 +1,8 @@
 // The bucketed gradient sync under mpirun -np 2 / 4, on the `small` model's parameter store:
 // bucket layout (tiles each buffer, capacity, backward order), and the reduced gradients against
 // the sum every rank can compute alone — all-reduce (ZeRO 0/1) and reduce-scatter into the own
-// shard (ZeRO 2), with buckets launched as the simulated backward pass reports units final.
+// shard (ZeRO 2), with buckets launched as the simulated backward pass reports units final —
+// through mapped peer memory and through messages.
 #include <gtest/gtest.h>
 #include <mpi.h>
 
@@ -68,14 +69,15 @@ TEST(GradSync, MakeBucketsClosesAtUnitBoundariesOnceAnEighthFull) {
   EXPECT_EQ(c[2].units, (std::vector<int64_t>{1, 0}));
 }
 
-class GradSyncStages : public ::testing::TestWithParam<std::tuple<int, bool>> {};
+class GradSyncStages : public ::testing::TestWithParam<std::tuple<int, bool, bool>> {};
 
 TEST_P(GradSyncStages, ReducedGradientsAreTheSumOverRanks) {
-  const auto [zero, overlap] = GetParam();
+  const auto [zero, overlap, peer_memory] = GetParam();
   Fixture f;
   const int r = world_rank(), P = world_size();
   const int64_t L = f.cfg.model.num_hidden_layers;
-  GradSync sync(f.params, *f.dp, L, {zero, overlap, 250000});
+  GradSync sync(f.params, *f.dp, L, {zero, overlap, 250000, peer_memory});
+  EXPECT_EQ(sync.peer_memory(), peer_memory && P > 1);
   for (int rep = 0; rep < 2; ++rep) {  // twice: the buckets re-arm
     for (const bool expert : {false, true}) {
       auto& g = expert ? f.params.expert_grads() : f.params.dense_grads();
@@ -108,7 +110,8 @@ TEST_P(GradSyncStages, ReducedGradientsAreTheSumOverRanks) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Zero, GradSyncStages,
-                         ::testing::Combine(::testing::Values(0, 2), ::testing::Values(true, false)));
+                         ::testing::Combine(::testing::Values(0, 2), ::testing::Values(true, false),
+                                            ::testing::Values(true, false)));
 
 }  // namespace
 }  // namespace dstrain::parallel

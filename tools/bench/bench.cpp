@@ -299,10 +299,10 @@ int bench_checkpoint(int argc, char** argv) {
   model::ParamStore params(plan.params, plan.param_stage, cfg.model.num_routed(), model::ShardCoords{});
   params.initialize(7, 0.02);
   runtime::AdamW adam(cfg.optimizer, params, *be);
-  adam.exp_avg_dense() = params.dense_params();
-  adam.exp_avg_sq_dense() = params.dense_params();
-  adam.exp_avg_expert() = params.expert_params();
-  adam.exp_avg_sq_expert() = params.expert_params();
+  adam.exp_avg_dense().assign(params.dense_params().begin(), params.dense_params().end());
+  adam.exp_avg_sq_dense().assign(params.dense_params().begin(), params.dense_params().end());
+  adam.exp_avg_expert().assign(params.expert_params().begin(), params.expert_params().end());
+  adam.exp_avg_sq_expert().assign(params.expert_params().begin(), params.expert_params().end());
   int64_t largest = 0;
   for (const auto& p : plan.params) largest = std::max(largest, p.numel());
   const double bytes = 3.0 * 4.0 * double(params.num_params());
