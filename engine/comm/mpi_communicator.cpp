@@ -175,6 +175,8 @@ class MpiCommunicator final : public Communicator {
  private:
   template <class T>
   std::unique_ptr<Work> small_all_reduce(T* buf, int64_t n, MPI_Datatype type, ReduceOp op);
+  std::unique_ptr<Work> blocks_in_place(const char* op_name, float* buf, const std::vector<int64_t>& counts,
+                                        bool reduce, bool gather, ReduceOp op);
 
   MPI_Comm comm_ = MPI_COMM_NULL;
   std::string name_;
@@ -564,15 +566,7 @@ std::unique_ptr<Work> MpiCommunicator::reduce_scatter(float* out, const float* i
 }
 
 std::unique_ptr<Work> MpiCommunicator::reduce_scatter_v(float* buf, const std::vector<int64_t>& counts, ReduceOp op) {
-  if (int(counts.size()) != size_)
-    throw CommError(fmt::format("group {}: reduce_scatter_v needs {} counts, got {}", name_, size_, counts.size()));
-  int64_t total = 0;
-  for (int64_t c : counts) total += c;
-  std::string what = describe(fmt::format("reduce_scatter_v of {} floats", total));
-  if (auto peers = peers_of(buf, total); !peers.empty())
-    return std::make_unique<DirectWork>(*this, std::move(what), buf, counts, std::move(peers), true, false, op);
-  return std::make_unique<RingWork>(*this, std::move(what), std::vector<RingWork::Chunk>{{buf, counts}}, true, false,
-                                    op);
+  return blocks_in_place("reduce_scatter_v", buf, counts, true, false, op);
 }
 
 std::unique_ptr<Work> MpiCommunicator::all_gather(float* out, const float* in, int64_t n) {
@@ -585,16 +579,23 @@ std::unique_ptr<Work> MpiCommunicator::all_gather(float* out, const float* in, i
 }
 
 std::unique_ptr<Work> MpiCommunicator::all_gather_v(float* buf, const std::vector<int64_t>& counts) {
+  return blocks_in_place("all_gather_v", buf, counts, false, true, ReduceOp::kSum);
+}
+
+// reduce_scatter_v / all_gather_v: through mapped peer memory when the buffer is registered, else
+// a ring of messages.
+std::unique_ptr<Work> MpiCommunicator::blocks_in_place(const char* op_name, float* buf,
+                                                       const std::vector<int64_t>& counts, bool reduce, bool gather,
+                                                       ReduceOp op) {
   if (int(counts.size()) != size_)
-    throw CommError(fmt::format("group {}: all_gather_v needs {} counts, got {}", name_, size_, counts.size()));
+    throw CommError(fmt::format("group {}: {} needs {} counts, got {}", name_, op_name, size_, counts.size()));
   int64_t total = 0;
   for (int64_t c : counts) total += c;
-  std::string what = describe(fmt::format("all_gather_v of {} floats", total));
+  std::string what = describe(fmt::format("{} of {} floats", op_name, total));
   if (auto peers = peers_of(buf, total); !peers.empty())
-    return std::make_unique<DirectWork>(*this, std::move(what), buf, counts, std::move(peers), false, true,
-                                        ReduceOp::kSum);
-  return std::make_unique<RingWork>(*this, std::move(what), std::vector<RingWork::Chunk>{{buf, counts}}, false, true,
-                                    ReduceOp::kSum);
+    return std::make_unique<DirectWork>(*this, std::move(what), buf, counts, std::move(peers), reduce, gather, op);
+  return std::make_unique<RingWork>(*this, std::move(what), std::vector<RingWork::Chunk>{{buf, counts}}, reduce,
+                                    gather, op);
 }
 
 std::unique_ptr<Work> MpiCommunicator::all_to_all_v(float* out, const std::vector<int64_t>& out_counts,
