@@ -11,9 +11,13 @@
 #include <fcntl.h>
 #include <fmt/format.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
+#include <cstdio>
+#include <cstdlib>
 #include <climits>
 #include <thread>
 
@@ -205,13 +209,22 @@ void MpiWork::finish() {
   Watchdog::instance().remove(watchdog_id_);
 }
 
+// An MPI error in the middle of an operation leaves requests posted on buffers that the caller
+// will free or reuse, and the group out of step: end the job, naming the operation, rather than
+// risk memory corruption or a hang.
+[[noreturn]] void fatal(const std::string& what, const std::string& error) {
+  std::fprintf(stderr, "dstrain: %s failed: %s; aborting the job\n", what.c_str(), error.c_str());
+  std::fflush(stderr);
+  MPI_Abort(MPI_COMM_WORLD, 8);
+  std::_Exit(8);
+}
+
 bool MpiWork::done() {
   if (complete_) return true;
   try {
     if (advance()) finish();
   } catch (const CommError& e) {
-    finish();
-    throw CommError(fmt::format("{} failed: {}", what_, e.what()));
+    fatal(what_, e.what());
   }
   return complete_;
 }
@@ -379,8 +392,10 @@ class DirectWork final : public MpiWork {
  private:
   enum class Stage { kReady, kReduced, kDone, kComplete };
 
-  // Posts one empty message to every peer and a receive from every peer.
+  // Posts one empty message to every peer and a receive from every peer. The fences order this
+  // rank's plain loads and stores of shared memory with the messages on any CPU.
   void signal() {
+    std::atomic_thread_fence(std::memory_order_seq_cst);
     reqs_.clear();
     for (int q = 0; q < P_; ++q) {
       if (q == r_) continue;
@@ -398,6 +413,7 @@ class DirectWork final : public MpiWork {
       const int rc = MPI_Testall(int(reqs_.size()), reqs_.data(), &flag, MPI_STATUSES_IGNORE);
       if (rc != MPI_SUCCESS) throw CommError(mpi_error_text(rc));
       if (!flag) return false;
+      std::atomic_thread_fence(std::memory_order_seq_cst);
       switch (stage_) {
         case Stage::kReady:
           if (reduce_) reduce_own_block();
@@ -454,6 +470,8 @@ class DirectWork final : public MpiWork {
 };
 
 bool MpiCommunicator::register_peer_memory(float* base, int64_t n) {
+  if (!live_.empty())
+    throw CommError(fmt::format("group {}: register_peer_memory with operations in flight", name_));
   // Drop an earlier registration overlapping this one (the buffer moved or is registered again).
   for (auto it = mappings_.begin(); it != mappings_.end();) {
     if (it->base < base + n && base < it->base + it->n) {
@@ -470,24 +488,32 @@ bool MpiCommunicator::register_peer_memory(float* base, int64_t n) {
   DS_MPI_CHECK(MPI_Comm_size(node, &node_size));
   DS_MPI_CHECK(MPI_Comm_free(&node));
   const auto region = find_shared_region(base, size_t(n) * sizeof(float));
-  // pid, fd, region bytes, offset of base in the region, usable
-  int64_t mine[5] = {int64_t(getpid()), region ? region->fd : -1, region ? int64_t(region->bytes) : 0,
-                     region ? int64_t(reinterpret_cast<char*>(base) - static_cast<char*>(region->base)) : 0,
-                     region && node_size == size_ && size_ > 1 ? 1 : 0};
-  std::vector<int64_t> all(size_t(5 * size_));
-  DS_MPI_CHECK(MPI_Allgather(mine, 5, MPI_INT64_T, all.data(), 5, MPI_INT64_T, comm_));
+  struct stat st {};
+  const bool have = region && fstat(region->fd, &st) == 0;
+  // pid, fd, region bytes, offset of base in the region, usable, n, device, inode
+  constexpr int kInfo = 8;
+  int64_t mine[kInfo] = {int64_t(getpid()), have ? region->fd : -1, have ? int64_t(region->bytes) : 0,
+                         have ? int64_t(reinterpret_cast<char*>(base) - static_cast<char*>(region->base)) : 0,
+                         have && node_size == size_ && size_ > 1 ? 1 : 0, n, int64_t(st.st_dev), int64_t(st.st_ino)};
+  std::vector<int64_t> all(size_t(kInfo * size_));
+  DS_MPI_CHECK(MPI_Allgather(mine, kInfo, MPI_INT64_T, all.data(), kInfo, MPI_INT64_T, comm_));
   bool usable = true;
-  for (int q = 0; q < size_; ++q) usable = usable && all[size_t(5 * q + 4)] == 1;
+  for (int q = 0; q < size_; ++q) usable = usable && all[size_t(kInfo * q + 4)] == 1 && all[size_t(kInfo * q + 5)] == n;
   if (!usable) return false;
   PeerMapping m;
   m.base = base, m.n = n, m.peer.assign(size_t(size_), nullptr);
   int ok = 1;
   for (int q = 0; q < size_ && ok; ++q) {
     if (q == rank_) continue;
-    const int64_t* info = &all[size_t(5 * q)];
+    const int64_t* info = &all[size_t(kInfo * q)];
     const std::string path = fmt::format("/proc/{}/fd/{}", info[0], info[1]);
-    const int fd = ::open(path.c_str(), O_RDWR);
-    if (fd < 0) {
+    const int fd = ::open(path.c_str(), O_RDONLY);
+    struct stat peer {};
+    // The object opened must be the peer's buffer (not another process's file after a PID was
+    // reused, or one seen through another PID namespace).
+    if (fd < 0 || fstat(fd, &peer) != 0 || int64_t(peer.st_dev) != info[6] || int64_t(peer.st_ino) != info[7] ||
+        int64_t(peer.st_size) < info[2]) {
+      if (fd >= 0) ::close(fd);
       ok = 0;
       break;
     }
@@ -517,6 +543,7 @@ std::unique_ptr<Work> MpiCommunicator::chunked(const std::string& op, int64_t n,
   for (int64_t off = 0; off < n || (n == 0 && reqs.empty()); off += INT_MAX) {
     reqs.emplace_back();
     const int rc = issue(off, int(std::min<int64_t>(n - off, INT_MAX)), &reqs.back());
+    if (rc != MPI_SUCCESS && reqs.size() > 1) fatal(what, mpi_error_text(rc));  // earlier pieces in flight
     if (rc != MPI_SUCCESS) throw CommError(fmt::format("{}: {}", what, mpi_error_text(rc)));
     if (n == 0) break;
   }

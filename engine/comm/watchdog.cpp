@@ -10,6 +10,7 @@
 #include <thread>
 
 #include <fmt/format.h>
+#include <unistd.h>
 
 namespace dstrain::comm {
 namespace {
@@ -30,6 +31,7 @@ struct Watchdog::Impl {
   std::map<uint64_t, Entry> entries;
   uint64_t next_id = 1;
   bool stopping = false;
+  bool mpi_live_ = false;  // set by add(), on the main thread: MPI is initialised
   std::thread thread;
 
   std::string report_locked(Clock::time_point now) const {
@@ -52,12 +54,13 @@ struct Watchdog::Impl {
     }
   }
 
+  // Runs on the watchdog thread while the main thread may be inside MPI (initialised for one
+  // thread): it makes no MPI call but MPI_Abort, and arms an alarm first, whose default action
+  // ends the process should MPI_Abort not return or not act.
   [[noreturn]] void abort_job(const Entry& late, Clock::time_point now) const {
-    int rank = -1, initialized = 0, finalized = 0;
-    MPI_Initialized(&initialized);
-    MPI_Finalized(&finalized);
-    const bool mpi = initialized && !finalized;
-    if (mpi) MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+    const char* env_rank = std::getenv("OMPI_COMM_WORLD_RANK");
+    if (!env_rank) env_rank = std::getenv("PMI_RANK");
+    const int rank = env_rank ? std::atoi(env_rank) : 0;
     const std::string text = fmt::format(
         "dstrain watchdog: world rank {}: {} did not complete within {:.0f} s — a rank skipped or "
         "reordered a collective, died, or is stuck. Operations outstanding on this rank:\n{}"
@@ -65,7 +68,8 @@ struct Watchdog::Impl {
         rank, late.what, late.timeout_s, report_locked(now));
     std::fputs(text.c_str(), stderr);
     std::fflush(stderr);
-    if (mpi) MPI_Abort(MPI_COMM_WORLD, 7);
+    alarm(10);
+    if (mpi_live_) MPI_Abort(MPI_COMM_WORLD, 7);
     std::_Exit(7);
   }
 };
@@ -91,7 +95,10 @@ Watchdog::~Watchdog() {
 
 uint64_t Watchdog::add(std::string what, double timeout_s) {
   const auto now = Clock::now();
+  int initialized = 0;
+  MPI_Initialized(&initialized);
   std::lock_guard<std::mutex> lock(impl_->mu);
+  impl_->mpi_live_ = impl_->mpi_live_ || initialized;
   const uint64_t id = impl_->next_id++;
   impl_->entries.emplace(
       id, Entry{std::move(what), now,

@@ -80,6 +80,13 @@ H5File::~H5File() {
   if (file_ >= 0) H5Fclose(file_);
 }
 
+void H5File::close() {
+  const hid_t f = hid_t(file_);
+  file_ = -1;
+  if (f >= 0 && H5Fclose(f) < 0)
+    throw Error(fmt::format("{}: closing the file failed (data not written or not flushed to the disk)", path_));
+}
+
 void H5File::write(const std::string& name, const float* data, const std::vector<int64_t>& shape) {
   write_impl(file_, path_, name, data, shape, H5T_NATIVE_FLOAT);
 }

@@ -20,6 +20,10 @@ class H5File {
   H5File& operator=(const H5File&) = delete;
 
   const std::string& path() const { return path_; }
+  // Closes the file, throwing if HDF5 (or the driver: the last buffered bytes, the fsync of the
+  // direct driver) fails — a written file must be closed this way before it is trusted. The
+  // destructor closes too, ignoring errors.
+  void close();
 
   // Datasets; `name` may contain '/' (groups are created as needed) and dots.
   void write(const std::string& name, const float* data, const std::vector<int64_t>& shape);

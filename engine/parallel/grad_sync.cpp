@@ -63,7 +63,7 @@ GradSync::GradSync(model::ParamStore& params, comm::Communicator& dp, int64_t nu
   if (options.peer_memory) {  // collective: every rank registers both buffers, in this order
     const bool d = dp.register_peer_memory(params.dense_grads().data(), int64_t(params.dense_grads().size()));
     const bool e = dp.register_peer_memory(params.expert_grads().data(), int64_t(params.expert_grads().size()));
-    peer_memory_ = d && e;
+    peer_memory_ = d || e;  // (a buffer under 1 MiB is not in shared memory; it goes by messages)
   }
   std::vector<FlatUnitParam> dense, expert;
   for (const std::string& name : params.names()) {

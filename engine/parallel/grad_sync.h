@@ -50,7 +50,7 @@ class GradSync final : public model::BackwardObserver {
   double finish();
 
   const std::vector<GradBucket>& buckets() const { return buckets_; }
-  // Whether the gradient buffers are reduced through mapped peer memory (else messages).
+  // Whether gradient buffers are reduced through mapped peer memory (else messages).
   bool peer_memory() const { return peer_memory_; }
   // This rank's shard of each buffer at ZeRO-2 (the whole buffer otherwise).
   Range dense_shard() const { return dense_shard_; }

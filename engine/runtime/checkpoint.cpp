@@ -76,7 +76,9 @@ struct Checkpointer::Pending {
 
 Checkpointer::Checkpointer(const plan::ParallelPlan& plan, MPI_Comm world) : plan_(plan) {
   if (world == MPI_COMM_NULL) return;
-  comm_ = comm::make_mpi_communicator(world, "checkpoint", {plan.config.parallel.comm_timeout_s});
+  // The other ranks' transfers may wait while rank 0 finishes writing the previous checkpoint
+  // and this one: ten times the collective deadline.
+  comm_ = comm::make_mpi_communicator(world, "checkpoint", {10 * plan.config.parallel.comm_timeout_s});
   rank_ = comm_->rank();
 }
 
@@ -262,6 +264,7 @@ std::string Checkpointer::save(const TrainState& state, model::ParamStore& param
           io::H5File f(tmp, io::H5File::Mode::kCreate, io::H5File::Driver::kDirect);
           for (const auto& t : p->tensors) f.write_checked(t.name, t.data.data(), t.shape);
           write_meta(f);
+          f.close();  // the driver's last bytes and fsync: an error here must stop the rename
         } catch (const std::exception& e) {
           p->error = e.what();
           return;
@@ -277,7 +280,8 @@ std::string Checkpointer::save(const TrainState& state, model::ParamStore& param
     } else {
       try {
         write_meta(*file);
-        file.reset();  // close
+        file->close();  // the driver's last bytes and fsync: an error here must stop the rename
+        file.reset();
         finish_file(tmp, path);
       } catch (const std::exception& e) {
         error = e.what();
@@ -317,7 +321,10 @@ TrainState Checkpointer::load(const std::string& path, model::ParamStore& params
   };
   std::unique_ptr<io::H5File> f;
   try {
-    f = std::make_unique<io::H5File>(path, io::H5File::Mode::kRead, io::H5File::Driver::kDirect);
+    // One rank reads the whole file with O_DIRECT; several ranks (which read overlapping parts)
+    // share the page cache instead of each reading from the disk.
+    f = std::make_unique<io::H5File>(path, io::H5File::Mode::kRead,
+                                     comm_ && comm_->size() > 1 ? io::H5File::Driver::kDefault : io::H5File::Driver::kDirect);
   } catch (const Error&) {
     throw fail("cannot be opened as HDF5 (missing, truncated or not a checkpoint)");
   }
