@@ -20,12 +20,31 @@ struct QuietHdf5 {
 };
 const QuietHdf5 quiet;
 
+// The innermost entry of HDF5's error stack — where the failure began (for an I/O error, the
+// system's reason: "File too large", "No space left on device") — or "" when it is empty.
+std::string innermost_hdf5_error() {
+  std::string out;
+  H5Ewalk2(
+      H5E_DEFAULT, H5E_WALK_UPWARD,
+      [](unsigned n, const H5E_error2_t* e, void* data) -> herr_t {
+        if (n == 0 && e->desc) *static_cast<std::string*>(data) = e->desc;
+        return 0;
+      },
+      &out);
+  return out;
+}
+
+[[noreturn]] void fail(const std::string& what, const std::string& path) {
+  const std::string cause = innermost_hdf5_error();
+  throw Error(fmt::format("{}: HDF5: {} failed{}", path, what, cause.empty() ? "" : " (" + cause + ")"));
+}
+
 hid_t check(hid_t id, const std::string& what, const std::string& path) {
-  if (id < 0) throw Error(fmt::format("{}: HDF5: {} failed", path, what));
+  if (id < 0) fail(what, path);
   return id;
 }
 void check(herr_t rc, const std::string& what, const std::string& path, int) {
-  if (rc < 0) throw Error(fmt::format("{}: HDF5: {} failed", path, what));
+  if (rc < 0) fail(what, path);
 }
 
 struct Handle {  // closes any HDF5 id with the right function
@@ -83,8 +102,7 @@ H5File::~H5File() {
 void H5File::close() {
   const hid_t f = hid_t(file_);
   file_ = -1;
-  if (f >= 0 && H5Fclose(f) < 0)
-    throw Error(fmt::format("{}: closing the file failed (data not written or not flushed to the disk)", path_));
+  if (f >= 0 && H5Fclose(f) < 0) fail("closing the file (data not written or not flushed to the disk)", path_);
 }
 
 void H5File::write(const std::string& name, const float* data, const std::vector<int64_t>& shape) {

@@ -277,6 +277,35 @@ TEST(Checkpoints, SigtermSavesAndStopsCleanly) {
   EXPECT_NE(again.out.find("at step " + std::to_string(step)), std::string::npos) << again.out;
 }
 
+// A save that fails on a write error — here the file-size limit (EFBIG), which the direct-I/O
+// driver meets in its background writes — is reported, and publishes nothing: `latest` stays
+// on the previous checkpoint, which still loads.
+TEST(Checkpoints, WriteErrorDuringSavePublishesNothing) {
+  const std::string dir = ::testing::TempDir() + "/write_error";
+  std::filesystem::remove_all(dir);
+  // The small preset (a 190 MB checkpoint): the limit below must stay above the few MB of files
+  // that MPI's start-up writes.
+  const auto cmd = [&](int steps, const std::string& extra) {
+    std::string c = train_cmd(dir, "run", steps, extra + " --set train_batch_size=2 --set seq_length=32");
+    return c.replace(c.find("configs/tiny.yaml"), 17, "configs/small.yaml");
+  };
+  ASSERT_EQ(run(cmd(4, "--resume none")).rc, 0);
+  const auto size = std::filesystem::file_size(dir + "/run/step_00000004.h5");
+  // A limit of half a checkpoint; SIGXFSZ ignored so that writes fail with EFBIG.
+  const Result r = run("bash -c 'trap \"\" XFSZ; ulimit -f " + std::to_string(size / 1024 / 2) + "; " + cmd(8, "") + "'");
+  EXPECT_NE(r.rc, 0);
+  EXPECT_NE(r.err.find("saving checkpoint " + dir + "/run/step_00000008.h5 failed"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("File too large"), std::string::npos) << r.err;  // the system's reason, passed on
+  EXPECT_FALSE(std::filesystem::exists(dir + "/run/step_00000008.h5"));
+  std::ifstream latest(dir + "/run/latest");
+  std::string name;
+  latest >> name;
+  EXPECT_EQ(name, "step_00000004.h5");
+  const Result again = run(cmd(8, ""));
+  EXPECT_EQ(again.rc, 0) << again.err;
+  EXPECT_NE(again.out.find("resumed from " + dir + "/run/step_00000004.h5 at step 4"), std::string::npos) << again.out;
+}
+
 // A crash in the middle of a save leaves the previous checkpoint loadable and `latest` on it.
 TEST(Checkpoints, CrashDuringSaveKeepsThePreviousCheckpoint) {
   const std::string dir = ::testing::TempDir() + "/crash";
