@@ -16,7 +16,8 @@
 // Memory: two aligned buffers of `buffer_bytes` per open file, nothing that grows with the data.
 // Durability: a file written through the driver is fsync'ed when it closes (unless told
 // otherwise), so a successful H5Fclose means its bytes are on the disk.
-// Not supported: SWMR, and sharing one file between processes while it is open for writing.
+// One writer at a time: a file being written is complete for readers once it is closed (HDF5
+// SWMR, reading while another process writes, is outside what checkpoints need).
 #pragma once
 
 #include <cstddef>
