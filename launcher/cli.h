@@ -13,8 +13,8 @@ struct Options {
   bool dry_run = false;
   bool print_config = false;
   bool check_comm = false;
-  bool ranks_needed = false;
-  bool config_reference = false;  // print every config key as a Markdown table and exit  // print tensor x pipeline x data (for dsrun) and exit
+  bool ranks_needed = false;      // print tensor x pipeline x data (for dsrun) and exit
+  bool config_reference = false;  // print every config key as a Markdown table and exit
   bool help = false;
   bool version = false;
   std::optional<int> world_size;  // --world-size N (dry run / print-config only)

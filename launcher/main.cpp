@@ -1,7 +1,8 @@
 // dstrain: `mpirun -np N dstrain CONFIG.yaml [--set k=v ...] [--dry-run | --print-config |
-// --check-comm]`. Loads and validates the config on every rank, makes the plan for the world
-// size, builds one communicator per process group, and reports. Any error on any rank ends the
-// job on every rank with a non-zero exit and one clear line — never a hang.
+// --check-comm | --dump-grads FILE]`. Loads and validates the config on every rank, makes the
+// plan for the world size, builds the process groups of every axis and verifies them, then
+// reports, dumps gradients or trains. Any error on any rank ends the job on every rank with a
+// non-zero exit and one clear line — never a hang.
 #include <cstdio>
 #include <iostream>
 #include <memory>
@@ -17,7 +18,7 @@
 #include "engine/plan/parallel_plan.h"
 #include "engine/plan/report.h"
 #include "engine/runtime/dump_grads.h"
-#include "engine/runtime/groups.h"
+#include "engine/runtime/rank_engine.h"
 #include "engine/runtime/trainer.h"
 #include "launcher/cli.h"
 #include "launcher/signals.h"
@@ -58,7 +59,7 @@ std::optional<plan::ParallelPlan> load_plan(const launcher::Options& opts, int w
 std::optional<std::string> setup_groups(const plan::ParallelPlan& p, int rank,
                                         std::vector<comm::ProcessGroup>& groups) {
   try {
-    groups = comm::create_groups(runtime::group_specs(p.grid, rank), MPI_COMM_WORLD);
+    groups = comm::create_groups(runtime::group_specs(p.grid, rank));
     for (const auto& g : groups) g.verify();
   } catch (const Error& e) {
     return std::string(e.what());
@@ -142,14 +143,22 @@ int run(const launcher::Options& opts, int rank, int world) {
   error.reset();
   std::unique_ptr<runtime::Trainer> trainer;
   try {
-    trainer = std::make_unique<runtime::Trainer>(*p, opts.threads, MPI_COMM_WORLD);
+    trainer = std::make_unique<runtime::Trainer>(
+        *p, runtime::RankGroups(*p, rank, std::move(groups), comm::ProcessGroup::world()), opts.threads);
   } catch (const Error& e) {
     error = e.what();
   }
   if (agree_on_failure(error, rank, world)) return 1;
   try {
     trainer->run();
+  } catch (const AgreedError& e) {
+    error = e.what();  // every rank throws it at the same point
   } catch (const Error& e) {
+    if (world > 1) {  // this rank alone: the others may be waiting in a collective for it
+      std::fprintf(stderr, "dstrain: error: rank %d: %s\n", rank, e.what());
+      std::fflush(stderr);
+      MPI_Abort(MPI_COMM_WORLD, 1);
+    }
     error = e.what();
   }
   return agree_on_failure(error, rank, world) ? 1 : 0;

@@ -10,6 +10,7 @@ packages=(
   libhdf5-dev hdf5-tools                # checkpoints and golden files (h5dump for users)
   libyaml-cpp-dev                       # config files
   libspdlog-dev libfmt-dev              # logging
+  nlohmann-json3-dev                    # JSON: HF config.json, metrics, safetensors header
   libgtest-dev                          # tests (GoogleTest, run through CTest)
   libopenblas-openmp-dev                # CPU GEMM (OpenMP build: safe inside parallel regions)
   libdnnl-dev                           # oneDNN: the other CPU GEMM, measured against OpenBLAS

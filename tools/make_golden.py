@@ -7,7 +7,7 @@ Developer tool, not run in CI:  python3 -m pip install torch transformers h5py n
 For each variant it runs `dstrain configs/tiny.yaml --dump-grads` (with the variant's --set
 overrides) to get dstrain's initial weights and first batch, builds the Hugging Face model
 (DeepseekV3ForCausalLM or DeepseekV2ForCausalLM, float64, eager attention) with exactly those
-weights, and computes logits, the losses of MODEL.md §5 (cross-entropy over all B*S targets,
+weights, and computes logits, the losses of docs/model.md §5 (cross-entropy over all B*S targets,
 the sequence-wise balance loss over the routing actually taken, the MTP loss built from HF
 decoder layers as §3.8 describes) and every parameter gradient with autograd. The result goes
 to tests/golden/<variant>.h5: weights/, grads/, tokens, logits, the loss attributes and the
@@ -98,7 +98,7 @@ def from_hf_grads(module, prefix, num_experts, moe_width, out):
 
 
 def balance_loss(router_logits, topk_idx, cfg, B):
-    """MODEL.md §5.2 over the routing taken; router_logits [B*T, E]."""
+    """docs/model.md §5.2 over the routing taken; router_logits [B*T, E]."""
     E, k, alpha = cfg["n_routed_experts"], cfg["num_experts_per_tok"], cfg["aux_loss_alpha"]
     logits = router_logits.double()
     s = torch.sigmoid(logits) if cfg["scoring_func"] == "sigmoid" else torch.softmax(logits, -1)

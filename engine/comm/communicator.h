@@ -1,6 +1,7 @@
-// One object per process group (STYLE §3.4.5): the collectives every parallel runtime uses,
-// non-blocking — each call returns a Work to wait on — on host memory over MPI (the NCCL
-// implementation on device memory has the same interface). All members must call the same
+// One object per process group (docs/design.md §6.3): the collectives every parallel runtime uses,
+// non-blocking — each call returns a Work to wait on — on host memory over MPI
+// (mpi_communicator.h), or for a group of one process without MPI (make_self_communicator); a
+// device-memory implementation over NCCL is to implement the same interface. All members must call the same
 // operations in the same order. Every call is checked and numbered; every outstanding Work is
 // registered with the watchdog (watchdog.h), which aborts the job with a report naming the
 // group, the operation and its sequence number when one outlives its deadline.
@@ -9,8 +10,6 @@
 // group's progress(), is called — the data-parallel gradient sync calls progress() between the
 // backward pass's kernels so that reductions run while the rank computes.
 #pragma once
-
-#include <mpi.h>
 
 #include <cstdint>
 #include <memory>
@@ -80,8 +79,10 @@ class Communicator {
   virtual bool register_peer_memory(float* base, int64_t n) = 0;
 };
 
-// A communicator over a duplicate of an existing MPI communicator (collective over `comm`).
-std::unique_ptr<Communicator> make_mpi_communicator(MPI_Comm comm, std::string name, CommOptions options = {});
+// The communicator of a group of one: this process alone, without MPI. Collectives complete at
+// once (a reduction over one rank is the identity, a gather a copy); send / recv to itself are
+// refused, as there is no peer. The implementation over MPI is engine/comm/mpi_communicator.h.
+std::unique_ptr<Communicator> make_self_communicator(std::string name);
 
 // Blocking conveniences.
 std::string broadcast_string(Communicator& c, const std::string& s, int root);

@@ -3,7 +3,7 @@
 // Large float reductions (all-reduce, reduce-scatter-v) and gathers (all-gather-v) are rings of
 // point-to-point messages driven by a small state machine, not MPI's non-blocking collectives:
 // Open MPI's allocate a message-sized temporary on every call (an mmap and fresh page faults
-// for large ones, ../shared/perf/cpu-limits.md) and only advance inside MPI calls, so a ring we
+// for large ones, docs/design.md §9) and only advance inside MPI calls, so a ring we
 // step ourselves — reusing pooled receive buffers and reducing as each piece arrives — is both
 // faster and progresses at every progress() call. Ring all-reduce = ring reduce-scatter + ring
 // all-gather, each size-1 steps; a piece goes in chunks of at most 16 MiB (the fastest message
@@ -23,7 +23,7 @@
 
 #include "engine/common/shared_memory.h"
 
-#include "engine/comm/communicator.h"
+#include "engine/comm/mpi_communicator.h"
 #include "engine/comm/mpi_check.h"
 #include "engine/comm/watchdog.h"
 

@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "engine/comm/mpi_check.h"
+#include "engine/comm/mpi_communicator.h"
 #include "engine/common/strings.h"
 
 namespace dstrain::comm {
@@ -22,45 +23,75 @@ MpiEnvironment::~MpiEnvironment() {
   if (!finalized) MPI_Finalize();
 }
 
-ProcessGroup::ProcessGroup(const GroupSpec& spec, MPI_Comm world) : spec_(spec) {
+struct ProcessGroup::Handle {
+  MPI_Comm comm = MPI_COMM_NULL;
+  bool owned = true;  // false for MPI_COMM_WORLD
+  ~Handle() {
+    int finalized = 0;
+    MPI_Finalized(&finalized);
+    if (owned && comm != MPI_COMM_NULL && !finalized) MPI_Comm_free(&comm);
+  }
+};
+
+ProcessGroup::ProcessGroup(const GroupSpec& spec) : spec_(spec), handle_(std::make_unique<Handle>()) {
   int me = 0;
-  DS_MPI_CHECK(MPI_Comm_rank(world, &me));
+  DS_MPI_CHECK(MPI_Comm_rank(MPI_COMM_WORLD, &me));
   const auto pos = std::find(spec_.ranks.begin(), spec_.ranks.end(), me);
   if (pos == spec_.ranks.end())
     throw CommError(fmt::format("group {} #{} [{}] does not contain this rank {}", spec_.name,
                                 spec_.index, format_rank_list(spec_.ranks), me));
-  DS_MPI_CHECK(MPI_Comm_split(world, spec_.index, static_cast<int>(pos - spec_.ranks.begin()), &comm_));
-  DS_MPI_CHECK(MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN));
-  DS_MPI_CHECK(MPI_Comm_rank(comm_, &rank_));
+  DS_MPI_CHECK(MPI_Comm_split(MPI_COMM_WORLD, spec_.index, static_cast<int>(pos - spec_.ranks.begin()),
+                              &handle_->comm));
+  DS_MPI_CHECK(MPI_Comm_set_errhandler(handle_->comm, MPI_ERRORS_RETURN));
+  DS_MPI_CHECK(MPI_Comm_rank(handle_->comm, &rank_));
 }
 
-ProcessGroup::ProcessGroup(ProcessGroup&& other) noexcept
-    : spec_(std::move(other.spec_)), comm_(other.comm_), rank_(other.rank_) {
-  other.comm_ = MPI_COMM_NULL;
+ProcessGroup ProcessGroup::world() {
+  ProcessGroup g;
+  int size = 0;
+  DS_MPI_CHECK(MPI_Comm_rank(MPI_COMM_WORLD, &g.rank_));
+  DS_MPI_CHECK(MPI_Comm_size(MPI_COMM_WORLD, &size));
+  g.spec_.name = "world";
+  for (int r = 0; r < size; ++r) g.spec_.ranks.push_back(r);
+  g.handle_ = std::make_unique<Handle>();
+  g.handle_->comm = MPI_COMM_WORLD;
+  g.handle_->owned = false;
+  return g;
 }
 
-ProcessGroup::~ProcessGroup() {
-  int finalized = 0;
-  MPI_Finalized(&finalized);
-  if (comm_ != MPI_COMM_NULL && !finalized) MPI_Comm_free(&comm_);
+ProcessGroup ProcessGroup::self(std::string name, int world_rank) {
+  ProcessGroup g;
+  g.spec_.name = std::move(name);
+  g.spec_.ranks = {world_rank};
+  return g;
 }
+
+ProcessGroup::~ProcessGroup() = default;
+ProcessGroup::ProcessGroup(ProcessGroup&& other) noexcept = default;
+ProcessGroup& ProcessGroup::operator=(ProcessGroup&& other) noexcept = default;
 
 void ProcessGroup::verify() const {
+  if (!handle_) return;  // this process alone: nothing MPI could have got wrong
   int size = 0, world_rank = 0;
-  DS_MPI_CHECK(MPI_Comm_size(comm_, &size));
+  DS_MPI_CHECK(MPI_Comm_size(handle_->comm, &size));
   DS_MPI_CHECK(MPI_Comm_rank(MPI_COMM_WORLD, &world_rank));
   std::vector<int> members(size);
-  DS_MPI_CHECK(MPI_Allgather(&world_rank, 1, MPI_INT, members.data(), 1, MPI_INT, comm_));
+  DS_MPI_CHECK(MPI_Allgather(&world_rank, 1, MPI_INT, members.data(), 1, MPI_INT, handle_->comm));
   if (members != spec_.ranks)
     throw CommError(fmt::format("group {} #{}: MPI communicator holds ranks [{}], the plan says [{}]",
                                 spec_.name, spec_.index, format_rank_list(members),
                                 format_rank_list(spec_.ranks)));
 }
 
-std::vector<ProcessGroup> create_groups(const std::vector<GroupSpec>& specs, MPI_Comm world) {
+std::unique_ptr<Communicator> ProcessGroup::communicator(const std::string& name, CommOptions options) const {
+  if (!handle_) return make_self_communicator(name);
+  return make_mpi_communicator(handle_->comm, name, options);
+}
+
+std::vector<ProcessGroup> create_groups(const std::vector<GroupSpec>& specs) {
   std::vector<ProcessGroup> groups;
   groups.reserve(specs.size());
-  for (const GroupSpec& s : specs) groups.emplace_back(s, world);
+  for (const GroupSpec& s : specs) groups.emplace_back(s);
   return groups;
 }
 

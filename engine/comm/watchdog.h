@@ -1,4 +1,4 @@
-// The communication watchdog (STYLE §3.4.5, after c10d's): every outstanding Work is registered
+// The communication watchdog (docs/design.md §6.3, after c10d's): every outstanding Work is registered
 // with a deadline. A thread checks the deadlines; when one passes, it prints a report — this
 // rank, and every operation still outstanding on it with its group, sequence number and age —
 // and aborts the whole job, so that a rank that skipped a collective or died mid-exchange

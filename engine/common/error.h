@@ -23,6 +23,15 @@ class ConfigError : public Error {
 };
 
 // A failed MPI (later NCCL) call or a communicator that does not match the plan.
+// An error every rank of the job raises at the same point of the run — a divergence seen in
+// all-reduced losses, a checkpoint failure broadcast from rank 0 — so the ranks can agree on it
+// and exit together. Any other error raised while the ranks are inside their collectives ends
+// the job with MPI_Abort instead (launcher/main.cpp), since the other ranks cannot hear of it.
+class AgreedError : public Error {
+ public:
+  using Error::Error;
+};
+
 class CommError : public Error {
  public:
   using Error::Error;

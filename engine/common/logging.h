@@ -1,5 +1,5 @@
 // Logging through spdlog. One logger per process; its prefix carries the rank so that
-// interleaved output of several ranks stays readable: "[dstrain r3] message".
+// interleaved output of several ranks stays readable: "[12:00:01.234] [r3] [info] message".
 #pragma once
 
 #include <string>

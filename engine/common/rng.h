@@ -1,6 +1,6 @@
 // Counter-based random numbers (Philox4x32-10, Salmon et al. 2011): the value drawn for element
 // i of a stream depends only on (key, i), so any rank can generate any slice of a tensor and get
-// the same numbers as a single process (DESIGN §2, layout-invariant initialisation).
+// the same numbers as a single process (docs/design.md §2.3).
 #pragma once
 
 #include <array>

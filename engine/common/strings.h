@@ -24,6 +24,8 @@ std::string human_bytes(double bytes);
 std::string human_count(double n);
 
 std::string join(const std::vector<std::string>& parts, std::string_view sep);
+// "a,b,,c" -> {"a", "b", "", "c"}; "" -> {""}.
+std::vector<std::string> split(std::string_view text, char sep);
 
 // Ranks as a compact list: "0 1 2 3" or, when long, "0 8 16 … 1016 (128 ranks)".
 std::string format_rank_list(const std::vector<int>& ranks, size_t max_shown = 16);

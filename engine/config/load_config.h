@@ -21,7 +21,7 @@ TrainConfig load_config_text(const std::string& text, const std::string& name,
 // The resolved config as YAML (every key, defaults included), as --print-config prints it.
 std::string to_yaml(const TrainConfig& cfg);
 
-// The model's Hugging Face config.json (MODEL.md §2 fields) as a JSON object.
+// The model's Hugging Face config.json (docs/model.md §2 fields) as a JSON object.
 std::string to_hf_config_json(const ModelConfig& m);
 
 // World-size-independent checks and defaults that depend on other keys (validate.cpp).

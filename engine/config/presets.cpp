@@ -6,13 +6,13 @@
 namespace dstrain::config {
 namespace {
 
-// The three dstrain presets share everything but the sizes (MODEL.md §9.2).
+// The three dstrain presets share everything but the sizes (docs/model.md §9.2).
 ModelConfig dstrain_base() {
   ModelConfig m;
-  m.model_type = "deepseek_v3";
+  m.model_type = ModelType::kDeepseekV3;
   m.architectures = {"DeepseekV3ForCausalLM"};
-  m.scoring_func = "sigmoid";
-  m.topk_method = "noaux_tc";
+  m.scoring_func = ScoringFunc::kSigmoid;
+  m.topk_method = TopkMethod::kNoauxTc;
   m.norm_topk_prob = true;
   m.routed_scaling_factor = 2.5;
   m.rope_theta = 10000.0;
@@ -129,7 +129,7 @@ ModelConfig deepseek_v3() {
 ModelConfig deepseek_v2_lite() {
   ModelConfig m;
   m.preset = "deepseek-v2-lite";
-  m.model_type = "deepseek_v2";
+  m.model_type = ModelType::kDeepseekV2;
   m.architectures = {"DeepseekV2ForCausalLM"};
   m.vocab_size = 102400;
   m.hidden_size = 2048;
@@ -147,8 +147,8 @@ ModelConfig deepseek_v2_lite() {
   m.num_experts_per_tok = 6;
   m.n_group = 1;
   m.topk_group = 1;
-  m.topk_method = "greedy";
-  m.scoring_func = "softmax";
+  m.topk_method = TopkMethod::kGreedy;
+  m.scoring_func = ScoringFunc::kSoftmax;
   m.norm_topk_prob = false;
   m.routed_scaling_factor = 1.0;
   m.first_k_dense_replace = 1;

@@ -1,4 +1,4 @@
-// Built-in model presets (MODEL.md §9). `model: {preset: small}` starts from one of these;
+// Built-in model presets (docs/model.md §9). `model: {preset: small}` starts from one of these;
 // configs/<name>.yaml spells the same values out for users to copy (a test keeps them equal).
 #pragma once
 

@@ -11,6 +11,10 @@ std::string type_name(int64_t) { return "int"; }
 std::string type_name(double) { return "number"; }
 std::string type_name(const std::string&) { return "string"; }
 std::string type_name(const AutoInt&) { return "auto or int"; }
+template <ConfigEnum E>
+std::string type_name(E) {
+  return "string";
+}
 template <class T>
 std::string type_name(const std::optional<T>&) {
   return type_name(T{}) + " or null";
@@ -39,6 +43,7 @@ class DocVisitor {
   template <class T, class C = inner_t<T>>
   void field(std::string_view key, T& v, const Check<C>& check = {}) {
     std::string valid = check.valid;
+    if constexpr (ConfigEnum<T>) valid = "one of " + enum_choices<T>();
     if (valid.empty()) valid = std::is_same_v<T, bool> ? "true or false" : "any";
     add({prefix_ + std::string(key), "", type_name(v), default_text(std::string(key), v), valid});
   }
@@ -81,8 +86,9 @@ std::vector<KeyDoc> config_reference() {
   TrainConfig cfg;
   DocVisitor root(rows, "");
   describe(root, cfg);
-  const char* types[] = {"WarmupLR", "WarmupDecayLR", "WarmupCosineLR"};
-  for (const char* type : types) {
+  const SchedulerType types[] = {SchedulerType::kWarmupLR, SchedulerType::kWarmupDecayLR,
+                                 SchedulerType::kWarmupCosineLR};
+  for (const SchedulerType type : types) {
     SchedulerParams p;
     DocVisitor d(rows, "scheduler.params.");
     describe_scheduler_params(d, p, type);
@@ -91,12 +97,12 @@ std::vector<KeyDoc> config_reference() {
   for (KeyDoc& r : rows) {
     if (r.path.rfind("scheduler.params.", 0) != 0) continue;
     std::vector<std::string> used_by;
-    for (const char* type : types) {
+    for (const SchedulerType type : types) {
       SchedulerParams p;
       KeyCollector k("scheduler.params.");
       describe_scheduler_params(k, p, type);
       if (std::find(k.keys().begin(), k.keys().end(), r.path) != k.keys().end())
-        used_by.push_back(type);
+        used_by.push_back(to_string(type));
     }
     r.valid += (r.valid.empty() ? "" : "; ") + std::string("for ") + join(used_by, ", ");
   }

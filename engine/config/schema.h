@@ -15,6 +15,8 @@
 #include <string>
 #include <vector>
 
+#include <fmt/format.h>
+
 #include "engine/common/strings.h"
 #include "engine/config/presets.h"
 #include "engine/config/train_config.h"
@@ -72,7 +74,7 @@ void describe(V& v, RopeScaling& c) {
 template <class V>
 void describe(V& v, ModelConfig& c) {
   v.preset("preset", c);
-  v.field("model_type", c.model_type, one_of({"deepseek_v3", "deepseek_v2"}));
+  v.field("model_type", c.model_type);
   v.field("architectures", c.architectures);
   v.field("vocab_size", c.vocab_size, at_least(2));
   v.field("hidden_size", c.hidden_size, at_least(1));
@@ -91,8 +93,8 @@ void describe(V& v, ModelConfig& c) {
   v.field("num_experts_per_tok", c.num_experts_per_tok, at_least(1));
   v.field("first_k_dense_replace", c.first_k_dense_replace, at_least(0));
   v.field("moe_layer_freq", c.moe_layer_freq, at_least(1));
-  v.field("scoring_func", c.scoring_func, one_of({"sigmoid", "softmax"}));
-  v.field("topk_method", c.topk_method, one_of({"noaux_tc", "greedy", "group_limited_greedy"}));
+  v.field("scoring_func", c.scoring_func);
+  v.field("topk_method", c.topk_method);
   v.field("n_group", c.n_group, at_least(1));
   v.field("topk_group", c.topk_group, at_least(1));
   v.field("norm_topk_prob", c.norm_topk_prob);
@@ -162,28 +164,29 @@ void describe(V& v, OptimizerParams& c) {
 
 template <class V>
 void describe(V& v, OptimizerConfig& c) {
-  v.field("type", c.type, one_of({"AdamW", "Adam"}));
+  v.field("type", c.type);
   v.section("params", c.params);
 }
 
 // Scheduler params depend on the scheduler type (read before params), as in DeepSpeed.
 template <class V>
-void describe_scheduler_params(V& v, SchedulerParams& c, const std::string& type) {
-  if (type == "WarmupLR" || type == "WarmupDecayLR") {
+void describe_scheduler_params(V& v, SchedulerParams& c, SchedulerType type) {
+  using enum SchedulerType;
+  if (type == kWarmupLR || type == kWarmupDecayLR) {
     v.field("warmup_min_lr", c.warmup_min_lr, non_negative());
     v.field("warmup_max_lr", c.warmup_max_lr, non_negative());
   }
-  if (type == "WarmupCosineLR") v.field("warmup_min_ratio", c.warmup_min_ratio, real_range(0, 1));
+  if (type == kWarmupCosineLR) v.field("warmup_min_ratio", c.warmup_min_ratio, real_range(0, 1));
   v.field("warmup_num_steps", c.warmup_num_steps, at_least(0));
-  v.field("warmup_type", c.warmup_type, one_of({"log", "linear"}));
-  if (type == "WarmupDecayLR" || type == "WarmupCosineLR")
+  v.field("warmup_type", c.warmup_type);
+  if (type == kWarmupDecayLR || type == kWarmupCosineLR)
     v.field("total_num_steps", c.total_num_steps, at_least(1));
-  if (type == "WarmupCosineLR") v.field("cos_min_ratio", c.cos_min_ratio, real_range(0, 1));
+  if (type == kWarmupCosineLR) v.field("cos_min_ratio", c.cos_min_ratio, real_range(0, 1));
 }
 
 template <class V>
 void describe(V& v, SchedulerConfig& c) {
-  v.field("type", c.type, one_of({"WarmupLR", "WarmupDecayLR", "WarmupCosineLR"}));
+  v.field("type", c.type);
   v.section_with("params", [&](V& sub) { describe_scheduler_params(sub, c.params, c.type); });
 }
 
@@ -195,7 +198,7 @@ void describe(V& v, ActivationCheckpointingConfig& c) {
 template <class V>
 void describe(V& v, DataConfig& c) {
   v.field("path", c.path, non_empty());
-  v.field("format", c.format, one_of({"text", "tokens"}));
+  v.field("format", c.format);
   v.field("validation_fraction", c.validation_fraction, real_range(0.0, 0.5));
   v.field("eval_interval", c.eval_interval, at_least(0));
   v.field("eval_iters", c.eval_iters, at_least(1));

@@ -1,4 +1,4 @@
-// The typed configuration of a dstrain run (DESIGN §3).
+// The typed configuration of a dstrain run (docs/design.md §3).
 //
 // Key names follow DeepSpeed where DeepSpeed has the concept (train_batch_size, fp16, bf16,
 // zero_optimization, optimizer, scheduler, ...), Hugging Face DeepSeek config.json inside
@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "engine/config/enums.h"
 #include "engine/config/source.h"
 
 namespace dstrain::config {
@@ -35,12 +36,12 @@ struct RopeScaling {  // HF `rope_scaling` (YaRN only)
   double mscale_all_dim = 0.0;
 };
 
-// Hugging Face DeepSeek config.json fields (MODEL.md §2). Defaults are those of HF's
+// Hugging Face DeepSeek config.json fields (docs/model.md §2). Defaults are those of HF's
 // DeepseekV3Config, i.e. DeepSeek-V3 with max_position_embeddings 4096; a `preset:` replaces
 // them all before the other keys of the section are applied.
 struct ModelConfig {
   std::string preset;  // "" when the section spells out the model itself
-  std::string model_type = "deepseek_v3";
+  ModelType model_type = ModelType::kDeepseekV3;
   std::vector<std::string> architectures;
   int64_t vocab_size = 129280;
   int64_t hidden_size = 7168;
@@ -59,8 +60,8 @@ struct ModelConfig {
   int64_t num_experts_per_tok = 8;
   int64_t first_k_dense_replace = 3;
   int64_t moe_layer_freq = 1;
-  std::string scoring_func = "sigmoid";
-  std::string topk_method = "noaux_tc";
+  ScoringFunc scoring_func = ScoringFunc::kSigmoid;
+  TopkMethod topk_method = TopkMethod::kNoauxTc;
   int64_t n_group = 8;
   int64_t topk_group = 4;
   bool norm_topk_prob = true;
@@ -88,7 +89,7 @@ struct ModelConfig {
   int64_t qk_head_dim() const { return qk_nope_head_dim + qk_rope_head_dim; }
   int64_t num_routed() const { return n_routed_experts.value_or(0); }
   int64_t num_shared() const { return n_shared_experts.value_or(0); }
-  bool is_moe_layer(int64_t layer) const;  // MODEL.md §2 placement rule
+  bool is_moe_layer(int64_t layer) const;  // docs/model.md §2 placement rule
 };
 
 struct ParallelConfig {
@@ -130,7 +131,7 @@ struct OptimizerParams {  // DeepSpeed Adam / AdamW params
 };
 
 struct OptimizerConfig {
-  std::string type = "AdamW";
+  OptimizerType type = OptimizerType::kAdamW;
   OptimizerParams params;
 };
 
@@ -139,14 +140,14 @@ struct SchedulerParams {
   double warmup_min_lr = 0.0;      // WarmupLR, WarmupDecayLR
   double warmup_max_lr = 0.001;    // WarmupLR, WarmupDecayLR
   int64_t warmup_num_steps = 1000;
-  std::string warmup_type = "log";  // log | linear
+  WarmupType warmup_type = WarmupType::kLog;
   std::optional<int64_t> total_num_steps;  // WarmupDecayLR, WarmupCosineLR; default train_steps
   double warmup_min_ratio = 0.0;   // WarmupCosineLR
   double cos_min_ratio = 0.0001;   // WarmupCosineLR
 };
 
 struct SchedulerConfig {
-  std::string type = "WarmupLR";
+  SchedulerType type = SchedulerType::kWarmupLR;
   SchedulerParams params;
 };
 
@@ -156,7 +157,7 @@ struct ActivationCheckpointingConfig {
 
 struct DataConfig {
   std::string path = "data/tinyshakespeare.txt";
-  std::string format = "text";  // text: raw bytes (token id = byte value); tokens: dstrain-prep output
+  DataFormat format = DataFormat::kText;  // text: raw bytes (token id = byte value); tokens: dstrain-prep output
   double validation_fraction = 0.05;
   int64_t eval_interval = 100;  // steps between validation runs; 0: none (Megatron's name)
   int64_t eval_iters = 8;       // global batches per validation run (Megatron's name)

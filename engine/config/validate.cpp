@@ -56,29 +56,31 @@ void validate_router(const TrainConfig& cfg) {
             fmt::format("{} is more than model.n_group = {}; valid: 1 to {}", m.topk_group,
                         m.n_group, m.n_group));
   const int64_t per_group = E / m.n_group;
-  if (m.topk_method == "noaux_tc" && per_group < 2)
+  if (m.topk_method == TopkMethod::kNoauxTc && per_group < 2)
     fail_at(cfg, "model.n_group",
             fmt::format("noaux_tc scores a group by its two best experts, but {} groups of {} "
                         "experts leave {} per group; valid: n_group <= {}",
                         m.n_group, E, per_group, E / 2));
-  if (m.topk_method != "greedy" && m.num_experts_per_tok > m.topk_group * per_group)
+  if (m.topk_method != TopkMethod::kGreedy && m.num_experts_per_tok > m.topk_group * per_group)
     fail_at(cfg, "model.num_experts_per_tok",
             fmt::format("{} experts per token cannot be picked from {} groups of {} experts "
                         "(model.topk_group x experts per group = {}); valid: at most {}",
                         m.num_experts_per_tok, m.topk_group, per_group, m.topk_group * per_group,
                         m.topk_group * per_group));
-  if (m.model_type == "deepseek_v3" && (m.scoring_func != "sigmoid" || m.topk_method != "noaux_tc"))
-    fail_at(cfg, m.scoring_func != "sigmoid" ? "model.scoring_func" : "model.topk_method",
+  if (m.model_type == ModelType::kDeepseekV3 &&
+      (m.scoring_func != ScoringFunc::kSigmoid || m.topk_method != TopkMethod::kNoauxTc))
+    fail_at(cfg, m.scoring_func != ScoringFunc::kSigmoid ? "model.scoring_func" : "model.topk_method",
             fmt::format("model_type deepseek_v3 routes with scoring_func sigmoid and topk_method "
                         "noaux_tc (got {} / {}), as Hugging Face's DeepseekV3 does; valid: those, "
                         "or model_type deepseek_v2 for softmax routing",
-                        m.scoring_func, m.topk_method));
-  if (m.model_type == "deepseek_v2" && (m.scoring_func != "softmax" || m.topk_method == "noaux_tc"))
-    fail_at(cfg, m.scoring_func != "softmax" ? "model.scoring_func" : "model.topk_method",
+                        to_string(m.scoring_func), to_string(m.topk_method)));
+  if (m.model_type == ModelType::kDeepseekV2 &&
+      (m.scoring_func != ScoringFunc::kSoftmax || m.topk_method == TopkMethod::kNoauxTc))
+    fail_at(cfg, m.scoring_func != ScoringFunc::kSoftmax ? "model.scoring_func" : "model.topk_method",
             fmt::format("model_type deepseek_v2 routes with scoring_func softmax and topk_method "
                         "greedy or group_limited_greedy (got {} / {}); valid: those, or model_type "
                         "deepseek_v3 for sigmoid noaux_tc routing",
-                        m.scoring_func, m.topk_method));
+                        to_string(m.scoring_func), to_string(m.topk_method)));
 }
 
 void validate_model(const TrainConfig& cfg) {
@@ -168,7 +170,7 @@ void validate_training(TrainConfig& cfg) {
     fail_at(cfg, "optimizer.params.betas",
             fmt::format("{} values; valid: a list of two numbers in [0, 1), e.g. [0.9, 0.95]",
                         cfg.optimizer.params.betas.size()));
-  if (cfg.scheduler && cfg.scheduler->type != "WarmupLR") {
+  if (cfg.scheduler && cfg.scheduler->type != SchedulerType::kWarmupLR) {
     SchedulerParams& s = cfg.scheduler->params;
     const bool given = s.total_num_steps.has_value();
     if (!given) s.total_num_steps = cfg.train_steps;  // a short run may end inside the warmup
@@ -178,7 +180,7 @@ void validate_training(TrainConfig& cfg) {
                           "integer >= {}",
                           *s.total_num_steps, s.warmup_num_steps, s.warmup_num_steps));
   }
-  if (cfg.data.format == "text" && cfg.model.vocab_size < 256)
+  if (cfg.data.format == DataFormat::kText && cfg.model.vocab_size < 256)
     fail_at(cfg, "data.format",
             fmt::format("text gives byte tokens 0..255 but model.vocab_size is {}; valid: a "
                         "vocab_size >= 256 for text data",

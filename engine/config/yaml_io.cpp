@@ -99,7 +99,7 @@ const std::vector<std::string>& all_key_paths() {
     describe(k, cfg);
     std::vector<std::string> out = k.keys();
     // Scheduler params differ by type; list the union so every valid key can be suggested.
-    for (const char* type : {"WarmupDecayLR", "WarmupCosineLR"}) {
+    for (const SchedulerType type : {SchedulerType::kWarmupDecayLR, SchedulerType::kWarmupCosineLR}) {
       SchedulerParams p;
       KeyCollector s("scheduler.params.");
       describe_scheduler_params(s, p, type);

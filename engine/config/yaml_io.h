@@ -27,6 +27,18 @@ bool parse_value(const YAML::Node& n, int64_t& out, std::string& why);
 bool parse_value(const YAML::Node& n, double& out, std::string& why);
 bool parse_value(const YAML::Node& n, std::string& out, std::string& why);
 bool parse_value(const YAML::Node& n, AutoInt& out, std::string& why);
+template <ConfigEnum E>
+bool parse_value(const YAML::Node& n, E& out, std::string& why) {
+  std::string text;
+  if (!parse_value(n, text, why)) return false;
+  const std::optional<E> e = parse_enum<E>(text);
+  if (!e) {
+    why = "valid: one of " + enum_choices<E>();
+    return false;
+  }
+  out = *e;
+  return true;
+}
 template <class T>
 bool parse_value(const YAML::Node& n, std::optional<T>& out, std::string& why) {
   if (n.IsNull()) {
@@ -175,6 +187,10 @@ class Writer {
   void emit(double v);
   void emit(const std::string& v);
   void emit(const AutoInt& v);
+  template <ConfigEnum E>
+  void emit(E v) {
+    emit(to_string(v));
+  }
   template <class T>
   void emit(const std::optional<T>& v) {
     if (v) emit(*v);

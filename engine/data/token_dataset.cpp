@@ -56,7 +56,7 @@ std::vector<int32_t> read_prepared(const std::string& path, DatasetInfo& info) {
 
 TokenDataset::TokenDataset(const config::TrainConfig& cfg) : S_(cfg.seq_length), seed_(uint64_t(cfg.seed)) {
   info_.path = cfg.data.path;
-  tokens_ = cfg.data.format == "tokens" ? read_prepared(cfg.data.path, info_) : read_text_bytes(cfg.data.path);
+  tokens_ = cfg.data.format == config::DataFormat::kTokens ? read_prepared(cfg.data.path, info_) : read_text_bytes(cfg.data.path);
   info_.tokens = int64_t(tokens_.size());
   if (tokens_.empty()) throw ConfigError(fmt::format("{}: the data file is empty (data.path)", info_.path));
   if (info_.vocab_size > cfg.model.vocab_size)

@@ -1,6 +1,6 @@
 // Training data: a token stream (raw text read as bytes, or a dataset prepared by dstrain-prep),
 // split into train and validation, cut into samples of seq_length + 1 tokens, and visited in a
-// seeded order that does not depend on the number of ranks (DESIGN §2):
+// seeded order that does not depend on the number of ranks (docs/design.md §2.4):
 //   sample windows: sample i covers tokens [i*S, i*S + S + 1) of its split (inputs and targets);
 //   order: epoch e is a Philox-seeded permutation of the train samples (seed, e);
 //   step s trains on global positions [s*G, (s+1)*G) of the epoch-concatenated order;

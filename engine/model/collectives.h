@@ -1,4 +1,4 @@
-// The only cross-rank calls model math makes (STYLE §3.1): the Megatron f/g points of tensor
+// The only cross-rank calls model math makes (docs/design.md §6.2): the Megatron f/g points of tensor
 // parallelism. The model names the points; parallel/ implements them over communicators.
 // LocalCollectives is the single-process implementation (TP = 1): every call is the identity.
 #pragma once

@@ -61,7 +61,7 @@ void DecoderLayer::backward(float* dh, const float* h_in, int64_t B, int64_t S, 
   be.add(dh, tmp2, N * H_);  // dL/dh_in
 }
 
-// ---- multi-token prediction (MODEL.md §3.8) ---------------------------------------------------
+// ---- multi-token prediction (docs/model.md §3.8) ---------------------------------------------------
 
 struct DeepSeekModel::Mtp {
   int64_t depth = 1, n = 0;  // module k, sequence length S - k
@@ -101,6 +101,7 @@ DeepSeekModel::DeepSeekModel(const config::ModelConfig& cfg, kernels::Backend& b
       V_(cfg.vocab_size), L_(cfg.num_hidden_layers) {
   DS_CHECK(tp_size == 1 || cfg.vocab_size % tp_size == 0, "vocab");
   const int64_t N = B * S;
+  be_.reserve_attention(S);  // the attention kernels' scratch, once (MTP modules run shorter sequences)
   ones_.assign(N, 1.0f);
   env_ = LayerEnv{&cfg_, &be_, &coll, &params, &scratch_, ones_.data(), &progress_, tp_size};
   embed_.bind(params, "model.embed_tokens.weight");
@@ -215,23 +216,22 @@ void DeepSeekModel::backward() {
   if (!mtp_.empty()) mtp_backward(dz_.data());
   be_.rmsnorm_backward(dh_.data(), norm_.g, dz_.data(), hidden_[L_].data(), norm_.w,
                        rstd_f_.data(), N, H_);
-  progress_.grads_final(L_);  // final norm, LM head, MTP modules
+  // The head and the MTP modules (which share lm_head) are final together.
+  const int64_t D = int64_t(mtp_.size());
+  for (int64_t l = L_ + D; l >= L_; --l) progress_.grads_final(l);
   for (int64_t i = L_ - 1; i >= 0; --i) {
     layers_[i]->backward(dh_.data(), hidden_[i].data(), B_, S_, tmp1_.data(), tmp2_.data());
     progress_.grads_final(i);
   }
   be_.embedding_backward(embed_.g, dh_.data(), ids_.data(), N, H_, V_);
-  progress_.grads_final(L_ + 1);
+  progress_.grads_final(-1);
 }
 
-int64_t DeepSeekModel::backward_unit(const std::string& name, int64_t num_layers) {
-  static const std::string layers = "model.layers.";
-  if (name.rfind(layers, 0) == 0) {
-    const int64_t i = std::stoll(name.substr(layers.size()));
-    return i < num_layers ? i : num_layers;  // MTP modules finish with the head
-  }
-  if (name.rfind("model.embed_tokens.", 0) == 0) return num_layers + 1;
-  return num_layers;  // model.norm, lm_head
+std::vector<int64_t> DeepSeekModel::backward_order(const config::ModelConfig& cfg) {
+  const int64_t L = cfg.num_hidden_layers, D = cfg.num_nextn_predict_layers;
+  std::vector<int64_t> order;
+  for (int64_t l = L + D; l >= -1; --l) order.push_back(l);  // head, MTP L+D-1 ... L, L-1 ... 0, -1
+  return order;
 }
 
 void DeepSeekModel::mtp_backward(float* dz) {

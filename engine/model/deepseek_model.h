@@ -1,4 +1,4 @@
-// The DeepSeek model (MODEL.md §3, §5): embedding, decoder layers (MLA + dense MLP or MoE),
+// The DeepSeek model (docs/model.md §3, §5): embedding, decoder layers (MLA + dense MLP or MoE),
 // final norm, untied LM head, cross-entropy, balance loss and optional MTP modules — explicit
 // forward and backward, no autograd. Written once against kernels::Backend and
 // model::Collectives; sizes are this rank's local shard sizes.
@@ -49,13 +49,14 @@ class DeepSeekModel {
   // tokens [B, S+1]: inputs T[:, :S], targets T[:, 1:] (-100 ignored). Keeps what backward needs.
   Losses forward(const int32_t* tokens, const LossScale& scale);
   // Accumulates this micro-batch's gradients into the parameter store, telling `observer` (if
-  // set) as the parts' gradients become final, in this order: unit L (the final norm, the LM
-  // head and the MTP modules), then units L-1 ... 0 (the decoder layers), then unit L+1 (the
-  // embedding); and polling it between kernels.
+  // set) as each layer's gradients become final — layers numbered as plan::ParamInfo::layer
+  // (docs/design.md §5.4), in the order backward_order() lists — and polling it between kernels.
   void backward();
   void set_backward_observer(BackwardObserver* observer) { progress_.observer = observer; }
-  // The backward unit of a parameter (by HF name) in a model of `num_layers` decoder layers.
-  static int64_t backward_unit(const std::string& name, int64_t num_layers);
+  // The layers in the order backward() finishes them: the head (final norm and LM head, which
+  // the MTP modules share) and the MTP modules together first, then the decoder layers from
+  // the last, the embedding (-1) last.
+  static std::vector<int64_t> backward_order(const config::ModelConfig& cfg);
 
   // With keep_logits, forward copies the main head's logits [B*S, V] here before the loss.
   void keep_logits(bool on) { keep_logits_ = on; }

@@ -46,13 +46,16 @@ MoeLayer::MoeLayer(const LayerEnv& env, const std::string& prefix, int64_t B, in
   const config::ModelConfig& m = *env.cfg;
   H_ = m.hidden_size, E_ = m.num_routed(), k_ = m.num_experts_per_tok, I_ = m.moe_intermediate_size;
   rp_.num_experts = E_, rp_.top_k = k_, rp_.n_group = m.n_group, rp_.topk_group = m.topk_group;
-  rp_.scoring = m.scoring_func == "softmax" ? kernels::ScoringFunc::kSoftmax : kernels::ScoringFunc::kSigmoid;
-  rp_.method = m.topk_method == "noaux_tc"   ? kernels::TopkMethod::kNoauxTc
-               : m.topk_method == "greedy"   ? kernels::TopkMethod::kGreedy
-                                             : kernels::TopkMethod::kGroupLimitedGreedy;
+  rp_.scoring = m.scoring_func == config::ScoringFunc::kSoftmax ? kernels::ScoringFunc::kSoftmax
+                                                                : kernels::ScoringFunc::kSigmoid;
+  switch (m.topk_method) {
+    case config::TopkMethod::kNoauxTc: rp_.method = kernels::TopkMethod::kNoauxTc; break;
+    case config::TopkMethod::kGreedy: rp_.method = kernels::TopkMethod::kGreedy; break;
+    case config::TopkMethod::kGroupLimitedGreedy: rp_.method = kernels::TopkMethod::kGroupLimitedGreedy; break;
+  }
   rp_.norm_topk_prob = m.norm_topk_prob;
   rp_.routed_scaling_factor = float(m.routed_scaling_factor);
-  rp_.v2_weights = m.model_type == "deepseek_v2";
+  rp_.v2_weights = m.model_type == config::ModelType::kDeepseekV2;
   ParamStore& p = *env.params;
   const std::string mlp = prefix + "mlp.";
   gate_.bind(p, mlp + "gate.weight");
@@ -107,7 +110,7 @@ void MoeLayer::route(const float* u, int64_t N) {
   for (int64_t e = 0; e < E_; ++e) stats_.loads[e] += counts_[e];
 }
 
-// Sequence-wise (or batch-wise) balance loss, MODEL.md §5.2. Its gradient with respect to the
+// Sequence-wise (or batch-wise) balance loss, docs/model.md §5.2. Its gradient with respect to the
 // scores does not depend on anything downstream, so it is computed here and kept for backward.
 void MoeLayer::balance_loss(int64_t B, int64_t S, const LossScale& scale) {
   const double alpha = env_.cfg->aux_loss_alpha;

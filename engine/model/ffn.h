@@ -1,5 +1,5 @@
 // The feed-forward blocks: a SwiGLU MLP (dense layers and the shared experts) and the MoE layer
-// (router, routed experts, shared experts, balance loss) of MODEL.md §3.5-3.6 and §5.2.
+// (router, routed experts, shared experts, balance loss) of docs/model.md §3.5-3.6 and §5.2.
 #pragma once
 
 #include <memory>
@@ -69,7 +69,7 @@ class MoeLayer {
   MoeStats stats_;
 };
 
-// b_i += gamma * sign(mean(load) - load_i) (MODEL.md §5.3), after each optimizer step, with
+// b_i += gamma * sign(mean(load) - load_i) (docs/model.md §5.3), after each optimizer step, with
 // loads summed over the whole global batch.
 void update_router_bias(float* bias, const int64_t* loads, int64_t E, float gamma);
 

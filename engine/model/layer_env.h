@@ -38,8 +38,8 @@ class Scratch {
 class BackwardObserver {
  public:
   virtual ~BackwardObserver() = default;
-  // Gradients of backward unit `unit` (DeepSeekModel::backward_unit) are final.
-  virtual void grads_final(int64_t unit) = 0;
+  // The gradients of layer `layer` (plan::ParamInfo::layer numbering) are final.
+  virtual void grads_final(int64_t layer) = 0;
   virtual void poll() = 0;
 };
 
@@ -49,8 +49,8 @@ struct Progress {
   void poll() const {
     if (observer) observer->poll();
   }
-  void grads_final(int64_t unit) const {
-    if (observer) observer->grads_final(unit);
+  void grads_final(int64_t layer) const {
+    if (observer) observer->grads_final(layer);
   }
 };
 

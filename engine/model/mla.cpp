@@ -19,7 +19,7 @@ RopeTables make_rope_tables(const config::ModelConfig& m, int64_t S) {
   RopeTables t;
   t.attention_scale = float(1.0 / std::sqrt(double(m.qk_head_dim())));
   float magnitude = 1.0f;
-  if (m.rope_scaling) {  // YaRN (MODEL.md §3.4.1)
+  if (m.rope_scaling) {  // YaRN (docs/model.md §3.4.1)
     const config::RopeScaling& y = *m.rope_scaling;
     const double base = m.rope_theta, L0 = double(y.original_max_position_embeddings);
     const auto dim = [&](double n) { return dr * std::log(L0 / (2 * M_PI * n)) / (2 * std::log(base)); };

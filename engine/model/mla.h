@@ -1,4 +1,4 @@
-// Multi-head latent attention (MODEL.md §3.4), forward and backward, on this rank's heads.
+// Multi-head latent attention (docs/model.md §3.4), forward and backward, on this rank's heads.
 #pragma once
 
 #include <vector>

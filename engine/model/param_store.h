@@ -1,4 +1,4 @@
-// A rank's parameters, gradients and buffers (DESIGN §2, STYLE §4.5): one flat buffer for dense
+// A rank's parameters, gradients and buffers (docs/design.md §2.2, §7.1): one flat buffer for dense
 // parameters and one for routed-expert parameters (so a gradient bucket or a ZeRO shard is a
 // slice, and expert parameters can reduce over their own group), each with a twin gradient
 // buffer, and named views built from the plan's parameter registry. Only this rank's stage and
@@ -49,7 +49,7 @@ class ParamStore {
   // Every held tensor in registry order (parameters and buffers).
   const std::vector<std::string>& names() const { return order_; }
 
-  // Layout-invariant initialisation (MODEL.md §6): element i of parameter P is
+  // Layout-invariant initialisation (docs/model.md §6): element i of parameter P is
   // initializer_range * normal(stream (seed, P), global index of i); norms 1, biases and
   // buffers 0; the embedding row `pad_token_id`, if given, 0. Only the local slice is generated.
   void initialize(uint64_t seed, double initializer_range,

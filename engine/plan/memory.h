@@ -1,6 +1,6 @@
 // Per-rank memory of weights, gradients and optimizer state, by ZeRO stage and precision.
 //
-// Model of dstrain's storage (DESIGN §2 "Precision"):
+// Model of dstrain's storage (docs/design.md §2.7):
 //   fp32:       weights 4 B/param (they are the master copy), gradients 4 B, AdamW m and v 8 B.
 //   bf16/fp16:  compute copy of the weights 2 B, fp32 master 4 B, fp32 gradients 4 B (micro-
 //               batches accumulate in fp32), AdamW m and v 8 B.

@@ -98,7 +98,7 @@ class TableBuilder {
     }
     const int64_t E = m_.num_routed();
     add(p + "mlp.gate.weight", {E, H}, i, Shard::kReplicated);
-    if (m_.model_type == "deepseek_v3")
+    if (m_.model_type == config::ModelType::kDeepseekV3)
       add(p + "mlp.gate.e_score_correction_bias", {E}, i, Shard::kReplicated, -1, true);
     for (int64_t e = 0; e < E; ++e)
       swiglu(fmt::format("{}mlp.experts.{}.", p, e), m_.moe_intermediate_size, i, true, e);
@@ -106,7 +106,7 @@ class TableBuilder {
       swiglu(p + "mlp.shared_experts.", m_.num_shared() * m_.moe_intermediate_size, i, false);
   }
 
-  // MTP module k (MODEL.md §3.8) at layer index L + k - 1: its own norms and projection, one
+  // MTP module k (docs/model.md §3.8) at layer index L + k - 1: its own norms and projection, one
   // decoder layer; embedding and lm_head are shared with the main model.
   void mtp_module(int64_t index) {
     const int64_t H = m_.hidden_size;

@@ -1,6 +1,6 @@
-// The parameter registry (DESIGN §2): every parameter and buffer of the model, declared once
+// The parameter registry (docs/design.md §2.2): every parameter and buffer of the model, declared once
 // with its Hugging Face name, full unsharded shape in HF layout ([out, in] for a Linear), the
-// place it lives in (which decides its pipeline stage), its shard rule (MODEL.md §10) and whether
+// place it lives in (which decides its pipeline stage), its shard rule (docs/model.md §10) and whether
 // it gets weight decay. Gradient reduction, ZeRO, initialisation, checkpoints and export all
 // iterate this table.
 #pragma once

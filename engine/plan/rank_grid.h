@@ -1,4 +1,4 @@
-// Rank layout (DESIGN §2): rank = ((pp * DP) + dp) * TP + tp — tensor-parallel ranks adjacent,
+// Rank layout (docs/design.md §2.1): rank = ((pp * DP) + dp) * TP + tp — tensor-parallel ranks adjacent,
 // pipeline stages outermost (Megatron's default order "tp-dp-pp", first axis fastest).
 // Expert parallelism is carved out of the data-parallel ranks of a (pp, tp) slice:
 // ep = dp % EP (consecutive dp ranks form an EP group), edp = dp / EP (the expert-data-parallel

@@ -17,12 +17,12 @@ void model_section(std::ostringstream& o, const ParallelPlan& p) {
   int64_t moe_layers = 0;
   for (int64_t i = 0; i < m.num_hidden_layers; ++i) moe_layers += m.is_moe_layer(i) ? 1 : 0;
   o << fmt::format("model      {}{}: {} layers ({} dense, {} MoE), hidden {}, {} heads, vocab {}\n",
-                   m.model_type, m.preset.empty() ? "" : " (preset " + m.preset + ")",
+                   config::to_string(m.model_type), m.preset.empty() ? "" : " (preset " + m.preset + ")",
                    m.num_hidden_layers, m.num_hidden_layers - moe_layers, moe_layers, m.hidden_size,
                    m.num_attention_heads, m.vocab_size);
   if (m.n_routed_experts)
     o << fmt::format("           {} routed experts, top-{} ({} / {}, {} groups keep {}), {} shared\n",
-                     *m.n_routed_experts, m.num_experts_per_tok, m.scoring_func, m.topk_method,
+                     *m.n_routed_experts, m.num_experts_per_tok, config::to_string(m.scoring_func), config::to_string(m.topk_method),
                      m.n_group, m.topk_group, m.num_shared());
   if (m.num_nextn_predict_layers > 0)
     o << fmt::format("           {} MTP module(s)\n", m.num_nextn_predict_layers);

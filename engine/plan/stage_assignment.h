@@ -1,5 +1,5 @@
 // Decoder layers -> pipeline stages. Contiguous ranges; the embedding lives on the first
-// stage, the final norm, lm_head and any MTP modules on the last (MODEL.md §10.3).
+// stage, the final norm, lm_head and any MTP modules on the last (docs/model.md §10.3).
 #pragma once
 
 #include <cstdint>

@@ -11,6 +11,7 @@
 
 #include "engine/comm/communicator.h"
 #include "engine/common/error.h"
+#include "engine/common/fault_inject.h"
 #include "engine/config/load_config.h"
 #include "engine/io/hdf5_file.h"
 
@@ -19,17 +20,6 @@ namespace fs = std::filesystem;
 namespace {
 
 const char* kGroups[3] = {"model/", "optimizer/exp_avg/", "optimizer/exp_avg_sq/"};
-
-// This rank's local data of kind k (0 weights, 1 exp_avg, 2 exp_avg_sq) for a view.
-const float* local_data(model::ParamStore& params, AdamW& adam, const model::ParamView& v, int k) {
-  if (k == 0) return params.param(v.info->name);
-  const std::vector<float>& buf = k == 1 ? (v.expert ? adam.exp_avg_expert() : adam.exp_avg_dense())
-                                         : (v.expert ? adam.exp_avg_sq_expert() : adam.exp_avg_sq_dense());
-  return buf.data() + v.offset;
-}
-float* local_data_mut(model::ParamStore& params, AdamW& adam, const model::ParamView& v, int k) {
-  return const_cast<float*>(local_data(params, adam, v, k));
-}
 
 // The ranks that write the slices of parameter i: the holders of replica 0 (data-parallel
 // coordinate 0, or expert-data-parallel 0 for experts; tensor-parallel 0 for replicated ones).
@@ -50,14 +40,9 @@ std::string layout_text(const plan::Degrees& d) {
   return fmt::format("tensor={} pipeline={} data={} expert={} world={}", d.tp, d.pp, d.dp, d.ep, d.world());
 }
 
-// Fault injection for the crash-safety test: DSTRAIN_FAULT_INJECT=crash_during_save:N aborts
-// the process halfway through writing the N-th checkpoint of the run.
+// Fault injection for the crash-safety test: abort halfway through the N-th save of the run.
 bool crash_now(int64_t save_index, size_t tensor, size_t tensors) {
-  const char* env = std::getenv("DSTRAIN_FAULT_INJECT");
-  if (!env) return false;
-  const std::string s(env);
-  const std::string key = "crash_during_save:";
-  return s.rfind(key, 0) == 0 && std::atoll(s.c_str() + key.size()) == save_index && tensor == tensors / 2;
+  return fault_at(Fault::kCrashDuringSave) == save_index && tensor == tensors / 2;
 }
 
 }  // namespace
@@ -74,11 +59,10 @@ struct Checkpointer::Pending {
   std::string error;
 };
 
-Checkpointer::Checkpointer(const plan::ParallelPlan& plan, MPI_Comm world) : plan_(plan) {
-  if (world == MPI_COMM_NULL) return;
+Checkpointer::Checkpointer(const plan::ParallelPlan& plan, const comm::ProcessGroup& world) : plan_(plan) {
   // The other ranks' transfers may wait while rank 0 finishes writing the previous checkpoint
   // and this one: ten times the collective deadline.
-  comm_ = comm::make_mpi_communicator(world, "checkpoint", {10 * plan.config.parallel.comm_timeout_s});
+  comm_ = world.communicator("checkpoint", {10 * plan.config.parallel.comm_timeout_s});
   rank_ = comm_->rank();
 }
 
@@ -140,33 +124,22 @@ void Checkpointer::finish_file(const std::string& tmp, const std::string& path) 
   for (int64_t i = 0; i + keep_older < int64_t(older.size()); ++i) fs::remove(older[i]);
 }
 
-// ZeRO shards of the moments (data-parallel layouts): the tensor occupies [offset, offset + n) of
-// its flat buffer on every rank; rank r holds moments for its shard of that buffer. Rank 0
-// assembles the full tensor from the overlaps, the others send theirs.
-void Checkpointer::gather_sharded_moments(const plan::ParamInfo& info, model::ParamStore& params, AdamW& adam,
-                                          int k, std::vector<float>& full) const {
-  const model::ParamView& v = params.view(info.name);
-  const int world = plan_.degrees.world();
-  if (rank_ == 0) full.assign(info.numel(), 0.0f);
-  std::vector<float> piece;
-  for (int r = 0; r < world; ++r) {
-    const ZeroShards z = zero_shards(params.dense_numel(), params.expert_numel(), world, r);
-    const FlatRange sh = v.expert ? z.expert : z.dense;
-    const int64_t lo = std::max(v.offset, sh.begin), hi = std::min(v.offset + v.numel, sh.end);
-    if (lo >= hi) continue;
-    if (r == rank_) {
-      const std::vector<float>& m = k == 1 ? (v.expert ? adam.exp_avg_expert() : adam.exp_avg_dense())
-                                           : (v.expert ? adam.exp_avg_sq_expert() : adam.exp_avg_sq_dense());
-      const float* src = m.data() + (lo - sh.begin);
-      if (rank_ == 0) std::copy(src, src + (hi - lo), full.begin() + (lo - v.offset));
-      else comm_->send(src, hi - lo, 0)->wait();
-    } else if (rank_ == 0) {
-      comm_->recv(full.data() + (lo - v.offset), hi - lo, r)->wait();
-    }
-  }
+// This rank's local slice of tensor `name` of kind k (0 weights, 1 exp_avg, 2 exp_avg_sq). With
+// ZeRO the moments of the slice lie in the shards of several ranks of the tensor's ZeRO group:
+// every member gathers them into `gathered` (collective over that group).
+const float* Checkpointer::local_data(model::ParamStore& params, AdamW& adam, const parallel::ZeroSharding* zero,
+                                      const std::string& name, int k, std::vector<float>& gathered) const {
+  const model::ParamView& v = params.view(name);
+  if (k == 0) return params.param(name);
+  if (!adam.sharded()) return adam.moment(k, v.expert).data() + v.offset;
+  DS_CHECK(zero, "sharded AdamW moments without their ZeRO partitions");
+  gathered.resize(size_t(v.numel));
+  zero->gather(v.expert, {v.offset, v.offset + v.numel}, gathered.data(), adam.moment(k, v.expert).data())->wait();
+  return gathered.data();
 }
 
-std::string Checkpointer::save(const TrainState& state, model::ParamStore& params, AdamW& adam) {
+std::string Checkpointer::save(const TrainState& state, model::ParamStore& params, AdamW& adam,
+                               const parallel::ZeroSharding* zero) {
   std::string error;
   try {
     wait();  // one save in flight at a time; its error is reported on every rank below
@@ -206,21 +179,18 @@ std::string Checkpointer::save(const TrainState& state, model::ParamStore& param
       error = e.what();
     }
   };
+  // Rank 0 may still be writing the previous checkpoint: start the gathers together.
+  comm_->barrier()->wait();
+  std::vector<float> gathered;
   for (size_t i = 0; i < plan_.params.size(); ++i) {
     const plan::ParamInfo& info = plan_.params[i];
     const std::vector<int> who = owners(plan_, i);
+    const bool held = params.has(info.name);
     for (int k = 0; k < (info.buffer ? 1 : 3); ++k) {
-      if (k > 0 && adam.sharded()) {  // ZeRO: the moments of this tensor lie in several ranks' shards
-        gather_sharded_moments(info, params, adam, k, full);
-        if (rank_ == 0 && error.empty()) emit(kGroups[k] + info.name, info.shape);
-        continue;
-      }
-      const bool mine = std::find(who.begin(), who.end(), rank_) != who.end();
+      const float* mine = held ? local_data(params, adam, zero, info.name, k, gathered) : nullptr;
+      const bool owner = std::find(who.begin(), who.end(), rank_) != who.end();
       if (rank_ != 0) {
-        if (mine) {
-          const model::ParamView& v = params.view(info.name);
-          comm_->send(local_data(params, adam, v, k), v.numel, 0)->wait();
-        }
+        if (owner) comm_->send(mine, params.view(info.name).numel, 0)->wait();
         continue;
       }
       full.assign(info.numel(), 0.0f);
@@ -229,7 +199,7 @@ std::string Checkpointer::save(const TrainState& state, model::ParamStore& param
         v.info = &info;
         v.shard = plan_.shard(i, r);
         if (r == 0) {
-          model::ParamStore::slice_to_full(params.view(info.name), local_data(params, adam, params.view(info.name), k), full.data());
+          model::ParamStore::slice_to_full(params.view(info.name), mine, full.data());
           continue;
         }
         piece.resize(v.shard.local_numel());
@@ -250,7 +220,7 @@ std::string Checkpointer::save(const TrainState& state, model::ParamStore& param
     f.set_attr("lr_last_batch_iteration", double(state.step - 1));
     f.set_attr("loss_scale", state.loss_scale);
     f.set_attr("seed", double(cfg.seed));
-    f.set_attr("optimizer", cfg.optimizer.type);
+    f.set_attr("optimizer", config::to_string(cfg.optimizer.type));
     f.set_attr("layout", layout_text(plan_.degrees));
     f.set_attr("config_yaml", config::to_yaml(cfg));
     f.set_attr("hf_config", config::to_hf_config_json(cfg.model));
@@ -288,8 +258,8 @@ std::string Checkpointer::save(const TrainState& state, model::ParamStore& param
       }
     }
   }
-  if (comm_) error = comm::broadcast_string(*comm_, error, 0);
-  if (!error.empty()) throw Error(fmt::format("saving checkpoint {} failed: {}", path, error));
+  error = comm::broadcast_string(*comm_, error, 0);
+  if (!error.empty()) throw AgreedError(fmt::format("saving checkpoint {} failed: {}", path, error));
   if (!async && rank_ == 0) spdlog::info("saved checkpoint {} (durable)", path);
   return path;
 }
@@ -324,7 +294,7 @@ TrainState Checkpointer::load(const std::string& path, model::ParamStore& params
     // One rank reads the whole file with O_DIRECT; several ranks (which read overlapping parts)
     // share the page cache instead of each reading from the disk.
     f = std::make_unique<io::H5File>(path, io::H5File::Mode::kRead,
-                                     comm_ && comm_->size() > 1 ? io::H5File::Driver::kDefault : io::H5File::Driver::kDirect);
+                                     comm_->size() > 1 ? io::H5File::Driver::kDefault : io::H5File::Driver::kDirect);
   } catch (const Error&) {
     throw fail("cannot be opened as HDF5 (missing, truncated or not a checkpoint)");
   }
@@ -349,18 +319,17 @@ TrainState Checkpointer::load(const std::string& path, model::ParamStore& params
         throw fail(fmt::format("tensor '{}' has shape [{}] in the checkpoint but [{}] in this config", ds,
                                fmt::join(shape, ", "), fmt::join(v.info->shape, ", ")));
       if (k > 0 && adam->sharded()) {  // ZeRO: only the overlap with this rank's shard
-        const FlatRange sh = v.expert ? adam->expert_shard() : adam->dense_shard();
-        const int64_t lo = std::max(v.offset, sh.begin), hi = std::min(v.offset + v.numel, sh.end);
-        if (lo >= hi) continue;
-        std::vector<float> whole;
+        const Range sh = adam->shard(v.expert);
+        const Range in = parallel::intersect({v.offset, v.offset + v.numel}, sh);
+        if (in.empty()) continue;
+        std::vector<float> slice;  // this rank's slice of the tensor (its TP / EP shard)
         try {
-          whole = f->read_floats(ds);
+          slice = f->read_slice(ds, v.shard.offset, v.shard.local_shape);
         } catch (const Error&) {
           throw fail(fmt::format("tensor '{}' fails its checksum or cannot be read (corrupt or truncated file)", ds));
         }
-        std::vector<float>& m = k == 1 ? (v.expert ? adam->exp_avg_expert() : adam->exp_avg_dense())
-                                       : (v.expert ? adam->exp_avg_sq_expert() : adam->exp_avg_sq_dense());
-        std::copy(whole.begin() + (lo - v.offset), whole.begin() + (hi - v.offset), m.begin() + (lo - sh.begin));
+        std::copy(slice.begin() + (in.begin - v.offset), slice.begin() + (in.end - v.offset),
+                  adam->moment(k, v.expert).begin() + (in.begin - sh.begin));
         continue;
       }
       std::vector<float> slice;
@@ -369,7 +338,7 @@ TrainState Checkpointer::load(const std::string& path, model::ParamStore& params
       } catch (const Error&) {
         throw fail(fmt::format("tensor '{}' fails its checksum or cannot be read (corrupt or truncated file)", ds));
       }
-      float* dst = k == 0 ? params.param(name) : local_data_mut(params, *adam, v, k);
+      float* dst = k == 0 ? params.param(name) : adam->moment(k, v.expert).data() + v.offset;
       std::copy(slice.begin(), slice.end(), dst);
     }
   }

@@ -1,13 +1,13 @@
-// Checkpoints (DESIGN §2, format documented in docs/checkpoint-format.md): one HDF5 file per
+// Checkpoints (docs/design.md §2.5, format documented in docs/checkpoint-format.md): one HDF5 file per
 // save, written by rank 0, holding every tensor at its full unsharded shape under its Hugging
 // Face name (fp32 master values), the AdamW moments under the same names, the training state and
 // the resolved config. Rank 0 gathers one tensor at a time from the ranks that own its slices
 // (memory bounded by the largest tensor), writes to NAME.tmp, flushes it to disk, renames it,
 // and only then points `latest` at it — a crash at any moment leaves the previous checkpoint
-// loadable. Any layout loads any checkpoint: each rank reads only its own slices.
+// loadable. ZeRO-sharded moments are first gathered inside their ZeRO group (through
+// ZeroSharding::gather, as the parameter all-gather). Any layout loads any checkpoint: each rank
+// reads only its own slices.
 #pragma once
-
-#include <mpi.h>
 
 #include <cstdint>
 #include <memory>
@@ -15,8 +15,9 @@
 #include <thread>
 #include <vector>
 
-#include "engine/comm/communicator.h"
+#include "engine/comm/process_groups.h"
 #include "engine/model/param_store.h"
+#include "engine/parallel/zero/zero_sharding.h"
 #include "engine/plan/parallel_plan.h"
 #include "engine/runtime/optimizer.h"
 
@@ -25,21 +26,25 @@ namespace dstrain::runtime {
 inline constexpr int kCheckpointFormatVersion = 1;
 
 struct TrainState {
-  int64_t step = 0;         // optimizer steps completed (= the data position, DESIGN §2)
+  int64_t step = 0;         // optimizer steps completed (= the data position, docs/design.md §2.4)
   int64_t tokens_seen = 0;
   double loss_scale = 1.0;  // dynamic fp16 loss scale (1 without fp16)
 };
 
 class Checkpointer {
  public:
-  // `world` is MPI_COMM_NULL in a single process without MPI.
-  Checkpointer(const plan::ParallelPlan& plan, MPI_Comm world);
+  // `world`: the group of every rank of the job (ProcessGroup::self in a single process
+  // without MPI). The Checkpointer makes its own communicator over it, whose deadline is ten
+  // times parallel.comm_timeout_s: the transfers may wait while rank 0 writes.
+  Checkpointer(const plan::ParallelPlan& plan, const comm::ProcessGroup& world);
   ~Checkpointer();
 
   // Collective over `world`. Writes checkpoint.dir/step_NNNNNNNN.h5 and updates `latest`;
   // with checkpoint.async, returns once the tensors are gathered and writes in the background.
+  // `zero`: the ZeRO partitions the AdamW moments are sharded by (null when they are not).
   // Returns the checkpoint's path.
-  std::string save(const TrainState& state, model::ParamStore& params, AdamW& adam);
+  std::string save(const TrainState& state, model::ParamStore& params, AdamW& adam,
+                   const parallel::ZeroSharding* zero = nullptr);
   // Waits for a background write; rethrows its error.
   void wait();
 
@@ -54,12 +59,12 @@ class Checkpointer {
  private:
   struct Pending;
   std::string write_path(int64_t step) const;
-  void gather_sharded_moments(const plan::ParamInfo& info, model::ParamStore& params, AdamW& adam, int k,
-                              std::vector<float>& full) const;
+  const float* local_data(model::ParamStore& params, AdamW& adam, const parallel::ZeroSharding* zero,
+                          const std::string& name, int k, std::vector<float>& gathered) const;
   void finish_file(const std::string& tmp, const std::string& path) const;
 
   const plan::ParallelPlan& plan_;
-  std::unique_ptr<comm::Communicator> comm_;  // null in a single process without MPI
+  std::unique_ptr<comm::Communicator> comm_;
   int rank_ = 0;
   std::unique_ptr<Pending> pending_;
   std::unique_ptr<Pending> spare_;  // an async save's buffers, kept for the next one

@@ -5,9 +5,9 @@
 #include "engine/common/error.h"
 #include "engine/config/load_config.h"
 #include "engine/data/token_dataset.h"
-#include "engine/runtime/checkpoint.h"
-#include "engine/model/deepseek_model.h"
 #include "engine/io/hdf5_file.h"
+#include "engine/runtime/checkpoint.h"
+#include "engine/runtime/rank_engine.h"
 
 namespace dstrain::runtime {
 
@@ -26,14 +26,13 @@ void dump_grads(const plan::ParallelPlan& plan, const std::string& path, int thr
                                   plan.degrees.world()));
   const int64_t B = plan.batch.global, S = cfg.seq_length;
   const config::ModelConfig& m = cfg.model;
-  auto be = kernels::make_cpu_backend(threads);
-  model::ParamStore params(plan.params, plan.param_stage, m.num_routed(), model::ShardCoords{});
-  params.initialize(uint64_t(cfg.seed), m.initializer_range, m.pad_token_id);
-  const Checkpointer checkpoints(plan, MPI_COMM_NULL);  // checkpoint.resume: the model to dump
+  // The whole global batch in one forward; no gradient reduction (one rank).
+  const RankEngine engine = build_rank_engine(plan, RankGroups(plan), EngineOptions{threads, false, B});
+  model::ParamStore& params = *engine.params;
+  const Checkpointer checkpoints(plan, comm::ProcessGroup::self("world"));  // checkpoint.resume: the model to dump
   const std::string resume = checkpoints.resume_path();
   if (!resume.empty()) checkpoints.load(resume, params, nullptr);
-  model::LocalCollectives coll;
-  model::DeepSeekModel net(m, *be, coll, params, B, S);
+  model::DeepSeekModel& net = *engine.model;
   const std::vector<int32_t> tokens = first_batch_tokens(cfg, B);
   const model::Losses loss = net.forward(tokens.data(), {double(B * S), double(B)});
   net.backward();

@@ -1,5 +1,5 @@
 // `dstrain CONFIG --dump-grads FILE.h5`: one forward and backward of the model on the first
-// global batch, written for comparison with a reference implementation (MODEL.md §12).
+// global batch, written for comparison with a reference implementation (docs/model.md §12).
 #pragma once
 
 #include <string>

@@ -6,8 +6,10 @@
 #include <cmath>
 #include <cstring>
 #include <filesystem>
+#include <memory>
 
 #include <fmt/format.h>
+#include <nlohmann/json.hpp>
 
 #include "engine/common/error.h"
 
@@ -38,11 +40,6 @@ void fixed_field(std::string& out, int field, T v) {
   char buf[sizeof(T)];
   std::memcpy(buf, &v, sizeof(T));
   out.append(buf, sizeof(T));
-}
-
-std::string json_number(double v) {
-  if (!std::isfinite(v)) return "null";
-  return fmt::format("{}", v);
 }
 
 }  // namespace
@@ -84,9 +81,10 @@ MetricsFile::~MetricsFile() {
 
 void MetricsFile::write(int64_t step, const Scalars& values) {
   if (!f_) return;
-  std::string line = fmt::format("{{\"step\": {}", step);
-  for (const auto& [k, v] : values) line += fmt::format(", \"{}\": {}", k, json_number(v));
-  line += "}\n";
+  nlohmann::ordered_json j;
+  j["step"] = step;
+  for (const auto& [k, v] : values) j[k] = std::isfinite(v) ? nlohmann::ordered_json(v) : nullptr;
+  const std::string line = j.dump() + "\n";
   std::fputs(line.c_str(), f_);
   std::fflush(f_);
 }
@@ -173,8 +171,9 @@ struct Reader {
 }  // namespace
 
 std::vector<ScalarEvent> read_tensorboard_scalars(const std::string& path) {
-  std::FILE* f = std::fopen(path.c_str(), "rb");
-  if (!f) throw Error(fmt::format("{}: cannot open", path));
+  const std::unique_ptr<std::FILE, int (*)(std::FILE*)> file(std::fopen(path.c_str(), "rb"), &std::fclose);
+  if (!file) throw Error(fmt::format("{}: cannot open", path));
+  std::FILE* f = file.get();
   std::vector<ScalarEvent> out;
   char header[12];
   while (std::fread(header, 1, 12, f) == 12) {
@@ -220,7 +219,6 @@ std::vector<ScalarEvent> read_tensorboard_scalars(const std::string& path) {
       out.push_back(ev);
     }
   }
-  std::fclose(f);
   return out;
 }
 

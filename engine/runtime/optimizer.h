@@ -1,7 +1,8 @@
 // AdamW over a rank's parameter store (PyTorch / DeepSpeed semantics: decoupled weight decay,
 // bias correction), weight decay only on the parameters the registry marks (matrices; not norms,
-// biases or buffers), fp32 moments in flat buffers parallel to the parameters. Plus the global
-// gradient norm and clipping (DeepSpeed: scale by max_norm / (norm + 1e-6) when norm > max_norm).
+// biases or buffers), fp32 moments in flat buffers parallel to the parameters — for the whole
+// buffers, or with ZeRO (engine/parallel/zero/zero_sharding.h) for this rank's shards only.
+// Plus the global gradient norm's local part and DeepSpeed's clipping factor.
 #pragma once
 
 #include <cstdint>
@@ -10,37 +11,38 @@
 #include "dstrain/kernels/backend.h"
 #include "engine/config/train_config.h"
 #include "engine/model/param_store.h"
+#include "engine/parallel/zero/partition.h"
 
 namespace dstrain::runtime {
 
-// [begin, end) of a flat buffer.
-struct FlatRange {
-  int64_t begin = 0, end = 0;
-  int64_t size() const { return end - begin; }
-};
+using parallel::Range;
 
 class AdamW {
  public:
-  // Updates the whole flat buffers, or with ZeRO only this rank's shards of them: the moments
-  // then exist for the shard alone (exp_avg_dense()[i] belongs to flat element
-  // dense_shard().begin + i).
+  // Updates the whole flat buffers.
   AdamW(const config::OptimizerConfig& cfg, model::ParamStore& params, kernels::Backend& be);
-  AdamW(const config::OptimizerConfig& cfg, model::ParamStore& params, kernels::Backend& be,
-        FlatRange dense_shard, FlatRange expert_shard);
+  // Updates only [dense_shard) and [expert_shard) of them: the moments then exist for the shards
+  // alone (exp_avg_dense()[i] belongs to flat element dense_shard().begin + i).
+  AdamW(const config::OptimizerConfig& cfg, model::ParamStore& params, kernels::Backend& be, Range dense_shard,
+        Range expert_shard);
 
-  // One step with learning rate `lr`; `step` is 1-based (bias correction).
-  // `grad_scale` multiplies every gradient on the way in (gradient clipping without a pass of
-  // its own over the gradients).
+  // One step with learning rate `lr`; `step` is 1-based (bias correction). `grad_scale`
+  // multiplies every gradient on the way in (gradient clipping without a pass of its own).
+  // Allocates nothing.
   void step(double lr, int64_t step, double grad_scale = 1.0);
 
-  FlatRange dense_shard() const { return dense_shard_; }
-  FlatRange expert_shard() const { return expert_shard_; }
+  Range dense_shard() const { return dense_shard_; }
+  Range expert_shard() const { return expert_shard_; }
+  Range shard(bool expert) const { return expert ? expert_shard_ : dense_shard_; }
+  // Whether the moments cover only a part of the buffers.
   bool sharded() const { return sharded_; }
 
   std::vector<float>& exp_avg_dense() { return m_dense_; }
   std::vector<float>& exp_avg_sq_dense() { return v_dense_; }
   std::vector<float>& exp_avg_expert() { return m_expert_; }
   std::vector<float>& exp_avg_sq_expert() { return v_expert_; }
+  // Moment k (1: exp_avg, 2: exp_avg_sq) of the dense or expert buffer.
+  std::vector<float>& moment(int k, bool expert);
 
  private:
   struct Run {  // a contiguous range of one flat buffer with one weight-decay setting
@@ -53,29 +55,15 @@ class AdamW {
   kernels::Backend& be_;
   std::vector<Run> runs_;
   std::vector<float> m_dense_, v_dense_, m_expert_, v_expert_;
-  FlatRange dense_shard_, expert_shard_;
+  Range dense_shard_, expert_shard_;
   bool sharded_ = false;
 };
 
-// ZeRO's partition of a rank's flat buffers over `dp` data-parallel ranks: equal shards aligned
-// to 16 elements (the buffers are padded to dp x the shard size). Shard of rank `r`.
-struct ZeroShards {
-  FlatRange dense, expert;
-  int64_t dense_padded = 0, expert_padded = 0;
-};
-ZeroShards zero_shards(int64_t dense_numel, int64_t expert_numel, int dp, int r);
+// Sum of squared gradients over [dense) and [expert) of the flat gradient buffers (double).
+double gradient_square_sum(model::ParamStore& params, Range dense, Range expert);
 
-// Sum of squared gradients over [dense range) and [expert range) of the flat buffers (double).
-double gradient_square_sum(model::ParamStore& params, FlatRange dense, FlatRange expert);
-// sqrt of the sum over all of this rank's dense and expert gradients.
-double gradient_norm(model::ParamStore& params);
-
-// Scales the gradients (in the given ranges; default all) so their norm is at most max_norm
-// (0: no clipping). Returns the factor.
-// The factor that brings a gradient of global norm `norm` down to `max_norm` (1 when it is
-// under the limit or max_norm is 0: clipping off).
+// The factor that brings a gradient of global norm `norm` down to `max_norm` (DeepSpeed:
+// max_norm / (norm + 1e-6) when norm > max_norm; 1 under the limit or when max_norm is 0).
 double clip_factor(double norm, double max_norm);
-double clip_gradients(model::ParamStore& params, double norm, double max_norm);
-double clip_gradients(model::ParamStore& params, double norm, double max_norm, FlatRange dense, FlatRange expert);
 
 }  // namespace dstrain::runtime

@@ -8,6 +8,7 @@
 
 
 #include "engine/common/error.h"
+#include "engine/common/fault_inject.h"
 #include "engine/common/strings.h"
 
 namespace dstrain::runtime {
@@ -22,16 +23,6 @@ std::string clock_text(double s) {
                    : fmt::format("{}:{:02}", t / 60, t % 60);
 }
 
-// Fault injection for the watchdog test: DSTRAIN_FAULT_INJECT=skip_grad_sync:N makes the last
-// rank skip the gradient reduction of step N (1-based), as a rank with a bug would; the others
-// then wait on it until the watchdog aborts the job. 0: no fault.
-int64_t skip_grad_sync_step() {
-  const char* env = std::getenv("DSTRAIN_FAULT_INJECT");
-  const std::string key = "skip_grad_sync:";
-  if (!env || std::string(env).rfind(key, 0) != 0) return 0;
-  return std::atoll(env + key.size());
-}
-
 std::atomic<int> g_stop_signal{0};
 std::atomic<bool> g_loop_running{false};
 
@@ -43,66 +34,44 @@ bool Trainer::request_stop(int signal) {
   return g_stop_signal.compare_exchange_strong(expected, signal);
 }
 
-Trainer::Trainer(const plan::ParallelPlan& plan, int threads, MPI_Comm world)
-    : plan_(plan), cfg_(plan_.config), schedule_(plan_.config), metrics_(""), tensorboard_(""), world_(world) {
-  const plan::Degrees& d = plan_.degrees;
-  if (d.tp != 1 || d.pp != 1 || d.ep != 1)
-    throw ConfigError(fmt::format("this build trains with data parallelism only; the layout has tensor "
-                                  "{}, pipeline {}, expert {} (those runtimes are the next issues)",
-                                  d.tp, d.pp, d.ep));
-  if (world_ != MPI_COMM_NULL) MPI_Comm_rank(world_, &rank_);
-  dp_size_ = d.dp;
-  if (dp_size_ > 1 && world_ == MPI_COMM_NULL)
-    throw ConfigError(fmt::format("a data-parallel layout of {} ranks needs MPI (run under mpirun)", dp_size_));
+Trainer::Trainer(const plan::ParallelPlan& plan, int threads) : Trainer(plan, RankGroups(plan), threads) {}
+
+Trainer::Trainer(const plan::ParallelPlan& plan, RankGroups groups, int threads)
+    : plan_(plan), cfg_(plan_.config), groups_(std::move(groups)),
+      engine_(build_rank_engine(plan_, groups_, EngineOptions{threads})),
+      schedule_(plan_.config), metrics_(""), tensorboard_("") {
+  rank_ = groups_.world_rank();
+  dp_rank_ = groups_.coord().dp, dp_size_ = plan_.degrees.dp;
+  world_ = groups_.world().communicator("world", {cfg_.parallel.comm_timeout_s});
   if (rank_ == 0) {
     metrics_ = MetricsFile(cfg_.monitor.metrics_file);
     tensorboard_ = TensorBoardWriter(cfg_.monitor.tensorboard);
   }
-  const config::ModelConfig& m = cfg_.model;
-  be_ = kernels::make_cpu_backend(threads);
-  params_ = std::make_unique<model::ParamStore>(plan_.params, plan_.param_stage, m.num_routed(), model::ShardCoords{});
-  params_->initialize(uint64_t(cfg_.seed), m.initializer_range, m.pad_token_id);
-  zero_ = int(cfg_.zero_optimization.stage);
-  const comm::CommOptions copts{cfg_.parallel.comm_timeout_s};
-  if (world_ != MPI_COMM_NULL) world_comm_ = comm::make_mpi_communicator(world_, "world", copts);
-  if (dp_size_ > 1) dp_ = comm::make_mpi_communicator(world_, "dp", copts);
-  dense_shard_ = {0, params_->dense_numel()}, expert_shard_ = {0, params_->expert_numel()};
-  if (zero_ >= 1 && dp_size_ > 1) {
-    // ZeRO: this rank keeps AdamW state (and, at stage 2, reduced gradients) for its shard only.
-    // The flat buffers are padded now, before the model takes pointers into them.
-    const ZeroShards z = zero_shards(params_->dense_numel(), params_->expert_numel(), dp_size_, rank_);
-    params_->pad(z.dense_padded, z.expert_padded);
-    dense_shard_ = z.dense, expert_shard_ = z.expert;
-  }
+  model::ParamStore& params = *engine_.params;
+  const parallel::ZeroSharding& zero = *engine_.zero;
   dataset_ = std::make_unique<data::TokenDataset>(cfg_);
-  model_ = std::make_unique<model::DeepSeekModel>(m, *be_, coll_, *params_, plan_.batch.micro, cfg_.seq_length);
-  skip_sync_step_ = skip_grad_sync_step();
-  if (dp_size_ > 1) {
+  skip_sync_step_ = fault_at(Fault::kSkipGradSync);
+  if (engine_.grad_sync && rank_ == 0) {
     const config::ZeroConfig& z = cfg_.zero_optimization;
-    grad_sync_ = std::make_unique<parallel::GradSync>(
-        *params_, *dp_, m.num_hidden_layers,
-        parallel::GradSyncOptions{int(z.stage), z.overlap_comm, z.reduce_bucket_size});
-    bool params_mapped = false;
-    if (zero_ >= 1)  // the ZeRO parameter all-gather reads the owners' buffers directly too
-      params_mapped = dp_->register_peer_memory(params_->dense_params().data(), int64_t(params_->dense_params().size())) &&
-                      dp_->register_peer_memory(params_->expert_params().data(), int64_t(params_->expert_params().size()));
-    if (rank_ == 0)
-      spdlog::info("gradient reduction: {} buckets of at most {} elements, {}, {}{}", grad_sync_->buckets().size(),
-                   with_commas(z.reduce_bucket_size), z.overlap_comm ? "overlapped with backward" : "after backward",
-                   grad_sync_->peer_memory() ? "ranks on one host reading each other's buffers"
-                                             : "ring of MPI messages",
-                   zero_ >= 1 ? fmt::format("; parameter all-gather {}", params_mapped ? "through shared memory" : "by messages") : "");
+    spdlog::info("gradient reduction: {} buckets of at most {} elements, {}, {}{}", engine_.grad_sync->buckets().size(),
+                 with_commas(z.reduce_bucket_size), z.overlap_comm ? "overlapped with backward" : "after backward",
+                 engine_.grad_sync->peer_memory() ? "ranks on one host reading each other's buffers"
+                                                  : "ring of MPI messages",
+                 zero.shards_optimizer() ? fmt::format("; parameter all-gather {}", engine_.params_peer_mapped
+                                                                                          ? "through shared memory"
+                                                                                          : "by messages")
+                                         : "");
   }
-  if (zero_ >= 1 && dp_size_ > 1)
-    adam_ = std::make_unique<AdamW>(cfg_.optimizer, *params_, *be_, dense_shard_, expert_shard_);
+  if (zero.shards_optimizer())
+    adam_ = std::make_unique<AdamW>(cfg_.optimizer, params, *engine_.backend, zero.shard(false), zero.shard(true));
   else
-    adam_ = std::make_unique<AdamW>(cfg_.optimizer, *params_, *be_);
+    adam_ = std::make_unique<AdamW>(cfg_.optimizer, params, *engine_.backend);
   tokens_.resize(plan_.batch.micro * (cfg_.seq_length + 1));
   peak_flops_ = cfg_.monitor.peak_tflops > 0 ? cfg_.monitor.peak_tflops * 1e12 : measure_peak_flops();
-  checkpointer_ = std::make_unique<Checkpointer>(plan_, world_);
+  checkpointer_ = std::make_unique<Checkpointer>(plan_, groups_.world());
   const std::string resume = checkpointer_->resume_path();
   if (!resume.empty()) {
-    const TrainState st = checkpointer_->load(resume, *params_, adam_.get());
+    const TrainState st = checkpointer_->load(resume, params, adam_.get());
     start_step_ = st.step;
     if (rank_ == 0) spdlog::info("resumed from {} at step {}", resume, start_step_);
   }
@@ -118,20 +87,20 @@ double Trainer::measure_peak_flops() {
   double best = 0;
   for (int i = 0; i < 11; ++i) {
     const auto t = Clock::now();
-    be_->gemm(c.data(), a.data(), b.data(), n, n, n, false, false, 1.0f, 0.0f);
+    engine_.backend->gemm(c.data(), a.data(), b.data(), n, n, n, false, false, 1.0f, 0.0f);
     if (i > 0) best = std::max(best, 2.0 * n * n * n / seconds_since(t));
   }
   return best;
 }
 
 // Data parallelism: every rank computed its slice's share of the global mean; the sums over
-// ranks are the single-rank gradients (reduced by grad_sync_ during the last backward pass),
-// losses and expert loads.
+// ranks are the single-rank gradients (reduced by the gradient sync during the last backward
+// pass), losses and expert loads.
 void Trainer::reduce_losses(StepResult& r) {
   if (dp_size_ == 1) return;
   std::vector<double> scalars = {r.loss.ce, r.loss.aux, r.loss.mtp};
   for (const auto& l : r.expert_loads) scalars.insert(scalars.end(), l.begin(), l.end());
-  dp_->all_reduce(scalars.data(), int64_t(scalars.size()), comm::ReduceOp::kSum)->wait();
+  engine_.dp->all_reduce(scalars.data(), int64_t(scalars.size()), comm::ReduceOp::kSum)->wait();
   r.loss.ce = scalars[0], r.loss.aux = scalars[1], r.loss.mtp = scalars[2];
   size_t at = 3;
   for (auto& l : r.expert_loads)
@@ -142,59 +111,42 @@ StepResult Trainer::compute_gradients(int64_t step) {
   StepResult r;
   const plan::BatchPlan& b = plan_.batch;
   const model::LossScale scale{double(b.global * cfg_.seq_length), double(b.global)};
-  params_->zero_grads();
-  const bool sync = grad_sync_ && !(step + 1 == skip_sync_step_ && rank_ == dp_size_ - 1);
-  auto moes = model_->moe_layers();
+  model::DeepSeekModel& model = *engine_.model;
+  parallel::GradSync* sync = engine_.grad_sync.get();
+  if (sync && step + 1 == skip_sync_step_ && dp_rank_ == dp_size_ - 1) sync = nullptr;  // injected fault
+  engine_.params->zero_grads();
+  auto moes = model.moe_layers();
   for (auto* moe : moes) std::fill(moe->stats().loads.begin(), moe->stats().loads.end(), 0);
   for (int64_t m = 0; m < b.accumulation; ++m) {
-    const int64_t first = data::TokenDataset::position(step, b.global, rank_, dp_size_, m, b.micro);
+    const int64_t first = data::TokenDataset::position(step, b.global, dp_rank_, dp_size_, m, b.micro);
     dataset_->train_batch(tokens_.data(), first, b.micro);
     auto t0 = Clock::now();
-    const model::Losses l = model_->forward(tokens_.data(), scale);
+    const model::Losses l = model.forward(tokens_.data(), scale);
     r.forward_s += seconds_since(t0);
     const bool last = m + 1 == b.accumulation;
     if (last && sync) {  // the gradients become final in this backward pass
-      grad_sync_->begin();
-      model_->set_backward_observer(grad_sync_.get());
+      sync->begin();
+      model.set_backward_observer(sync);
     }
     t0 = Clock::now();
-    model_->backward();
+    model.backward();
     r.backward_s += seconds_since(t0);
-    model_->set_backward_observer(nullptr);
+    model.set_backward_observer(nullptr);
     r.loss.ce += l.ce, r.loss.aux += l.aux, r.loss.mtp += l.mtp;
   }
-  if (sync) r.comm_wait_s = grad_sync_->finish();
+  if (sync) r.comm_wait_s = sync->finish();
   for (auto* moe : moes) r.expert_loads.push_back(moe->stats().loads);
   reduce_losses(r);
   return r;
 }
 
-// The norm of the whole reduced gradient: at ZeRO-2 each rank holds only its shard of it.
+// The norm of the whole reduced gradient. The ranks of each gradient group share out the work:
+// each adds the squares of its partition of the buffer (at ZeRO-2 the only part it holds
+// reduced), and the sum over all ranks counts every gradient once.
 double Trainer::global_grad_norm() {
-  if (zero_ < 2 || dp_size_ == 1) return gradient_norm(*params_);
-  const double sq = comm::all_reduce_value(*dp_, gradient_square_sum(*params_, dense_shard_, expert_shard_),
-                                           comm::ReduceOp::kSum);
-  return std::sqrt(sq);
-}
-
-// ZeRO: every rank updated its shard; all-gather the shards into every rank's full parameters.
-void Trainer::gather_parameters() {
-  if (zero_ < 1 || dp_size_ == 1) return;
-  // In place, in pieces of allgather_bucket_size launched together: block p of a piece is the
-  // part of it in rank p's shard.
-  const int64_t piece = cfg_.zero_optimization.allgather_bucket_size;
-  std::vector<std::unique_ptr<comm::Work>> work;
-  for (auto* w : {&params_->dense_params(), &params_->expert_params()}) {
-    const int64_t n = int64_t(w->size()), shard = n / dp_size_;  // padded: equal shards
-    for (int64_t lo = 0; lo < n; lo += piece) {
-      const int64_t hi = std::min(n, lo + piece);
-      std::vector<int64_t> counts;
-      for (int p = 0; p < dp_size_; ++p)
-        counts.push_back(std::max<int64_t>(0, std::min(hi, (p + 1) * shard) - std::max(lo, p * shard)));
-      work.push_back(dp_->all_gather_v(w->data() + lo, counts));
-    }
-  }
-  for (auto& wk : work) wk->wait();
+  const parallel::ZeroSharding& z = *engine_.zero;
+  const double sq = gradient_square_sum(*engine_.params, z.owned(false), z.owned(true));
+  return std::sqrt(comm::all_reduce_value(*world_, sq, comm::ReduceOp::kSum));
 }
 
 StepResult Trainer::train_step(int64_t step) {
@@ -203,8 +155,9 @@ StepResult Trainer::train_step(int64_t step) {
   r.grad_norm = global_grad_norm();
   r.lr = schedule_.lr(step);
   adam_->step(r.lr, step + 1, clip_factor(r.grad_norm, cfg_.gradient_clipping));  // clipping fused
-  gather_parameters();
-  const auto moes = model_->moe_layers();
+  engine_.zero->gather_buffers(engine_.params->dense_params().data(), engine_.params->expert_params().data(),
+                               cfg_.zero_optimization.allgather_bucket_size);
+  const auto moes = engine_.model->moe_layers();
   for (size_t i = 0; i < moes.size(); ++i)
     if (moes[i]->router_bias() && cfg_.model.bias_update_speed > 0)
       model::update_router_bias(moes[i]->router_bias(), r.expert_loads[i].data(),
@@ -220,12 +173,12 @@ double Trainer::validate() {
   double ce = 0;
   for (int64_t i = 0; i < iters; ++i)
     for (int64_t m = 0; m < b.accumulation; ++m) {
-      dataset_->validation_batch(tokens_.data(), data::TokenDataset::position(i, b.global, rank_, dp_size_, m, b.micro),
-                                 b.micro);
-      ce += model_->forward(tokens_.data(), scale).ce;
+      dataset_->validation_batch(tokens_.data(),
+                                 data::TokenDataset::position(i, b.global, dp_rank_, dp_size_, m, b.micro), b.micro);
+      ce += engine_.model->forward(tokens_.data(), scale).ce;
     }
-  if (dp_size_ > 1) ce = comm::all_reduce_value(*dp_, ce, comm::ReduceOp::kSum);
-  for (auto* moe : model_->moe_layers()) std::fill(moe->stats().loads.begin(), moe->stats().loads.end(), 0);
+  ce = comm::all_reduce_value(*engine_.dp, ce, comm::ReduceOp::kSum);
+  for (auto* moe : engine_.model->moe_layers()) std::fill(moe->stats().loads.begin(), moe->stats().loads.end(), 0);
   return ce;
 }
 
@@ -280,7 +233,7 @@ std::string Trainer::save_checkpoint(int64_t steps_done) {
   TrainState st;
   st.step = steps_done;
   st.tokens_seen = steps_done * plan_.batch.tokens_per_step();
-  return checkpointer_->save(st, *params_, *adam_);
+  return checkpointer_->save(st, *engine_.params, *adam_, engine_.zero.get());
 }
 
 TrainSummary Trainer::run() {
@@ -290,14 +243,18 @@ TrainSummary Trainer::run() {
                  d.path, with_commas(d.tokens), d.tokenizer, with_commas(d.train_samples),
                  with_commas(d.validation_samples), cfg_.seq_length + 1,
                  with_commas(plan_.batch.tokens_per_step()));
+    const model::ParamStore& params = *engine_.params;
+    const parallel::ZeroSharding& zero = *engine_.zero;
+    const int stage = zero.stage();
     const double state = 4.0 * double(adam_->exp_avg_dense().size() + adam_->exp_avg_expert().size()) * 2;
-    const double grads = 4.0 * double(zero_ >= 2 ? dense_shard_.size() + expert_shard_.size() : params_->num_params());
+    const double grads =
+        4.0 * double(zero.shards_gradients() ? zero.shard(false).size() + zero.shard(true).size() : params.num_params());
     spdlog::info("memory per rank: parameters {}, gradients {}{}, optimizer state {} (ZeRO-{}{})",
-                 human_bytes(4.0 * double(params_->num_params())), human_bytes(grads),
-                 zero_ >= 2 && dp_size_ > 1 ? " reduced" : "", human_bytes(state), zero_,
-                 dp_size_ > 1 && zero_ > 0 ? fmt::format(" over {} data-parallel ranks", dp_size_) : "");
+                 human_bytes(4.0 * double(params.num_params())), human_bytes(grads),
+                 zero.shards_gradients() ? " reduced" : "", human_bytes(state), stage,
+                 stage > 0 ? fmt::format(" over {} data-parallel ranks", dp_size_) : "");
     spdlog::info("model {} parameters on {}{}; MFU against {:.3f} TFLOP/s per rank ({})",
-                 with_commas(params_->num_params()), be_->name(),
+                 with_commas(params.num_params()), engine_.backend->name(),
                  dp_size_ > 1 ? fmt::format(" x {} data-parallel ranks", dp_size_) : "", peak_flops_ / 1e12,
                  cfg_.monitor.peak_tflops > 0 ? "monitor.peak_tflops" : "measured fp32 GEMM peak");
   }
@@ -319,7 +276,7 @@ TrainSummary Trainer::run() {
     last = train_step(step);
     ++window_steps;
     if (!std::isfinite(last.loss.ce))
-      throw Error(fmt::format("step {}: the loss is {} (diverged); lower optimizer.params.lr or "
+      throw AgreedError(fmt::format("step {}: the loss is {} (diverged); lower optimizer.params.lr or "
                               "raise gradient_clipping",
                               step + 1, last.loss.ce));
     const bool last_step = step + 1 == cfg_.train_steps;
@@ -338,8 +295,7 @@ TrainSummary Trainer::run() {
     if (rank_ == 0 && cfg_.monitor.expert_stats_interval > 0 && (step + 1) % cfg_.monitor.expert_stats_interval == 0)
       log_expert_stats(step, last);
     int stop = g_stop_signal.load();
-    if (world_comm_)  // stop together
-      stop = int(comm::all_reduce_value(*world_comm_, int64_t(stop), comm::ReduceOp::kMax));
+    stop = int(comm::all_reduce_value(*world_, int64_t(stop), comm::ReduceOp::kMax));  // stop together
     const bool interval = cfg_.checkpoint.interval > 0 && (step + 1) % cfg_.checkpoint.interval == 0;
     if (interval || last_step || stop) {
       const auto t = Clock::now();

@@ -7,9 +7,10 @@
 // saved every checkpoint.interval steps, at the end, and on SIGTERM / SIGINT (then the run
 // stops cleanly); checkpoint.resume picks the checkpoint to continue from.
 //
-// Layouts: data parallelism with ZeRO 0/1/2, the gradients reduced in buckets during the
-// backward pass (engine/parallel/grad_sync.h); tensor, pipeline and expert parallelism are
-// not trained yet.
+// The rank's engine comes from build_rank_engine (rank_engine.h), every communicator from the
+// plan's process groups. Layouts: data parallelism with ZeRO 0/1/2, the gradients reduced in
+// buckets during the backward pass (engine/parallel/grad_sync.h); tensor, pipeline and expert
+// parallelism are refused by check_layout_trainable until their runtimes land.
 #pragma once
 
 #include <chrono>
@@ -19,12 +20,12 @@
 #include "engine/comm/communicator.h"
 #include "engine/data/token_dataset.h"
 #include "engine/model/deepseek_model.h"
-#include "engine/parallel/grad_sync.h"
 #include "engine/plan/parallel_plan.h"
 #include "engine/runtime/checkpoint.h"
 #include "engine/runtime/lr_schedule.h"
 #include "engine/runtime/metrics.h"
 #include "engine/runtime/optimizer.h"
+#include "engine/runtime/rank_engine.h"
 
 namespace dstrain::runtime {
 
@@ -44,9 +45,11 @@ struct TrainSummary {
 
 class Trainer {
  public:
-  // `threads` CPU threads (0: all). `world`: the MPI communicator of the job, or MPI_COMM_NULL
-  // for a single process. Resumes per checkpoint.resume.
-  Trainer(const plan::ParallelPlan& plan, int threads, MPI_Comm world = MPI_COMM_NULL);
+  // `threads` CPU threads (0: all). `groups`: this rank's process groups. Resumes per
+  // checkpoint.resume. Collective over the groups.
+  Trainer(const plan::ParallelPlan& plan, RankGroups groups, int threads);
+  // A single process without MPI.
+  Trainer(const plan::ParallelPlan& plan, int threads);
   ~Trainer();
 
   // Gradients of step `step` (0-based) without touching the weights.
@@ -65,7 +68,7 @@ class Trainer {
   // running or a stop was already requested (the caller should then exit at once).
   static bool request_stop(int signal);
 
-  model::ParamStore& params() { return *params_; }
+  model::ParamStore& params() { return *engine_.params; }
   const data::TokenDataset& dataset() const { return *dataset_; }
   double peak_flops() const { return peak_flops_; }
 
@@ -73,17 +76,15 @@ class Trainer {
   double measure_peak_flops();
   void reduce_losses(StepResult& r);
   double global_grad_norm();
-  void gather_parameters();
   void log_step(int64_t step, const StepResult& r, double window_s, int64_t window_steps,
                 double elapsed_s, const std::optional<double>& val);
   void log_expert_stats(int64_t step, const StepResult& r);
 
   const plan::ParallelPlan plan_;  // owned: the parameter store's views point into its registry
   const config::TrainConfig& cfg_;
-  std::unique_ptr<kernels::Backend> be_;
-  std::unique_ptr<model::ParamStore> params_;
-  model::LocalCollectives coll_;
-  std::unique_ptr<model::DeepSeekModel> model_;
+  RankGroups groups_;
+  RankEngine engine_;
+  std::unique_ptr<comm::Communicator> world_;  // every rank: stop requests, the gradient norm
   std::unique_ptr<data::TokenDataset> dataset_;
   std::unique_ptr<AdamW> adam_;
   LrSchedule schedule_;
@@ -91,15 +92,12 @@ class Trainer {
   TensorBoardWriter tensorboard_;
   std::vector<int32_t> tokens_;
   double peak_flops_ = 0;
-  MPI_Comm world_ = MPI_COMM_NULL;
-  int rank_ = 0, dp_size_ = 1, zero_ = 0;
-  std::unique_ptr<comm::Communicator> world_comm_;  // every rank (stop requests)
-  std::unique_ptr<comm::Communicator> dp_;  // the data-parallel group (when more than one rank)
-  std::unique_ptr<parallel::GradSync> grad_sync_;  // bucketed gradient reduction over dp_
-  FlatRange dense_shard_, expert_shard_;   // this rank's ZeRO shards (the whole buffers without)
+  int rank_ = 0;      // world rank
+  int dp_rank_ = 0;   // data-parallel coordinate: which slice of every global batch
+  int dp_size_ = 1;
   std::unique_ptr<Checkpointer> checkpointer_;
   int64_t start_step_ = 0;
-  int64_t skip_sync_step_ = 0;  // fault injection (DSTRAIN_FAULT_INJECT=skip_grad_sync:N)
+  int64_t skip_sync_step_ = 0;  // fault injection (Fault::kSkipGradSync)
 };
 
 }  // namespace dstrain::runtime

@@ -1,11 +1,11 @@
 // The CPU backend: BLAS (OpenBLAS, OpenMP build, or oneDNN) for GEMMs, the templated kernels of
 // cpu_ops.h instantiated for float, OpenMP threads owned by the backend.
 #include <dnnl.h>
-#include <malloc.h>
 #include <omp.h>
 
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "dstrain/kernels/backend.h"
 #include "kernels/cpu/blas_gemm.h"
@@ -25,13 +25,14 @@ class CpuBackend final : public Backend {
  public:
   CpuBackend(int threads, GemmLibrary gemm) : gemm_(gemm) {
     threads_ = threads > 0 ? threads : omp_get_max_threads();
-    // GEMM libraries allocate and free packing buffers on every call. Keep freed memory in the
-    // heap instead of returning it to the kernel, which would fault fresh zeroed pages back in
-    // each time (measured: 12% of a training step).
-    mallopt(M_MMAP_THRESHOLD, 256 << 20);
-    mallopt(M_TRIM_THRESHOLD, 1 << 30);
     omp_set_num_threads(threads_);
     openblas_set_num_threads(threads_);
+  }
+
+  void check_attention(int64_t S) const {
+    if (S > attention_s_)
+      throw std::invalid_argument("attention on " + std::to_string(S) + " positions, but the backend reserved " +
+                                  std::to_string(attention_s_) + " (call reserve_attention)");
   }
 
   std::string name() const override {
@@ -87,16 +88,24 @@ class CpuBackend final : public Backend {
     cpu::rope_backward(din, in_ts, in_hs, dout, out_ts, out_hs, cos, sin, N, S, heads, dr,
                        interleave, accumulate);
   }
+  void reserve_attention(int64_t S) override {
+    const int64_t n = cpu::attention_workspace_floats(S, threads_);
+    if (int64_t(attention_ws_.size()) < n) attention_ws_.assign(size_t(n), 0.0f);
+    attention_s_ = std::max(attention_s_, S);
+  }
   void attention_forward(float* O, float* lse, const float* Q, const float* K, const float* V,
                          int64_t B, int64_t S, int64_t nh, int64_t dqk, int64_t dv,
                          float scale) override {
-    cpu::attention_forward(O, lse, Q, K, V, B, S, nh, dqk, dv, scale);
+    check_attention(S);
+    cpu::attention_forward(O, lse, Q, K, V, B, S, nh, dqk, dv, scale, attention_ws_.data(), threads_);
   }
   void attention_backward(float* dQ, float* dK, float* dV, const float* dO, const float* Q,
                           const float* K, const float* V, const float* O, const float* lse,
                           int64_t B, int64_t S, int64_t nh, int64_t dqk, int64_t dv,
                           float scale) override {
-    cpu::attention_backward(dQ, dK, dV, dO, Q, K, V, O, lse, B, S, nh, dqk, dv, scale);
+    check_attention(S);
+    cpu::attention_backward(dQ, dK, dV, dO, Q, K, V, O, lse, B, S, nh, dqk, dv, scale, attention_ws_.data(),
+                            threads_);
   }
   void swiglu_forward(float* M, const float* GU, int64_t N, int64_t I) override {
     cpu::swiglu_forward(M, GU, N, I);
@@ -162,6 +171,8 @@ class CpuBackend final : public Backend {
  private:
   int threads_ = 1;
   GemmLibrary gemm_;
+  std::vector<float> attention_ws_;  // per-thread score blocks (reserve_attention)
+  int64_t attention_s_ = 0;
 };
 
 }  // namespace

@@ -1,8 +1,11 @@
 // CPU kernels as templates over the element type: the backend instantiates them for float,
 // the tests also for double (finite-difference gradient checks). Threaded with OpenMP over
 // rows, tokens or (sequence, head) pairs; the inner loops are written so the compiler
-// vectorises them. No op allocates.
+// vectorises them. No op allocates: the attention kernels take their scratch from the caller
+// (attention_workspace_floats).
 #pragma once
+
+#include <omp.h>
 
 #include <algorithm>
 #include <bit>
@@ -88,7 +91,7 @@ void rmsnorm_backward(T* dx, T* dw, const T* dy, const T* x, const T* w, const T
   }
 }
 
-// ---- RoPE (MODEL.md §3.4.1) ----------------------------------------------------------------
+// ---- RoPE (docs/model.md §3.4.1) ----------------------------------------------------------------
 
 template <class T>
 void rope_forward(T* out, int64_t out_ts, int64_t out_hs, const T* in, int64_t in_ts,
@@ -144,20 +147,23 @@ void rope_backward(T* din, int64_t in_ts, int64_t in_hs, const T* dout, int64_t 
 
 constexpr int64_t kAttnTile = 64;
 
-// Per-thread score block of kAttnTile x S (grown on demand, reused across calls).
+// Scratch of the attention kernels for sequences of up to S positions on `threads` threads: a
+// score block and its gradient, kAttnTile x S each, per thread.
+inline int64_t attention_workspace_floats(int64_t S, int threads) { return int64_t(threads) * 2 * kAttnTile * S; }
+
+// Thread t's block of an attention workspace (the parallel regions run on at most ws_threads).
 template <class T>
-T* attention_block(int64_t floats) {
-  thread_local std::vector<T> block;
-  if (int64_t(block.size()) < floats) block.resize(floats);
-  return block.data();
+T* attention_block(T* ws, int64_t S) {
+  return ws + int64_t(omp_get_thread_num()) * 2 * kAttnTile * S;
 }
 
+// ws: attention_workspace_floats(S, ws_threads) elements.
 template <class T>
 void attention_forward(T* O, T* lse, const T* Q, const T* K, const T* V, int64_t B, int64_t S,
-                       int64_t nh, int64_t dqk, int64_t dv, T scale) {
+                       int64_t nh, int64_t dqk, int64_t dv, T scale, T* ws, int ws_threads) {
   const int64_t qs = nh * dqk, vs = nh * dv;  // token strides
   const int64_t tiles = (S + kAttnTile - 1) / kAttnTile;
-#pragma omp parallel for collapse(3) schedule(dynamic, 1)
+#pragma omp parallel for collapse(3) schedule(dynamic, 1) num_threads(ws_threads)
   for (int64_t b = 0; b < B; ++b) {
     for (int64_t h = 0; h < nh; ++h) {
       for (int64_t tile = 0; tile < tiles; ++tile) {
@@ -165,7 +171,7 @@ void attention_forward(T* O, T* lse, const T* Q, const T* K, const T* V, int64_t
         const T* Qb = Q + b * S * qs + h * dqk;
         const T* Kb = K + b * S * qs + h * dqk;
         const T* Vb = V + b * S * vs + h * dv;
-        T* P = attention_block<T>(kAttnTile * S);
+        T* P = attention_block(ws, S);
         blas_gemm_ld(P, keys, Qb + i0 * qs, qs, Kb, qs, rows, keys, dqk, false, true, scale, T(0));
         for (int64_t r = 0; r < rows; ++r) {
           T* p = P + r * keys;
@@ -190,11 +196,11 @@ void attention_forward(T* O, T* lse, const T* Q, const T* K, const T* V, int64_t
 template <class T>
 void attention_backward(T* dQ, T* dK, T* dV, const T* dO, const T* Q, const T* K, const T* V,
                         const T* O, const T* lse, int64_t B, int64_t S, int64_t nh, int64_t dqk,
-                        int64_t dv, T scale) {
+                        int64_t dv, T scale, T* ws, int ws_threads) {
   const int64_t qs = nh * dqk, vs = nh * dv;
   const int64_t tiles = (S + kAttnTile - 1) / kAttnTile;
   // dK and dV collect over all query tiles of a (sequence, head): one thread owns the pair.
-#pragma omp parallel for collapse(2) schedule(dynamic, 1)
+#pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(ws_threads)
   for (int64_t b = 0; b < B; ++b) {
     for (int64_t h = 0; h < nh; ++h) {
       const int64_t qo = b * S * qs + h * dqk, vo = b * S * vs + h * dv;
@@ -202,7 +208,7 @@ void attention_backward(T* dQ, T* dK, T* dV, const T* dO, const T* Q, const T* K
         std::fill(dK + qo + i * qs, dK + qo + i * qs + dqk, T(0));
         std::fill(dV + vo + i * vs, dV + vo + i * vs + dv, T(0));
       }
-      T* P = attention_block<T>(2 * kAttnTile * S);
+      T* P = attention_block(ws, S);
       T* dP = P + kAttnTile * S;
       for (int64_t tile = 0; tile < tiles; ++tile) {
         const int64_t i0 = tile * kAttnTile, rows = std::min(kAttnTile, S - i0), keys = i0 + rows;
@@ -269,7 +275,7 @@ void swiglu_backward(T* dGU, const T* dM, const T* GU, int64_t N, int64_t I) {
   }
 }
 
-// ---- Router (MODEL.md §3.6 and §4) ----------------------------------------------------------
+// ---- Router (docs/model.md §3.6 and §4) ----------------------------------------------------------
 
 // Index of the largest of n values with mask[i] true, the lowest index on ties; -1 if none.
 template <class T>
@@ -485,10 +491,10 @@ void adamw(T* param, const T* grad, T* m, T* v, int64_t n, const AdamWParams& p)
   const T b1 = p.beta1, b2 = p.beta2;
   const T bc1 = T(1) - std::pow(b1, T(p.step)), bc2 = T(1) - std::pow(b2, T(p.step));
   const T step_size = T(p.lr) / bc1, inv_sqrt_bc2 = T(1) / std::sqrt(bc2);
-  const T decay = T(1) - T(p.lr) * T(p.weight_decay), eps = p.eps, scale = p.grad_scale;
+  const T decay = T(1) - T(p.lr) * T(p.weight_decay), eps = p.eps, scale = p.grad_scale, l2 = p.l2;
 #pragma omp parallel for simd schedule(static)
   for (int64_t i = 0; i < n; ++i) {
-    const T g = grad[i] * scale;
+    const T g = grad[i] * scale + l2 * param[i];
     const T mi = m[i] = b1 * m[i] + (T(1) - b1) * g;
     const T vi = v[i] = b2 * v[i] + (T(1) - b2) * g * g;
     param[i] = param[i] * decay - step_size * mi / (std::sqrt(vi) * inv_sqrt_bc2 + eps);

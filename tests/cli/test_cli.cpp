@@ -1,6 +1,7 @@
 // The dstrain executable as a user runs it: exit codes, one-line errors on every rank count,
 // --dry-run / --print-config / --check-comm, and the dsrun wrapper. Runs in the source tree.
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 
 #include <cstdio>
 #include <cmath>
@@ -179,7 +180,7 @@ TEST(Cli, TrainingWithTensorParallelismSaysWhatIsMissing) {
   EXPECT_NE(errors[0].find("this build trains with data parallelism only"), std::string::npos) << errors[0];
 }
 
-// MODEL.md §12's exchange format, from the shipped small preset on its first global batch.
+// docs/model.md §12's exchange format, from the shipped small preset on its first global batch.
 TEST(Cli, DumpGradsWritesWeightsGradientsTokensAndLosses) {
   const std::string path = ::testing::TempDir() + "/grads.h5";
   const Result r = run(kDstrain + " configs/small.yaml --dump-grads " + path);
@@ -221,9 +222,8 @@ std::map<int, double> losses(const std::string& path) {
   std::map<int, double> out;
   std::ifstream in(path);
   for (std::string line; std::getline(in, line);) {
-    const auto s = line.find("\"step\": "), l = line.find("\"loss\": ");
-    if (s == std::string::npos || l == std::string::npos) continue;
-    out[std::stoi(line.substr(s + 8))] = std::stod(line.substr(l + 8));
+    const nlohmann::json row = nlohmann::json::parse(line);
+    if (row.contains("step") && row.contains("loss")) out[row["step"].get<int>()] = row["loss"].get<double>();
   }
   return out;
 }
@@ -429,16 +429,22 @@ TEST(CheckpointTool, InfoDiffAndHuggingFaceExport) {
   EXPECT_NE(r.out.find("0 tensors differ (largest difference 0), 0 missing"), std::string::npos) << r.out;
   r = run(tool + " export-hf " + dir + "/run " + dir + "/hf");
   ASSERT_EQ(r.rc, 0) << r.err;
-  EXPECT_NE(slurp(dir + "/hf/config.json").find("\"architectures\": [\"DeepseekV3ForCausalLM\"]"), std::string::npos);
+  const nlohmann::json config = nlohmann::json::parse(slurp(dir + "/hf/config.json"));
+  EXPECT_EQ(config["architectures"], nlohmann::json::array({"DeepseekV3ForCausalLM"}));
+  EXPECT_EQ(config["model_type"], "deepseek_v3");
   // safetensors: 8-byte header length, JSON header, then the data: 125,664 parameters + 4 bias.
   const std::string st = slurp(dir + "/hf/model.safetensors");
   uint64_t header = 0;
   std::memcpy(&header, st.data(), 8);
   EXPECT_EQ(st.size(), 8 + header + 4 * 125668);
-  const std::string json = st.substr(8, header);
-  EXPECT_NE(json.find("\"model.layers.1.mlp.gate.e_score_correction_bias\": {\"dtype\": \"F32\", \"shape\": [4]"),
-            std::string::npos);
-  EXPECT_NE(json.find("\"lm_head.weight\": {\"dtype\": \"F32\", \"shape\": [256, 64]"), std::string::npos);
+  const nlohmann::json meta = nlohmann::json::parse(st.substr(8, header));
+  EXPECT_EQ(meta["model.layers.1.mlp.gate.e_score_correction_bias"]["dtype"], "F32");
+  EXPECT_EQ(meta["model.layers.1.mlp.gate.e_score_correction_bias"]["shape"], nlohmann::json::array({4}));
+  EXPECT_EQ(meta["lm_head.weight"]["shape"], nlohmann::json::array({256, 64}));
+  int64_t end = 0;  // the tensors tile the data section
+  for (const auto& [name, t] : meta.items())
+    if (name != "__metadata__") end = std::max(end, t["data_offsets"][1].get<int64_t>());
+  EXPECT_EQ(end, 4 * 125668);
   r = run(tool + " info " + dir + "/nothing-here");
   EXPECT_EQ(r.rc, 1);
   EXPECT_NE(r.err.find("no such checkpoint"), std::string::npos);

@@ -1,6 +1,7 @@
 // Every CPU kernel against a naive reference on odd shapes (float, through the Backend), and
 // every backward against central finite differences (the kernels instantiated in double).
 #include <gtest/gtest.h>
+#include <omp.h>
 
 #include <cmath>
 #include <functional>
@@ -160,7 +161,7 @@ std::pair<Vec, Vec> rope_tables(int64_t S, int64_t dr, double theta) {
   return {c, s};
 }
 
-// MODEL.md §3.4.1's worked example.
+// docs/model.md §3.4.1's worked example.
 TEST_P(Kernels, RopeWorkedExample) {
   const auto [c, s] = rope_tables(3, 4, 10000.0);
   const FVec x = {1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3, 4};  // positions 0, 1, 2
@@ -213,12 +214,22 @@ Vec naive_attention(const Vec& Q, const Vec& K, const Vec& V, int64_t B, int64_t
   return O;
 }
 
+// Attention on longer sequences than the backend reserved scratch for is refused, not a
+// buffer overrun (ops never allocate).
+TEST_P(Kernels, AttentionNeedsItsWorkspaceReserved) {
+  const int64_t S = 4096, B = 1, nh = 1, d = 2;
+  FVec q(B * S * nh * d, 0.1f), o(q.size()), lse(B * nh * S);
+  EXPECT_THROW(be->attention_forward(o.data(), lse.data(), q.data(), q.data(), q.data(), B, S, nh, d, d, 1.0f),
+               std::invalid_argument);
+}
+
 TEST_P(Kernels, AttentionForward) {
   for (const int64_t S : {9, 150}) {  // one partial query tile; several tiles, the last partial
   const int64_t B = 2, nh = 3, dqk = 7, dv = 5;
   const Vec Q = randn(B * S * nh * dqk, 11), K = randn(B * S * nh * dqk, 12), V = randn(B * S * nh * dv, 13);
   const double scale = 1.0 / std::sqrt(double(dqk));
   FVec O(B * S * nh * dv), lse(B * nh * S);
+  be->reserve_attention(S);
   be->attention_forward(O.data(), lse.data(), to_f(Q).data(), to_f(K).data(), to_f(V).data(), B,
                         S, nh, dqk, dv, float(scale));
   EXPECT_LT(max_rel_err(O, naive_attention(Q, K, V, B, S, nh, dqk, dv, scale)), 1e-5) << "S " << S;
@@ -231,15 +242,18 @@ TEST(KernelGradients, Attention) {
   const double scale = 0.7;
   const Vec Q = randn(B * S * nh * dqk, 14), K = randn(B * S * nh * dqk, 15),
             V = randn(B * S * nh * dv, 16), R = randn(B * S * nh * dv, 17);
+  const int threads = omp_get_max_threads();
+  Vec ws(size_t(cpu::attention_workspace_floats(S, threads)));
   const auto run = [&](const Vec& q, const Vec& k, const Vec& v) {
     Vec O(B * S * nh * dv), lse(B * nh * S);
-    cpu::attention_forward(O.data(), lse.data(), q.data(), k.data(), v.data(), B, S, nh, dqk, dv, scale);
+    cpu::attention_forward(O.data(), lse.data(), q.data(), k.data(), v.data(), B, S, nh, dqk, dv, scale, ws.data(),
+                           threads);
     return std::make_pair(O, lse);
   };
   const auto [O, lse] = run(Q, K, V);
   Vec dQ(Q.size()), dK(K.size()), dV(V.size());
   cpu::attention_backward(dQ.data(), dK.data(), dV.data(), R.data(), Q.data(), K.data(), V.data(),
-                          O.data(), lse.data(), B, S, nh, dqk, dv, scale);
+                          O.data(), lse.data(), B, S, nh, dqk, dv, scale, ws.data(), threads);
   expect_gradient([&](const Vec& q) { return dot(run(q, K, V).first, R); }, Q, dQ, "attention dQ");
   expect_gradient([&](const Vec& k) { return dot(run(Q, k, V).first, R); }, K, dK, "attention dK");
   expect_gradient([&](const Vec& v) { return dot(run(Q, K, v).first, R); }, V, dV, "attention dV");
@@ -267,7 +281,7 @@ RouterParams v3_params(int64_t E, int64_t k, int64_t G, int64_t g) {
   return p;
 }
 
-// Brute-force reference of the selection rules of MODEL.md §3.6.
+// Brute-force reference of the selection rules of docs/model.md §3.6.
 std::vector<int> naive_select(const Vec& s, const Vec& bias, const RouterParams& p) {
   const int64_t E = p.num_experts, per = E / p.n_group;
   Vec c(E);

@@ -11,6 +11,7 @@
 #include "engine/config/load_config.h"
 #include "engine/io/hdf5_file.h"
 #include "engine/runtime/checkpoint.h"
+#include "engine/runtime/rank_engine.h"
 
 #include "tests/mpi/mpi_test_util.h"
 
@@ -19,12 +20,12 @@ namespace {
 
 using testing::world_rank;
 
-plan::ParallelPlan make(int tp, int pp, int ep, int world, const std::string& dir) {
+plan::ParallelPlan make(int tp, int pp, int ep, int world, const std::string& dir, int zero = 0) {
   const auto cfg = config::load_config_file(
       "configs/small.yaml", {"parallel.tensor=" + std::to_string(tp), "parallel.pipeline=" + std::to_string(pp),
                              "parallel.expert=" + std::to_string(ep), "checkpoint.dir=" + dir,
                              "train_batch_size=16", "train_micro_batch_size_per_gpu=null",
-                             "gradient_accumulation_steps=null"});
+                             "gradient_accumulation_steps=null", "zero_optimization.stage=" + std::to_string(zero)});
   return plan::make_plan(cfg, world);
 }
 
@@ -64,7 +65,7 @@ TEST_P(CheckpointLayouts, SaveOnOneLayoutLoadOnAnother) {
   MPI_Barrier(MPI_COMM_WORLD);
   const plan::ParallelPlan saver = make(save_l.tp, save_l.pp, save_l.ep, 4, dir);
   RankState s = rank_state(saver, true);
-  runtime::Checkpointer ck(saver, MPI_COMM_WORLD);
+  runtime::Checkpointer ck(saver, comm::ProcessGroup::world());
   runtime::TrainState st;
   st.step = 5;
   const std::string path = ck.save(st, *s.params, *s.adam);
@@ -85,7 +86,7 @@ TEST_P(CheckpointLayouts, SaveOnOneLayoutLoadOnAnother) {
   }
   const plan::ParallelPlan loader = make(load_l.tp, load_l.pp, load_l.ep, 4, dir);
   RankState expected = rank_state(loader, true), got = rank_state(loader, false);
-  runtime::Checkpointer ck2(loader, MPI_COMM_WORLD);
+  runtime::Checkpointer ck2(loader, comm::ProcessGroup::world());
   EXPECT_EQ(ck2.load(path, *got.params, got.adam.get()).step, 5);
   EXPECT_EQ(got.params->dense_params(), expected.params->dense_params());
   EXPECT_EQ(got.params->expert_params(), expected.params->expert_params());
@@ -100,6 +101,91 @@ INSTANTIATE_TEST_SUITE_P(
                       std::pair{Layout{1, 2, 2}, Layout{2, 1, 2}},   // PP2 x DP2 (EP2) -> TP2 x DP2 (EP2)
                       std::pair{Layout{4, 1, 1}, Layout{1, 4, 1}},   // TP4 -> PP4
                       std::pair{Layout{1, 1, 1}, Layout{2, 2, 1}})); // DP4 -> TP2 x PP2
+
+// ZeRO-1 on layouts with expert parallelism and model parallelism: the dense moments are
+// sharded over each data-parallel group, the expert moments over each expert-data-parallel
+// group, and the checkpoint gathers each tensor's moments inside that group before rank 0
+// assembles the tensor. The file must hold the single-rank tensors; loading it back into the
+// same sharded layout must give every rank its own shard.
+class ZeroCheckpoint : public ::testing::TestWithParam<Layout> {};
+
+struct ShardedState {
+  std::vector<comm::ProcessGroup> groups;
+  std::unique_ptr<comm::Communicator> dp, edp;
+  std::unique_ptr<parallel::ZeroSharding> zero;
+  std::unique_ptr<model::ParamStore> params;
+  std::unique_ptr<kernels::Backend> be;
+  std::unique_ptr<runtime::AdamW> adam;
+};
+
+// This rank's shards of the ZeRO-1 state: exp_avg = 2 p, exp_avg_sq = 3 p over its partitions.
+ShardedState sharded_state(const plan::ParallelPlan& p, bool fill) {
+  const plan::Coord c = p.grid.coord(world_rank());
+  ShardedState s;
+  s.groups = comm::create_groups(runtime::group_specs(p.grid, world_rank()));
+  s.dp = s.groups[1].communicator("dp");
+  s.edp = s.groups[4].communicator("edp");
+  s.params = std::make_unique<model::ParamStore>(p.params, p.param_stage, 32,
+                                                  model::ShardCoords{c.pp, c.tp, p.degrees.tp, c.ep, p.degrees.ep});
+  s.zero = std::make_unique<parallel::ZeroSharding>(1, s.params->dense_numel(), s.params->expert_numel(), *s.dp, *s.edp);
+  s.params->pad(s.zero->buffer_length(false), s.zero->buffer_length(true));
+  s.be = kernels::make_cpu_backend(1);
+  s.adam = std::make_unique<runtime::AdamW>(p.config.optimizer, *s.params, *s.be, s.zero->shard(false),
+                                            s.zero->shard(true));
+  if (fill) {
+    s.params->initialize(1234, 0.02);
+    for (const bool e : {false, true}) {
+      const auto& w = e ? s.params->expert_params() : s.params->dense_params();
+      const parallel::Range sh = s.zero->shard(e);
+      for (int64_t i = 0; i < sh.size(); ++i)
+        s.adam->moment(1, e)[size_t(i)] = 2 * w[size_t(sh.begin + i)], s.adam->moment(2, e)[size_t(i)] = 3 * w[size_t(sh.begin + i)];
+    }
+  }
+  return s;
+}
+
+TEST_P(ZeroCheckpoint, ShardedMomentsAreGatheredOverTheirOwnGroups) {
+  const Layout l = GetParam();
+  const std::string dir = ::testing::TempDir() + "/mpi_ckpt_zero";
+  if (world_rank() == 0) std::filesystem::remove_all(dir);
+  MPI_Barrier(MPI_COMM_WORLD);
+  const plan::ParallelPlan p = make(l.tp, l.pp, l.ep, 4, dir, 1);
+  ShardedState s = sharded_state(p, true);
+  EXPECT_EQ(s.zero->group(false).size(), p.degrees.dp);
+  EXPECT_EQ(s.zero->group(true).size(), p.degrees.edp());
+  runtime::Checkpointer ck(p, comm::ProcessGroup::world());
+  runtime::TrainState st;
+  st.step = 3;
+  const std::string path = ck.save(st, *s.params, *s.adam, s.zero.get());
+  if (world_rank() == 0) {
+    const plan::ParallelPlan one = make(1, 1, 1, 1, dir);
+    model::ParamStore full(one.params, one.param_stage, 32, {});
+    full.initialize(1234, 0.02);
+    io::H5File f(path, io::H5File::Mode::kRead);
+    for (const std::string& name : full.names()) {
+      if (full.view(name).buffer) continue;
+      std::vector<float> want(full.view(name).info->numel());
+      full.store_full(name, want.data());
+      for (float& x : want) x *= 3;
+      ASSERT_EQ(f.read_floats("optimizer/exp_avg_sq/" + name), want) << name;
+    }
+  }
+  ShardedState expected = sharded_state(p, true), got = sharded_state(p, false);
+  runtime::Checkpointer ck2(p, comm::ProcessGroup::world());
+  ck2.load(path, *got.params, got.adam.get());
+  for (const bool e : {false, true}) {
+    EXPECT_EQ(got.adam->moment(1, e), expected.adam->moment(1, e)) << (e ? "expert" : "dense");
+    EXPECT_EQ(got.adam->moment(2, e), expected.adam->moment(2, e)) << (e ? "expert" : "dense");
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
+}
+
+INSTANTIATE_TEST_SUITE_P(Layouts, ZeroCheckpoint,
+                         ::testing::Values(Layout{1, 1, 1},    // DP4: one group of four for both buffers
+                                           Layout{1, 1, 2},    // DP4 x EP2: experts over pairs
+                                           Layout{1, 1, 4},    // DP4 x EP4: experts not sharded at all
+                                           Layout{2, 1, 1},    // TP2 x DP2: two dp groups, different shards
+                                           Layout{1, 2, 2}));  // PP2 x DP2 x EP2
 
 }  // namespace
 }  // namespace dstrain

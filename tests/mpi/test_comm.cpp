@@ -7,7 +7,7 @@
 #include <chrono>
 #include <thread>
 
-#include "engine/comm/communicator.h"
+#include "engine/comm/mpi_communicator.h"
 #include "engine/comm/watchdog.h"
 #include "engine/common/shared_memory.h"
 #include "engine/common/error.h"

@@ -8,7 +8,7 @@
 
 #include "engine/comm/mpi_check.h"
 #include "engine/comm/process_groups.h"
-#include "engine/runtime/groups.h"
+#include "engine/runtime/rank_engine.h"
 
 #include "tests/mpi/mpi_test_util.h"
 
@@ -37,15 +37,14 @@ TEST(ProcessGroups, MatchThePlanForEveryLayout) {
   for (const plan::Degrees& d : layouts) {
     const plan::RankGrid grid(d);
     const auto specs = runtime::group_specs(grid, me);
-    std::vector<comm::ProcessGroup> groups = comm::create_groups(specs, MPI_COMM_WORLD);
+    std::vector<comm::ProcessGroup> groups = comm::create_groups(specs);
     ASSERT_EQ(groups.size(), 5u);
     for (size_t i = 0; i < groups.size(); ++i) {
       const comm::ProcessGroup& g = groups[i];
       ASSERT_NO_THROW(g.verify()) << g.name();
       EXPECT_EQ(g.size(), grid.group_size(plan::kAllAxes[i]));
       EXPECT_EQ(g.world_ranks()[g.rank()], me);
-      int64_t sum = 0, mine = me;
-      DS_MPI_CHECK(MPI_Allreduce(&mine, &sum, 1, MPI_INT64_T, MPI_SUM, g.comm()));
+      const int64_t sum = comm::all_reduce_value(*g.communicator("check"), int64_t(me), comm::ReduceOp::kSum);
       int64_t expected = 0;
       for (int r : g.world_ranks()) expected += r;
       EXPECT_EQ(sum, expected) << g.name() << " tp" << d.tp << " pp" << d.pp << " dp" << d.dp;
@@ -55,7 +54,7 @@ TEST(ProcessGroups, MatchThePlanForEveryLayout) {
 
 TEST(ProcessGroups, SpecWithoutThisRankIsRejected) {
   comm::GroupSpec bad{"tp", 0, {world_size()}};  // a rank that does not exist
-  EXPECT_THROW(comm::ProcessGroup(bad, MPI_COMM_WORLD), CommError);
+  EXPECT_THROW(comm::ProcessGroup{bad}, CommError);
 }
 
 }  // namespace

@@ -8,7 +8,7 @@
 #include <thread>
 #include <vector>
 
-#include "engine/comm/communicator.h"
+#include "engine/comm/mpi_communicator.h"
 
 int main(int argc, char** argv) {
   MPI_Init(&argc, &argv);

@@ -25,7 +25,7 @@ TEST(Config, DefaultsFollowDeepSpeed) {
   EXPECT_EQ(c.zero_optimization.stage, 0);
   EXPECT_EQ(c.gradient_clipping, 0.0);
   EXPECT_EQ(c.steps_per_print, 10);
-  EXPECT_EQ(c.optimizer.type, "AdamW");
+  EXPECT_EQ(c.optimizer.type, OptimizerType::kAdamW);
   EXPECT_FALSE(c.scheduler.has_value());
   EXPECT_TRUE(c.parallel.data.is_auto());
   EXPECT_EQ(c.precision(), Precision::kFp32);
@@ -60,7 +60,7 @@ TEST(Config, SetOverridesScalarsListsAndNewSections) {
   EXPECT_EQ(c.parallel.tensor, 2);
   EXPECT_EQ(c.optimizer.params.betas, (std::vector<double>{0.8, 0.9}));
   ASSERT_TRUE(c.scheduler.has_value());
-  EXPECT_EQ(c.scheduler->type, "WarmupDecayLR");
+  EXPECT_EQ(c.scheduler->type, SchedulerType::kWarmupDecayLR);
   EXPECT_EQ(c.precision(), Precision::kBf16);
   ASSERT_TRUE(c.model.rope_scaling.has_value());
   EXPECT_EQ(c.model.rope_scaling->factor, 4.0);

@@ -1,4 +1,4 @@
-// The parameter registry: names and shapes in Hugging Face layout, counts equal to MODEL.md §9,
+// The parameter registry: names and shapes in Hugging Face layout, counts equal to docs/model.md §9,
 // and shard rules that tile every tensor exactly once.
 #include <gtest/gtest.h>
 
@@ -16,7 +16,7 @@ namespace {
 using config::ModelConfig;
 using config::model_preset;
 
-// MODEL.md §9's formulas, written independently of the table builder.
+// docs/model.md §9's formulas, written independently of the table builder.
 std::pair<int64_t, int64_t> formula_counts(const ModelConfig& m) {
   const int64_t H = m.hidden_size, nh = m.num_attention_heads, dqk = m.qk_head_dim();
   int64_t attn = m.q_lora_rank ? H * *m.q_lora_rank + *m.q_lora_rank + *m.q_lora_rank * nh * dqk
@@ -39,7 +39,7 @@ std::pair<int64_t, int64_t> formula_counts(const ModelConfig& m) {
   return {total, activated};
 }
 
-ModelConfig deepseek_v2_236b() {  // MODEL.md §9.1, "for reference"
+ModelConfig deepseek_v2_236b() {  // docs/model.md §9.1, "for reference"
   ModelConfig m = model_preset("deepseek-v2-lite");
   m.hidden_size = 5120;
   m.intermediate_size = 12288;
@@ -52,7 +52,7 @@ ModelConfig deepseek_v2_236b() {  // MODEL.md §9.1, "for reference"
   m.num_experts_per_tok = 6;
   m.n_group = 8;
   m.topk_group = 3;
-  m.topk_method = "group_limited_greedy";
+  m.topk_method = config::TopkMethod::kGroupLimitedGreedy;
   return m;
 }
 
@@ -61,7 +61,7 @@ struct Published {
   int64_t total, activated, activated_excl_embedding;
 };
 
-// MODEL.md §9 table.
+// docs/model.md §9 table.
 TEST(ParamCounts, EqualThePublishedFigures) {
   const Published rows[] = {
       {"tiny", 125'664, 113'376, 96'992},
@@ -109,7 +109,7 @@ TEST(ParamCounts, MatchFormulasOnRandomModels) {
     m.n_routed_experts = pick(0, 3) ? std::optional<int64_t>(pick(1, 16)) : std::nullopt;
     m.n_shared_experts = pick(0, 2);
     m.num_experts_per_tok = 1;
-    m.model_type = pick(0, 1) ? "deepseek_v3" : "deepseek_v2";
+    m.model_type = pick(0, 1) ? config::ModelType::kDeepseekV3 : config::ModelType::kDeepseekV2;
     const auto [total, activated] = formula_counts(m);
     const ParamCounts c = count_params(m, build_param_table(m));
     ASSERT_EQ(c.total, total) << "trial " << trial;
@@ -226,7 +226,7 @@ TEST(ShardSpec, RulesFollowModelSpec) {
   EXPECT_EQ(rule["model.layers.1.mlp.gate.weight"], Shard::kReplicated);
 }
 
-// Expert j lives on EP rank floor(j / (E / ep)) (MODEL.md §10.2).
+// Expert j lives on EP rank floor(j / (E / ep)) (docs/model.md §10.2).
 TEST(ShardSpec, ExpertsInContiguousBlocks) {
   ModelConfig m = model_preset("small");
   for (const auto& p : build_param_table(m)) {

@@ -1,4 +1,4 @@
-// make_plan and its parts: DeepSpeed's batch triangle, stage assignment, FLOPs (MODEL.md §8),
+// make_plan and its parts: DeepSpeed's batch triangle, stage assignment, FLOPs (docs/model.md §8),
 // memory by ZeRO stage, and the dry-run report.
 #include <gtest/gtest.h>
 
@@ -130,7 +130,7 @@ TEST(Plan, ShardOfARankOnAnotherStageHoldsNothing) {
   EXPECT_FALSE(p.shard(0, 1).held);
 }
 
-// MODEL.md §8's table, at its sequence lengths.
+// docs/model.md §8's table, at its sequence lengths.
 TEST(Flops, MatchTheModelSpecTable) {
   const FlopsPerToken tiny = flops_per_token(config::model_preset("tiny"), 128);
   EXPECT_EQ(tiny.attn_proj, 36'864);
@@ -166,7 +166,7 @@ TEST(Flops, MatchTheModelSpecTable) {
   EXPECT_TRUE(near(f3.train, 250.5e9, 1e-3));
 }
 
-// MTP adds per module F_attn_proj + F_attn_core + F_moe + 4H^2 + 2HV (MODEL.md §8).
+// MTP adds per module F_attn_proj + F_attn_core + F_moe + 4H^2 + 2HV (docs/model.md §8).
 TEST(Flops, MtpModuleAddsItsLayerProjectionAndHead) {
   config::ModelConfig m = config::model_preset("tiny");
   const FlopsPerToken base = flops_per_token(m, 128);

@@ -1,4 +1,4 @@
-// The rank grid: DESIGN §2's order for every small layout, and the group structure.
+// The rank grid: docs/design.md §2.1's order for every small layout, and the group structure.
 #include <gtest/gtest.h>
 
 #include <set>

@@ -3,7 +3,7 @@
 //       achieved GFLOP/s or GB/s per kernel at the model's shapes, GEMMs next to the library's
 //       own speed at the same shape, and the machine's measured fp32 FMA peak
 //   dstrain-bench model [--preset small] [--batch 8] [--seq 256] [--threads N] [--steps 5]
-//       forward + backward + AdamW tokens/s, achieved GFLOP/s (MODEL.md §8 model FLOPs), the
+//       forward + backward + AdamW tokens/s, achieved GFLOP/s (docs/model.md §8 model FLOPs), the
 //       fraction of the measured FMA peak, and peak memory against what the step accounts for
 #include <immintrin.h>
 #include <omp.h>
@@ -28,6 +28,7 @@
 #include "engine/config/load_config.h"
 #include "engine/config/presets.h"
 #include "engine/runtime/checkpoint.h"
+#include "engine/runtime/rank_engine.h"
 #include "engine/model/deepseek_model.h"
 #include "engine/plan/model_math.h"
 #include "engine/plan/parallel_plan.h"
@@ -52,52 +53,42 @@ double time_it(const std::function<void()>& fn, int reps = 5) {
   return t[t.size() / 2];
 }
 
-// fp32 FMA peak: independent FMA chains on every thread (AVX-512, or AVX2 where the build
-// machine has no AVX-512), in GFLOP/s.
-#if defined(__AVX512F__)
-using VecF = __m512;
-constexpr int kLanes = 16;
-inline VecF vset(float x) { return _mm512_set1_ps(x); }
-inline VecF vfma(VecF a, VecF b, VecF c) { return _mm512_fmadd_ps(a, b, c); }
-inline float vsum(VecF a) {  // (_mm512_reduce_add_ps trips a GCC 12 header warning)
-  float v[16];
-  _mm512_storeu_ps(v, a);
-  float s = 0;
-  for (float x : v) s += x;
-  return s;
-}
-#else
-using VecF = __m256;
-constexpr int kLanes = 8;
-inline VecF vset(float x) { return _mm256_set1_ps(x); }
-inline VecF vfma(VecF a, VecF b, VecF c) { return _mm256_fmadd_ps(a, b, c); }
-inline float vsum(VecF a) {
-  float v[8];
-  _mm256_storeu_ps(v, a);
-  return v[0] + v[1] + v[2] + v[3] + v[4] + v[5] + v[6] + v[7];
-}
-#endif
+// fp32 FMA peak: twelve independent FMA chains per thread for `iters` iterations, with the
+// widest vectors the machine has — AVX-512 where the CPU supports it, else AVX2. The build
+// targets x86-64-v3, so the AVX-512 body is compiled for that function alone. Returns FLOPs per
+// second of one run.
+#define DSTRAIN_FMA_CHAINS(VEC, LANES, SET, FMA, STORE)                                   \
+  const auto a = Clock::now();                                                            \
+  float sink = 0;                                                                         \
+  _Pragma("omp parallel num_threads(threads) reduction(+ : sink)") {                      \
+    VEC acc[12];                                                                          \
+    for (int i = 0; i < 12; ++i) acc[i] = SET(float(i) * 1e-3f);                          \
+    const VEC x = SET(0.999999f), y = SET(1e-7f);                                         \
+    for (int64_t it = 0; it < iters; ++it)                                                \
+      for (int i = 0; i < 12; ++i) acc[i] = FMA(acc[i], x, y);                            \
+    for (int i = 1; i < 12; ++i) acc[0] = FMA(acc[i], SET(1.0f), acc[0]);                 \
+    float v[LANES];                                                                       \
+    STORE(v, acc[0]);                                                                     \
+    for (float f : v) sink += f;                                                          \
+  }                                                                                       \
+  const double secs = std::chrono::duration<double>(Clock::now() - a).count();           \
+  if (sink == 12345.f) std::printf(" ");                                                  \
+  return double(iters) * 12 * LANES * 2 * threads / secs;
 
+__attribute__((target("avx512f"))) double fma_run_avx512(int threads, int64_t iters) {
+  DSTRAIN_FMA_CHAINS(__m512, 16, _mm512_set1_ps, _mm512_fmadd_ps, _mm512_storeu_ps)
+}
+double fma_run_avx2(int threads, int64_t iters) {
+  DSTRAIN_FMA_CHAINS(__m256, 8, _mm256_set1_ps, _mm256_fmadd_ps, _mm256_storeu_ps)
+}
+#undef DSTRAIN_FMA_CHAINS
+
+// In GFLOP/s, the best of three runs.
 double fma_peak(int threads) {
-  const int64_t iters = 20'000'000;
+  const bool avx512 = __builtin_cpu_supports("avx512f");
   double best = 0;
-  for (int rep = 0; rep < 3; ++rep) {
-    const auto a = Clock::now();
-    float sink = 0;
-#pragma omp parallel num_threads(threads) reduction(+ : sink)
-    {
-      VecF acc[12];
-      for (int i = 0; i < 12; ++i) acc[i] = vset(float(i) * 1e-3f);
-      const VecF x = vset(0.999999f), y = vset(1e-7f);
-      for (int64_t it = 0; it < iters; ++it)
-        for (int i = 0; i < 12; ++i) acc[i] = vfma(acc[i], x, y);
-      for (int i = 1; i < 12; ++i) acc[0] = vfma(acc[i], vset(1.0f), acc[0]);
-      sink += vsum(acc[0]);
-    }
-    const double secs = std::chrono::duration<double>(Clock::now() - a).count();
-    if (sink == 12345.f) std::printf(" ");
-    best = std::max(best, double(iters) * 12 * kLanes * 2 * threads / secs / 1e9);
-  }
+  for (int rep = 0; rep < 3; ++rep)
+    best = std::max(best, (avx512 ? fma_run_avx512(threads, 20'000'000) : fma_run_avx2(threads, 20'000'000)) / 1e9);
   return best;
 }
 
@@ -182,6 +173,7 @@ int bench_kernels(int threads) {
     const auto Q = randn(B * S * nh * dqk, 6), K = randn(B * S * nh * dqk, 7), V = randn(B * S * nh * dv, 8);
     std::vector<float> O(B * S * nh * dv), lse(B * nh * S), dQ(Q.size()), dK(K.size()), dV(V.size());
     const double flops = 2.0 * B * nh * (dqk + dv) * S * S / 2;
+    be->reserve_attention(S);
     const double f = time_it([&] { be->attention_forward(O.data(), lse.data(), Q.data(), K.data(), V.data(), B, S, nh, dqk, dv, 0.1f); });
     const double b = time_it([&] { be->attention_backward(dQ.data(), dK.data(), dV.data(), O.data(), Q.data(), K.data(), V.data(), O.data(), lse.data(), B, S, nh, dqk, dv, 0.1f); });
     std::printf("  attention    forward %6.1f GFLOP/s  backward %6.1f GFLOP/s (causal, S=256, 4 heads)\n",
@@ -225,30 +217,23 @@ int bench_model(int argc, char** argv) {
   cfg.model = config::model_preset(preset);
   cfg.seq_length = S;
   cfg.train_batch_size = B;
+  cfg.optimizer.params.weight_decay = 0.1;
   const plan::ParallelPlan plan = plan::make_plan(cfg, 1);
   const config::ModelConfig& m = cfg.model;
-  auto be = kernels::make_cpu_backend(threads);
-  model::ParamStore params(plan.params, plan.param_stage, m.num_routed(), model::ShardCoords{});
-  params.initialize(1234, m.initializer_range);
+  // The engine as the trainer builds it (no gradient groups on one rank), and its AdamW.
+  runtime::RankEngine engine = runtime::build_rank_engine(plan, runtime::RankGroups(plan), {threads});
+  model::ParamStore& params = *engine.params;
+  model::DeepSeekModel& net = *engine.model;
   const int64_t P = params.num_params();
-  std::vector<float> m1(P, 0.0f), v1(P, 0.0f);
-  model::LocalCollectives coll;
-  model::DeepSeekModel net(m, *be, coll, params, B, S);
+  runtime::AdamW adam(cfg.optimizer, params, *engine.backend);
   std::mt19937 rng(1);
   std::vector<int32_t> tokens(B * (S + 1));
   for (auto& t : tokens) t = int32_t(rng() % 256);
-  kernels::AdamWParams adam;
-  adam.lr = 1e-3f, adam.weight_decay = 0.1f;
   const auto step = [&](int64_t t) {
     params.zero_grads();
     net.forward(tokens.data(), {double(B * S), double(B)});
     net.backward();
-    adam.step = t;
-    auto& dp = params.dense_params();
-    auto& ep = params.expert_params();
-    be->adamw(dp.data(), params.dense_grads().data(), m1.data(), v1.data(), int64_t(dp.size()), adam);
-    be->adamw(ep.data(), params.expert_grads().data(), m1.data() + dp.size(), v1.data() + dp.size(),
-              int64_t(ep.size()), adam);
+    adam.step(1e-3, t);
   };
   step(1);
   std::vector<double> times;
@@ -295,10 +280,11 @@ int bench_checkpoint(int argc, char** argv) {
   config::TrainConfig cfg = config::load_config_file("configs/" + preset + ".yaml",
                                                      {"checkpoint.dir=" + dir, "checkpoint.keep_last=1"});
   const plan::ParallelPlan plan = plan::make_plan(cfg, 1);
-  auto be = kernels::make_cpu_backend(arg_int(argc, argv, "--threads", omp_get_max_threads()));
-  model::ParamStore params(plan.params, plan.param_stage, cfg.model.num_routed(), model::ShardCoords{});
-  params.initialize(7, 0.02);
-  runtime::AdamW adam(cfg.optimizer, params, *be);
+  const runtime::RankEngine engine = runtime::build_rank_engine(
+      plan, runtime::RankGroups(plan), {arg_int(argc, argv, "--threads", omp_get_max_threads()), false});
+  model::ParamStore& params = *engine.params;
+  kernels::Backend& be = *engine.backend;
+  runtime::AdamW adam(cfg.optimizer, params, be);
   adam.exp_avg_dense().assign(params.dense_params().begin(), params.dense_params().end());
   adam.exp_avg_sq_dense().assign(params.dense_params().begin(), params.dense_params().end());
   adam.exp_avg_expert().assign(params.expert_params().begin(), params.expert_params().end());
@@ -313,12 +299,13 @@ int bench_checkpoint(int argc, char** argv) {
   // buffers, the second reuses them (a trainer's steady state).
   cfg.checkpoint.async = true;
   const plan::ParallelPlan p_async = plan::make_plan(cfg, 1);
-  runtime::Checkpointer ck_async(p_async, MPI_COMM_NULL);
+  const comm::ProcessGroup self = comm::ProcessGroup::self("world");
+  runtime::Checkpointer ck_async(p_async, self);
   for (const int round : {0, 1, 2}) {
     const bool async = round > 0;
     cfg.checkpoint.async = async;
     const plan::ParallelPlan p2 = plan::make_plan(cfg, 1);
-    runtime::Checkpointer ck_sync(p2, MPI_COMM_NULL);
+    runtime::Checkpointer ck_sync(p2, self);
     runtime::Checkpointer& ck = async ? ck_async : ck_sync;
     std::FILE* clear = std::fopen("/proc/self/clear_refs", "w");  // resets the peak RSS mark
     if (clear) std::fputs("5", clear), std::fclose(clear);
@@ -338,7 +325,7 @@ int bench_checkpoint(int argc, char** argv) {
                 human_bytes(double(peak_extra)).c_str(), human_bytes(4.0 * double(largest)).c_str());
     if (round != 2) continue;
     model::ParamStore loaded(plan.params, plan.param_stage, cfg.model.num_routed(), model::ShardCoords{});
-    runtime::AdamW adam2(cfg.optimizer, loaded, *be);
+    runtime::AdamW adam2(cfg.optimizer, loaded, be);
     const auto t1 = Clock::now();
     ck.load(path, loaded, &adam2);
     const double secs = std::chrono::duration<double>(Clock::now() - t1).count();

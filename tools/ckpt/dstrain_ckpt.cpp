@@ -12,8 +12,10 @@
 #include <vector>
 
 #include <fmt/format.h>
+#include <nlohmann/json.hpp>
 
 #include "engine/common/error.h"
+#include "engine/common/host_memory.h"
 #include "engine/common/strings.h"
 #include "engine/io/hdf5_file.h"
 #include "engine/runtime/checkpoint.h"
@@ -128,17 +130,17 @@ int export_hf(const std::string& arg, const std::string& out_dir) {
     if (!cfg.flush()) throw dstrain::Error(fmt::format("{}: cannot write config.json", out_dir));
   }
   const auto names = f->list("model");
-  std::string header = "{\"__metadata__\": {\"format\": \"pt\", \"source\": \"dstrain\"}";
+  nlohmann::ordered_json meta;
+  meta["__metadata__"] = {{"format", "pt"}, {"source", "dstrain"}};
   int64_t offset = 0;
   for (const std::string& name : names) {
     const auto s = f->shape("model/" + name);
     int64_t n = 1;
     for (int64_t d : s) n *= d;
-    header += fmt::format(", \"{}\": {{\"dtype\": \"F32\", \"shape\": {}, \"data_offsets\": [{}, {}]}}", name,
-                          shape_text(s), offset, offset + 4 * n);
+    meta[name] = {{"dtype", "F32"}, {"shape", s}, {"data_offsets", {offset, offset + 4 * n}}};
     offset += 4 * n;
   }
-  header += "}";
+  std::string header = meta.dump();
   header.append((8 - header.size() % 8) % 8, ' ');  // the data starts 8-byte aligned
   const std::string out = (fs::path(out_dir) / "model.safetensors").string(), tmp = out + ".tmp";
   {
@@ -161,6 +163,7 @@ int export_hf(const std::string& arg, const std::string& out_dir) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  dstrain::tune_host_allocator();
   const std::vector<std::string> a(argv + 1, argv + argc);
   try {
     if (a.size() == 2 && a[0] == "info") return info(a[1]);

@@ -17,6 +17,7 @@
 
 #include <fmt/format.h>
 
+#include "engine/common/host_memory.h"
 #include "engine/common/error.h"
 #include "engine/common/strings.h"
 #include "engine/data/token_dataset.h"
@@ -105,6 +106,7 @@ int run(const Args& a) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  dstrain::tune_host_allocator();
   try {
     return run(parse(argc, argv));
   } catch (const dstrain::Error& e) {

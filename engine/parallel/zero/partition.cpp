@@ -6,25 +6,15 @@
 
 namespace dstrain::parallel {
 
-std::vector<Range> partition_flat(int64_t numel, int ranks, int64_t align) {
-  DS_CHECK(ranks >= 1 && align >= 1 && numel >= 0, "partition_flat({}, {}, {})", numel, ranks, align);
+FlatPartition::FlatPartition(int64_t numel, int ranks, int64_t align) : numel_(numel), ranks_(ranks) {
+  DS_CHECK(ranks >= 1 && align >= 1 && numel >= 0, "FlatPartition({}, {}, {})", numel, ranks, align);
   const int64_t block = ranks * align;
-  const int64_t per_rank = (numel + block - 1) / block * align;
-  std::vector<Range> out(ranks);
-  for (int r = 0; r < ranks; ++r) out[r] = {r * per_rank, (r + 1) * per_rank};
-  return out;
+  per_rank_ = (numel + block - 1) / block * align;
 }
 
-std::vector<ParamSlice> params_in_range(const std::vector<FlatParam>& params, Range r) {
-  std::vector<ParamSlice> out;
-  // First parameter ending after r.begin (parameters are sorted by offset and do not overlap).
-  auto it = std::lower_bound(params.begin(), params.end(), r.begin,
-                             [](const FlatParam& p, int64_t at) { return p.offset + p.numel <= at; });
-  for (; it != params.end() && it->offset < r.end; ++it) {
-    const int64_t lo = std::max(r.begin, it->offset), hi = std::min(r.end, it->offset + it->numel);
-    if (lo >= hi) continue;  // an empty parameter
-    out.push_back({it->name, lo - it->offset, hi - it->offset, lo - r.begin});
-  }
+std::vector<int64_t> FlatPartition::counts_in(Range r) const {
+  std::vector<int64_t> out(size_t(ranks_), 0);
+  for (int p = 0; p < ranks_; ++p) out[size_t(p)] = std::max<int64_t>(0, intersect(part(p), r).size());
   return out;
 }
 

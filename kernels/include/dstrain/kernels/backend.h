@@ -1,8 +1,9 @@
 // The kernel interface: every piece of math the model needs, forward and backward, behind one
 // abstract class so the same model code runs on the CPU backend (BLAS + OpenMP, also the test
-// oracle) and, later, the CUDA backend. Conventions (STYLE §4.6): outputs first, inputs next,
-// sizes and scalars last; all tensors row-major fp32 on the backend's device; no op allocates;
-// the backend object owns its threads (and, on GPU, its stream).
+// oracle) and, later, the CUDA backend. Conventions (docs/design.md §6.1): outputs first, inputs
+// next, sizes and scalars last; all tensors row-major fp32 on the backend's device; no op
+// allocates — scratch an op needs is declared up front (reserve_attention) and owned by the
+// backend; the backend object owns its threads (and, on GPU, its stream).
 //
 // Shape letters: N tokens (= B*S), B sequences, S positions, H hidden, nh heads, dqk / dv head
 // widths, dr RoPE width, I an MLP width, E routed experts, k experts per token, V vocabulary.
@@ -34,6 +35,7 @@ struct AdamWParams {
   float lr = 1e-3f, beta1 = 0.9f, beta2 = 0.999f, eps = 1e-8f, weight_decay = 0.0f;
   int64_t step = 1;          // 1-based, for bias correction
   float grad_scale = 1.0f;   // the gradient enters as grad * grad_scale (clipping, fused)
+  float l2 = 0.0f;           // L2-regularised Adam: g = grad * grad_scale + l2 * param
 };
 
 class Backend {
@@ -59,7 +61,7 @@ class Backend {
   virtual void rmsnorm_backward(float* dx, float* dw, const float* dy, const float* x,
                                 const float* w, const float* rstd, int64_t rows, int64_t C) = 0;
 
-  // RoPE in the Hugging Face DeepSeek layout (MODEL.md §3.4.1): per token t and head h, the
+  // RoPE in the Hugging Face DeepSeek layout (docs/model.md §3.4.1): per token t and head h, the
   // dr-vector at in + t*in_ts + h*in_hs (pairs (x[2j], x[2j+1]) when interleave) rotated by
   // position t % S, written de-interleaved to out + t*out_ts + h*out_hs. cos/sin [S, dr/2].
   virtual void rope_forward(float* out, int64_t out_ts, int64_t out_hs, const float* in,
@@ -71,6 +73,10 @@ class Backend {
                              int64_t N, int64_t S, int64_t heads, int64_t dr, bool interleave,
                              bool accumulate) = 0;
 
+  // Makes room for the attention kernels' scratch for sequences of up to S positions (the only
+  // allocation the ops need; done once, when a model is built). Attention on longer sequences
+  // than reserved throws std::invalid_argument.
+  virtual void reserve_attention(int64_t S) = 0;
   // Causal attention per sequence and head: Q, K [B,S,nh,dqk], V [B,S,nh,dv] -> O [B,S,nh,dv],
   // lse [B,nh,S] (log-sum-exp of the scaled scores, all backward needs besides Q, K, V, O).
   virtual void attention_forward(float* O, float* lse, const float* Q, const float* K,
@@ -86,7 +92,7 @@ class Backend {
   virtual void swiglu_backward(float* dGU, const float* dM, const float* GU, int64_t N, int64_t I) = 0;
 
   // Router: scores [N,E] from logits; selection idx [N,k] (group-limited, bias-corrected for
-  // noaux_tc) and weights w [N,k] (MODEL.md §3.6). bias may be null.
+  // noaux_tc) and weights w [N,k] (docs/model.md §3.6). bias may be null.
   virtual void router_forward(int32_t* idx, float* w, float* scores, const float* logits,
                               const float* bias, int64_t N, const RouterParams& p) = 0;
   // dlogits [N,E] from dw [N,k] and an extra score gradient dscores_extra [N,E] (balance
@@ -120,7 +126,8 @@ class Backend {
   virtual void embedding_backward(float* dtable, const float* dout, const int32_t* ids, int64_t N,
                                   int64_t H, int64_t V) = 0;
 
-  // One AdamW step (decoupled decay, bias correction) over n elements.
+  // One Adam step over n elements, bias-corrected: decoupled weight decay (AdamW) with
+  // weight_decay, L2 regularisation (Adam) with l2 — the caller sets one of them.
   virtual void adamw(float* param, const float* grad, float* m, float* v, int64_t n,
                      const AdamWParams& p) = 0;
 

@@ -1,0 +1,24 @@
+// Fault injection for the tests of failure behaviour (docs/design.md §4.2), read from the
+// environment in one place: DSTRAIN_FAULT_INJECT=KIND:N[,KIND:N...].
+//   skip_grad_sync:N     the last data-parallel rank skips the gradient reduction of step N
+//                        (1-based), as a rank with a bug would; the watchdog must end the job
+//   crash_during_save:N  the process aborts halfway through writing its N-th checkpoint
+// An unknown kind or a malformed number is an error naming the variable, so a test cannot pass
+// by injecting nothing.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace dstrain {
+
+enum class Fault { kSkipGradSync, kCrashDuringSave };
+
+// N of `fault` in DSTRAIN_FAULT_INJECT, or 0 when it is not injected. The variable is parsed
+// once, at the first call; throws ConfigError if it is malformed.
+int64_t fault_at(Fault fault);
+
+// The parser, exposed for the tests: N of `fault` in `spec` (the variable's value), 0 if absent.
+int64_t parse_fault(const std::string& spec, Fault fault);
+
+}  // namespace dstrain

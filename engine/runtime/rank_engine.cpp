@@ -1,0 +1,89 @@
+#include "engine/runtime/rank_engine.h"
+
+#include <fmt/format.h>
+
+#include "engine/common/error.h"
+
+namespace dstrain::runtime {
+
+std::vector<comm::GroupSpec> group_specs(const plan::RankGrid& grid, int rank) {
+  std::vector<comm::GroupSpec> specs;
+  for (plan::Axis a : plan::kAllAxes) {
+    const int index = grid.group_index(a, rank);
+    specs.push_back({plan::axis_name(a), index, grid.group(a, index)});
+  }
+  return specs;
+}
+
+RankGroups::RankGroups(const plan::ParallelPlan& plan) : world_(comm::ProcessGroup::self("world")) {
+  if (plan.degrees.world() != 1)
+    throw ConfigError(fmt::format("a layout of {} ranks needs MPI: run it under mpirun -np {}", plan.degrees.world(),
+                                  plan.degrees.world()));
+  coord_ = plan.grid.coord(0);
+  for (plan::Axis a : plan::kAllAxes) groups_.push_back(comm::ProcessGroup::self(plan::axis_name(a)));
+}
+
+RankGroups::RankGroups(const plan::ParallelPlan& plan, int rank, std::vector<comm::ProcessGroup> groups,
+                       comm::ProcessGroup world)
+    : rank_(rank), coord_(plan.grid.coord(rank)), groups_(std::move(groups)), world_(std::move(world)) {
+  DS_CHECK(groups_.size() == std::size(plan::kAllAxes), "{} process groups, one per axis expected", groups_.size());
+  for (size_t i = 0; i < groups_.size(); ++i)
+    DS_CHECK(groups_[i].name() == plan::axis_name(plan::kAllAxes[i]) &&
+                 groups_[i].world_ranks() == plan.grid.group_of(plan::kAllAxes[i], rank),
+             "process group {} does not match the plan", groups_[i].name());
+}
+
+const comm::ProcessGroup& RankGroups::group(plan::Axis axis) const {
+  for (size_t i = 0; i < std::size(plan::kAllAxes); ++i)
+    if (plan::kAllAxes[i] == axis) return groups_[i];
+  throw Error("no such axis");
+}
+
+void check_layout_trainable(const plan::ParallelPlan& plan) {
+  const plan::Degrees& d = plan.degrees;
+  if (d.tp != 1 || d.pp != 1 || d.ep != 1)
+    throw ConfigError(fmt::format("this build trains with data parallelism only; the layout has tensor "
+                                  "{}, pipeline {}, expert {} (those runtimes are the next issues)",
+                                  d.tp, d.pp, d.ep));
+}
+
+RankEngine build_rank_engine(const plan::ParallelPlan& plan, const RankGroups& groups, const EngineOptions& options) {
+  check_layout_trainable(plan);
+  const config::TrainConfig& cfg = plan.config;
+  const config::ModelConfig& m = cfg.model;
+  const plan::Coord& c = groups.coord();
+  const plan::Degrees& d = plan.degrees;
+  RankEngine e;
+  e.backend = kernels::make_cpu_backend(options.threads);
+  e.params = std::make_unique<model::ParamStore>(plan.params, plan.param_stage, m.num_routed(),
+                                                 model::ShardCoords{c.pp, c.tp, d.tp, c.ep, d.ep});
+  e.params->initialize(uint64_t(cfg.seed), m.initializer_range, m.pad_token_id);
+  if (options.gradients) {
+    const comm::CommOptions copts{cfg.parallel.comm_timeout_s};
+    e.dp = groups.group(plan::Axis::kData).communicator("dp", copts);
+    e.edp = groups.group(plan::Axis::kExpertData).communicator("edp", copts);
+    const config::ZeroConfig& z = cfg.zero_optimization;
+    e.zero = std::make_unique<parallel::ZeroSharding>(int(z.stage), e.params->dense_numel(), e.params->expert_numel(),
+                                                      *e.dp, *e.edp);
+    // ZeRO partitions are equal-sized: pad the buffers before anything points into them.
+    e.params->pad(e.zero->buffer_length(false), e.zero->buffer_length(true));
+    if (e.dp->size() > 1 || e.edp->size() > 1)
+      e.grad_sync = std::make_unique<parallel::GradSync>(*e.params, *e.zero, model::DeepSeekModel::backward_order(m),
+                                                         parallel::GradSyncOptions{z.overlap_comm, z.reduce_bucket_size});
+    if (e.zero->shards_optimizer()) {  // the parameter all-gather reads the owners' buffers directly too
+      bool mapped = true;
+      for (const bool expert : {false, true}) {
+        comm::Communicator& g = e.zero->group(expert);
+        model::FlatBuffer& buf = expert ? e.params->expert_params() : e.params->dense_params();
+        if (g.size() > 1) mapped = g.register_peer_memory(buf.data(), int64_t(buf.size())) && mapped;
+      }
+      e.params_peer_mapped = mapped;
+    }
+  }
+  e.collectives = std::make_unique<model::LocalCollectives>();  // the TP seam: tensor parallelism is 1 here
+  const int64_t micro = options.micro_batch > 0 ? options.micro_batch : plan.batch.micro;
+  e.model = std::make_unique<model::DeepSeekModel>(m, *e.backend, *e.collectives, *e.params, micro, cfg.seq_length, d.tp);
+  return e;
+}
+
+}  // namespace dstrain::runtime

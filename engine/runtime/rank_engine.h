@@ -1,0 +1,74 @@
+// One place builds the engine of a rank (docs/design.md §5): from the plan and this rank's
+// process groups, the backend, the parameter store (this rank's stage and shards, padded for
+// ZeRO), the model, the ZeRO partitions and the bucketed gradient reduction. The trainer,
+// `--dump-grads` and dstrain-bench all build their engine here, so they run the same assembly
+// and a layout the runtime cannot train yet is refused by one check, in one place.
+#pragma once
+
+#include <memory>
+#include <vector>
+
+#include "dstrain/kernels/backend.h"
+#include "engine/comm/process_groups.h"
+#include "engine/model/collectives.h"
+#include "engine/model/deepseek_model.h"
+#include "engine/model/param_store.h"
+#include "engine/parallel/grad_sync.h"
+#include "engine/parallel/zero/zero_sharding.h"
+#include "engine/plan/parallel_plan.h"
+
+namespace dstrain::runtime {
+
+// The specs of the groups (tp, dp, pp, ep, edp, in plan::kAllAxes order) that `rank` belongs
+// to: what comm::create_groups builds and `--check-comm` verifies.
+std::vector<comm::GroupSpec> group_specs(const plan::RankGrid& grid, int rank);
+
+// This rank's coordinates and its process groups, one per axis plus the world.
+class RankGroups {
+ public:
+  // One process without MPI: a world of one rank, every group this process alone. Throws
+  // ConfigError when the plan's layout needs more ranks.
+  explicit RankGroups(const plan::ParallelPlan& plan);
+  // The verified groups of world rank `rank`: `groups` as comm::create_groups returned them
+  // for group_specs(plan.grid, rank), and `world`.
+  RankGroups(const plan::ParallelPlan& plan, int rank, std::vector<comm::ProcessGroup> groups,
+             comm::ProcessGroup world);
+
+  int world_rank() const { return rank_; }
+  const plan::Coord& coord() const { return coord_; }
+  const comm::ProcessGroup& group(plan::Axis axis) const;
+  const comm::ProcessGroup& world() const { return world_; }
+
+ private:
+  int rank_ = 0;
+  plan::Coord coord_;
+  std::vector<comm::ProcessGroup> groups_;  // in plan::kAllAxes order
+  comm::ProcessGroup world_;
+};
+
+// The layouts the runtime trains today. Throws ConfigError naming what is missing otherwise.
+void check_layout_trainable(const plan::ParallelPlan& plan);
+
+struct EngineOptions {
+  int threads = 0;          // CPU threads (0: all cores, or OMP_NUM_THREADS)
+  bool gradients = true;    // build the ZeRO partitions and the gradient reduction (training)
+  int64_t micro_batch = 0;  // sequences per forward; 0: the plan's micro-batch
+};
+
+struct RankEngine {
+  std::unique_ptr<kernels::Backend> backend;
+  std::unique_ptr<model::ParamStore> params;  // initialised from the seed
+  std::unique_ptr<model::Collectives> collectives;
+  std::unique_ptr<model::DeepSeekModel> model;
+  // The gradient groups: dense parameters reduce over dp, routed experts over edp.
+  std::unique_ptr<comm::Communicator> dp, edp;
+  std::unique_ptr<parallel::ZeroSharding> zero;
+  std::unique_ptr<parallel::GradSync> grad_sync;  // null when neither group has peers
+  bool params_peer_mapped = false;  // the ZeRO parameter all-gather reads peers' memory
+};
+
+// Collective over this rank's groups (communicators, peer-memory registration). `plan` must
+// outlive the engine: the parameter store's views point into its registry.
+RankEngine build_rank_engine(const plan::ParallelPlan& plan, const RankGroups& groups, const EngineOptions& options);
+
+}  // namespace dstrain::runtime
