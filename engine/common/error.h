@@ -22,7 +22,6 @@ class ConfigError : public Error {
   using Error::Error;
 };
 
-// A failed MPI (later NCCL) call or a communicator that does not match the plan.
 // An error every rank of the job raises at the same point of the run — a divergence seen in
 // all-reduced losses, a checkpoint failure broadcast from rank 0 — so the ranks can agree on it
 // and exit together. Any other error raised while the ranks are inside their collectives ends
@@ -32,6 +31,7 @@ class AgreedError : public Error {
   using Error::Error;
 };
 
+// A failed MPI (later NCCL) call or a communicator that does not match the plan.
 class CommError : public Error {
  public:
   using Error::Error;

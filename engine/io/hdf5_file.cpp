@@ -185,10 +185,6 @@ std::vector<float> H5File::read_floats(const std::string& name) const {
 std::vector<int32_t> H5File::read_ints(const std::string& name) const {
   return read_impl<int32_t>(file_, path_, name, H5T_NATIVE_INT32, shape(name));
 }
-std::vector<double> H5File::read_doubles(const std::string& name) const {
-  return read_impl<double>(file_, path_, name, H5T_NATIVE_DOUBLE, shape(name));
-}
-
 std::vector<std::string> H5File::list(const std::string& group) const {
   Handle g{check(H5Gopen2(file_, group.c_str(), H5P_DEFAULT), "open group " + group, path_), H5Gclose};
   H5G_info_t info;

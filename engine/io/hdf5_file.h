@@ -39,7 +39,6 @@ class H5File {
   std::vector<int64_t> shape(const std::string& name) const;
   std::vector<float> read_floats(const std::string& name) const;
   std::vector<int32_t> read_ints(const std::string& name) const;
-  std::vector<double> read_doubles(const std::string& name) const;
   // Names of the datasets directly under group `group`.
   std::vector<std::string> list(const std::string& group) const;
 

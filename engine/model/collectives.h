@@ -1,6 +1,7 @@
 // The only cross-rank calls model math makes (docs/design.md §6.2): the Megatron f/g points of tensor
-// parallelism. The model names the points; parallel/ implements them over communicators.
-// LocalCollectives is the single-process implementation (TP = 1): every call is the identity.
+// parallelism. The model names the points; the tensor-parallel runtime is to implement them
+// over the tp group's communicator. LocalCollectives is the implementation for TP = 1, the
+// only one today: every call is the identity.
 #pragma once
 
 #include <cstdint>

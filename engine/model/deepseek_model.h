@@ -73,8 +73,6 @@ class DeepSeekModel {
   struct Mtp;  // one multi-token-prediction module
   double head_loss(float* logits, const float* h, float* z, float* rstd, const WeightRef& norm,
                    const int32_t* targets, int64_t rows, double grad_scale);
-  void head_backward(float* dh, float* dlogits, const float* h, const float* z, const float* rstd,
-                     const WeightRef& norm, int64_t rows, float* tmp);
   void mtp_forward(const int32_t* tokens, const LossScale& scale, Losses& out);
   void mtp_backward(float* dz);
 

@@ -133,11 +133,6 @@ void ParamStore::slice_to_full(const ParamView& v, const float* local, float* fu
   for_each_global_index(*v.info, v.shard, [&](int64_t l, int64_t g) { full[g] = local[l]; });
 }
 
-void ParamStore::full_to_slice(const ParamView& v, const float* full, float* local) {
-  if (whole(v)) return (void)std::copy(full, full + v.info->numel(), local);
-  for_each_global_index(*v.info, v.shard, [&](int64_t l, int64_t g) { local[l] = full[g]; });
-}
-
 void ParamStore::load_full(const std::string& name, const float* full, bool into_grad) {
   const ParamView& v = view(name);
   float* p = base(v, into_grad) + v.offset;

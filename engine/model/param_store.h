@@ -70,14 +70,16 @@ class ParamStore {
   int64_t dense_numel() const { return dense_numel_; }
   int64_t expert_numel() const { return expert_numel_; }
   // Extends the flat parameter and gradient buffers with zeros to these lengths (ZeRO partitions
-  // are equal-sized, so the buffers are padded to a multiple of the data-parallel size). Moves the
-  // buffers: call it before anything keeps pointers into them.
+  // are equal-sized: at stage >= 1 the dense buffer is padded to its partition over the
+  // data-parallel group, the expert buffer over the expert-data-parallel group;
+  // parallel::ZeroSharding::buffer_length). Moves the buffers: call it before anything keeps
+  // pointers into them.
   void pad(int64_t dense_len, int64_t expert_len);
 
-  // Copies between a full tensor and a rank's slice of it held in `local` (any flat buffer laid
-  // out like this store's, e.g. optimizer moments: pass the address of the view's first element).
+  // Copies a rank's slice of a tensor, held in `local` (any flat buffer laid out like this
+  // store's, e.g. optimizer moments: pass the address of the view's first element), into the
+  // full tensor.
   static void slice_to_full(const ParamView& v, const float* local, float* full);
-  static void full_to_slice(const ParamView& v, const float* full, float* local);
 
   // Copies between a full tensor and this rank's slice of it.
   void load_full(const std::string& name, const float* full, bool into_grad = false);

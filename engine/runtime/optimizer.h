@@ -1,5 +1,6 @@
 // AdamW over a rank's parameter store (PyTorch / DeepSpeed semantics: decoupled weight decay,
-// bias correction), weight decay only on the parameters the registry marks (matrices; not norms,
+// bias correction; DeepSpeed's Adam with adam_w_mode false adds the decay to the gradient
+// instead, L2), weight decay only on the parameters the registry marks (matrices; not norms,
 // biases or buffers), fp32 moments in flat buffers parallel to the parameters — for the whole
 // buffers, or with ZeRO (engine/parallel/zero/zero_sharding.h) for this rank's shards only.
 // Plus the global gradient norm's local part and DeepSpeed's clipping factor.

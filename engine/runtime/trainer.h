@@ -70,7 +70,6 @@ class Trainer {
 
   model::ParamStore& params() { return *engine_.params; }
   const data::TokenDataset& dataset() const { return *dataset_; }
-  double peak_flops() const { return peak_flops_; }
 
  private:
   double measure_peak_flops();

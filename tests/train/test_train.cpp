@@ -9,7 +9,10 @@
 #include <set>
 #include <sstream>
 
+#include "engine/config/load_config.h"
+#include "engine/config/presets.h"
 #include "engine/data/token_dataset.h"
+#include "engine/io/hdf5_file.h"
 #include "engine/runtime/lr_schedule.h"
 #include "engine/runtime/metrics.h"
 #include "engine/parallel/zero/zero_sharding.h"
@@ -286,6 +289,42 @@ TEST(Metrics, Crc32cKnownAnswerAndEventRoundTrip) {
   f.put('\x7f');
   f.close();
   EXPECT_THROW(read_tensorboard_scalars(path), Error);
+}
+
+}  // namespace
+}  // namespace dstrain::runtime
+
+namespace dstrain::runtime {
+namespace {
+
+// JSON written by dstrain escapes what it must: quotes, backslashes and non-ASCII in
+// model.architectures (the HF config.json, also stored in every checkpoint) and in the paths of
+// the metrics file, which a JSON parser must read back exactly.
+TEST(Json, QuotesBackslashesAndNonAsciiSurviveConfigAndMetrics) {
+  const std::string arch = "Deepseek\"V3\\For\tCausalLM \xc3\xbc\xe2\x82\xac";  // ", \, tab, ü, €
+  config::ModelConfig m = config::model_preset("tiny");
+  m.architectures = {arch, "second"};
+  const nlohmann::json hf = nlohmann::json::parse(config::to_hf_config_json(m));
+  EXPECT_EQ(hf["architectures"], nlohmann::json::array({arch, "second"}));
+  EXPECT_EQ(hf["rope_scaling"], nullptr);
+  EXPECT_EQ(hf["vocab_size"], 256);
+
+  const std::string dir = ::testing::TempDir() + "/json \"odd\" \\ dir \xc3\xa9";
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  const std::string metrics = dir + "/m\"etrics\\ \xc3\xbc.jsonl";
+  plan::ParallelPlan p = tiny_plan({"train_steps=2", "steps_per_print=1", "data.eval_interval=0",
+                                    "checkpoint.resume=none", "checkpoint.dir=" + dir + "/ckpt"});
+  p.config.monitor.metrics_file = metrics;  // set directly: any bytes a file system allows
+  p.config.model.architectures = {arch};
+  Trainer t(p, 1);
+  t.run();
+  std::ifstream in(metrics);
+  int rows = 0;
+  for (std::string line; std::getline(in, line); ++rows) EXPECT_TRUE(nlohmann::json::parse(line).contains("loss"));
+  EXPECT_EQ(rows, 2);
+  const io::H5File ckpt(latest_checkpoint(dir + "/ckpt"), io::H5File::Mode::kRead);
+  EXPECT_EQ(nlohmann::json::parse(ckpt.attr_string("hf_config"))["architectures"][0], arch);
 }
 
 }  // namespace

@@ -1,8 +1,10 @@
 // The toolchain compiles what the engine relies on correctly, with the project's own flags.
 // GCC 12.2 with AVX-512 enabled (-march=native on Zen 4 or Sapphire Rapids, -mavx512f)
-// vectorises the constant int64 vector below into a broadcast of its first element; the build
-// therefore targets x86-64-v3 (CMakeLists.txt, docs/design.md §7.3). If a build option brings
-// the miscompilation back, this test fails instead of the engine silently computing nonsense.
+// vectorises the constant int64 vector below into a broadcast of its first element; the engine
+// is therefore built for x86-64-v3 (CMakeLists.txt, docs/design.md §7.3), and this test is
+// compiled with the engine's flags: if a build option brings the miscompilation back, it fails
+// instead of the engine silently computing nonsense. (The CPU kernels keep AVX-512 without SLP
+// vectorisation, and their own tests check them against naive references.)
 #include <gtest/gtest.h>
 
 #include <cstdint>
