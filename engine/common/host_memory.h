@@ -7,10 +7,11 @@
 // packing buffers on every call, a checkpoint's tensors one at a time, collective buffers — so
 // each round trip costs page faults on fresh zeroed pages, which are slow on virtual machines.
 // With this setting allocations under 256 MiB come from the heap and up to 1 GiB of freed
-// memory stays in the process for the next use. Measured on the project's 2-core VM: the
-// default settings cost 12% of a `small` training step (GEMM packing buffers) and halve the
-// checkpoint load throughput (0.85 vs 1.55 GB/s); the README's performance section has the
-// current figures.
+// memory stays in the process for the next use. Measured on the project's 2-core VMs
+// (docs/design.md §7.2): with glibc's defaults a `medium` checkpoint loads at 0.91 GB/s instead
+// of 1.76 and saves at 1.24 GB/s instead of 1.47 (AMD Zen 4, 2026-11-30); on the Sapphire Rapids
+// VM of an earlier session the defaults also cost 12% of a `small` training step (the GEMM
+// library's packing buffers), which the Zen 4 VM did not show.
 #pragma once
 
 namespace dstrain {

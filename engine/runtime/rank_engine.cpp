@@ -81,6 +81,7 @@ RankEngine build_rank_engine(const plan::ParallelPlan& plan, const RankGroups& g
     }
   }
   e.collectives = std::make_unique<model::LocalCollectives>();  // the TP seam: tensor parallelism is 1 here
+  if (!options.model) return e;
   const int64_t micro = options.micro_batch > 0 ? options.micro_batch : plan.batch.micro;
   e.model = std::make_unique<model::DeepSeekModel>(m, *e.backend, *e.collectives, *e.params, micro, cfg.seq_length, d.tp);
   return e;

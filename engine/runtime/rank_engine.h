@@ -53,13 +53,14 @@ struct EngineOptions {
   int threads = 0;          // CPU threads (0: all cores, or OMP_NUM_THREADS)
   bool gradients = true;    // build the ZeRO partitions and the gradient reduction (training)
   int64_t micro_batch = 0;  // sequences per forward; 0: the plan's micro-batch
+  bool model = true;        // build the model (its activations); false: parameters only
 };
 
 struct RankEngine {
   std::unique_ptr<kernels::Backend> backend;
   std::unique_ptr<model::ParamStore> params;  // initialised from the seed
   std::unique_ptr<model::Collectives> collectives;
-  std::unique_ptr<model::DeepSeekModel> model;
+  std::unique_ptr<model::DeepSeekModel> model;  // null when EngineOptions::model is false
   // The gradient groups: dense parameters reduce over dp, routed experts over edp.
   std::unique_ptr<comm::Communicator> dp, edp;
   std::unique_ptr<parallel::ZeroSharding> zero;

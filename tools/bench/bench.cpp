@@ -281,7 +281,8 @@ int bench_checkpoint(int argc, char** argv) {
                                                      {"checkpoint.dir=" + dir, "checkpoint.keep_last=1"});
   const plan::ParallelPlan plan = plan::make_plan(cfg, 1);
   const runtime::RankEngine engine = runtime::build_rank_engine(
-      plan, runtime::RankGroups(plan), {arg_int(argc, argv, "--threads", omp_get_max_threads()), false});
+      plan, runtime::RankGroups(plan),
+      {arg_int(argc, argv, "--threads", omp_get_max_threads()), false, 0, /*model=*/false});
   model::ParamStore& params = *engine.params;
   kernels::Backend& be = *engine.backend;
   runtime::AdamW adam(cfg.optimizer, params, be);
