@@ -3,7 +3,11 @@
 // plan for the world size, builds the process groups of every axis and verifies them, then
 // reports, dumps gradients or trains. Any error on any rank ends the job on every rank with a
 // non-zero exit and one clear line — never a hang.
+#include <sched.h>
+
+#include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <iostream>
 #include <memory>
 #include <optional>
@@ -105,7 +109,28 @@ int print_ranks_needed(const launcher::Options& opts) {
   }
 }
 
-int run(const launcher::Options& opts, int rank, int world) {
+// Threads per rank when neither --threads nor OMP_NUM_THREADS says: the cores this process may
+// use, shared among the ranks on this host (mpirun -np 4 on 2 cores: one thread each, not 4 x 2).
+launcher::Options with_default_threads(launcher::Options opts, int rank) {
+  if (opts.threads > 0 || std::getenv("OMP_NUM_THREADS")) return opts;
+  MPI_Comm node = MPI_COMM_NULL;
+  int local = 1;
+  if (MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &node) == MPI_SUCCESS) {
+    MPI_Comm_size(node, &local);
+    MPI_Comm_free(&node);
+  }
+  cpu_set_t set;
+  const int cores = sched_getaffinity(0, sizeof set, &set) == 0 ? CPU_COUNT(&set) : 1;
+  opts.threads = std::max(1, cores / std::max(1, local));
+  if (rank == 0)
+    spdlog::info("{} thread{} per rank: {} core{} for {} rank{} on this host (--threads N or OMP_NUM_THREADS to "
+                 "change)",
+                 opts.threads, opts.threads == 1 ? "" : "s", cores, cores == 1 ? "" : "s", local, local == 1 ? "" : "s");
+  return opts;
+}
+
+int run(const launcher::Options& cli, int rank, int world) {
+  launcher::Options opts = cli;
   std::optional<std::string> error;
   std::optional<plan::ParallelPlan> p = load_plan(opts, world, error);
   if (agree_on_failure(error, rank, world)) return 1;
@@ -122,6 +147,7 @@ int run(const launcher::Options& opts, int rank, int world) {
     return 0;
   }
   init_logging(rank, p->config.monitor.log_level);
+  opts = with_default_threads(opts, rank);
   if (!opts.dump_grads.empty()) {
     std::optional<std::string> dump_error;
     try {

@@ -1,7 +1,9 @@
-// SIGTERM / SIGINT handling for the whole process. The signals are blocked in every thread
-// (OpenMP, oneDNN and MPI threads inherit the mask), and one watcher thread receives them with
-// sigwait: during training it asks the loop to save a checkpoint and stop after the current step;
-// otherwise, or on a second signal, the process exits at once with 128 + signal.
+// The "save and stop" signals for the whole process: SIGTERM and SIGINT, and SIGUSR1 / SIGUSR2
+// (what Slurm's --signal and Open MPI's mpirun forward to every rank without ending the job).
+// The signals are blocked in every thread (OpenMP, oneDNN and MPI threads inherit the mask), and
+// one watcher thread receives them with sigwait: during training it asks the loop to save a
+// checkpoint and stop after the current step (the run then exits 0); otherwise, or on a second
+// signal, the process exits at once with 128 + signal.
 #pragma once
 
 namespace dstrain::launcher {

@@ -14,6 +14,7 @@ packages=(
   libgtest-dev                          # tests (GoogleTest, run through CTest)
   libopenblas-openmp-dev                # CPU GEMM (OpenMP build: safe inside parallel regions)
   libdnnl-dev                           # oneDNN: the other CPU GEMM, measured against OpenBLAS
+  clang libclang-rt-14-dev libomp-14-dev   # the sanitizer build and libFuzzer targets (tools/run-sanitized.sh)
 )
 
 missing=()

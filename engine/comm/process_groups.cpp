@@ -83,6 +83,16 @@ void ProcessGroup::verify() const {
                                 format_rank_list(spec_.ranks)));
 }
 
+int ProcessGroup::ranks_on_this_host() const {
+  if (!handle_) return 1;
+  MPI_Comm node = MPI_COMM_NULL;
+  DS_MPI_CHECK(MPI_Comm_split_type(handle_->comm, MPI_COMM_TYPE_SHARED, rank_, MPI_INFO_NULL, &node));
+  int n = 1;
+  DS_MPI_CHECK(MPI_Comm_size(node, &n));
+  MPI_Comm_free(&node);
+  return n;
+}
+
 std::unique_ptr<Communicator> ProcessGroup::communicator(const std::string& name, CommOptions options) const {
   if (!handle_) return make_self_communicator(name);
   return make_mpi_communicator(handle_->comm, name, options);

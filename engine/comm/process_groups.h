@@ -60,6 +60,9 @@ class ProcessGroup {
   // naming the group when MPI's communicator differs.
   void verify() const;
 
+  // Collective: how many members of this group run on this host (they share its memory).
+  int ranks_on_this_host() const;
+
   // A new Communicator over this group (collective over its members, who must create their
   // communicators in the same order), named `name` in reports.
   std::unique_ptr<Communicator> communicator(const std::string& name, CommOptions options = {}) const;

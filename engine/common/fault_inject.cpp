@@ -14,7 +14,9 @@ struct Kind {
   Fault fault;
   const char* name;
 };
-constexpr Kind kKinds[] = {{Fault::kSkipGradSync, "skip_grad_sync"}, {Fault::kCrashDuringSave, "crash_during_save"}};
+constexpr Kind kKinds[] = {{Fault::kSkipGradSync, "skip_grad_sync"},
+                           {Fault::kCrashDuringSave, "crash_during_save"},
+                           {Fault::kSlowSave, "slow_save"}};
 
 }  // namespace
 

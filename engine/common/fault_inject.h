@@ -3,6 +3,8 @@
 //   skip_grad_sync:N     the last data-parallel rank skips the gradient reduction of step N
 //                        (1-based), as a rank with a bug would; the watchdog must end the job
 //   crash_during_save:N  the process aborts halfway through writing its N-th checkpoint
+//   slow_save:N          every checkpoint save takes N seconds longer (rank 0 waits before the
+//                        file is closed), as a large checkpoint on a slow disk would
 // An unknown kind or a malformed number is an error naming the variable, so a test cannot pass
 // by injecting nothing.
 #pragma once
@@ -12,7 +14,7 @@
 
 namespace dstrain {
 
-enum class Fault { kSkipGradSync, kCrashDuringSave };
+enum class Fault { kSkipGradSync, kCrashDuringSave, kSlowSave };
 
 // N of `fault` in DSTRAIN_FAULT_INJECT, or 0 when it is not injected. The variable is parsed
 // once, at the first call; throws ConfigError if it is malformed.

@@ -14,11 +14,17 @@
 // library's packing buffers), which the Zen 4 VM did not show.
 #pragma once
 
+#include <cstdint>
+
 namespace dstrain {
 
 inline constexpr int kMmapThresholdBytes = 256 << 20;
 inline constexpr int kTrimThresholdBytes = 1 << 30;
 
 void tune_host_allocator();
+
+// Bytes of memory this process may still use: the kernel's MemAvailable, or the cgroup's limit
+// less its usage when that is smaller (a container). 0 when neither can be read.
+int64_t host_memory_available();
 
 }  // namespace dstrain

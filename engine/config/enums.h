@@ -19,7 +19,7 @@ enum class TopkMethod { kNoauxTc, kGreedy, kGroupLimitedGreedy };
 enum class OptimizerType { kAdamW, kAdam };
 enum class SchedulerType { kWarmupLR, kWarmupDecayLR, kWarmupCosineLR };
 enum class WarmupType { kLog, kLinear };
-enum class DataFormat { kText, kTokens };
+enum class DataFormat { kAuto, kText, kTokens };
 
 template <class E>
 struct EnumNames;  // static const std::vector<std::pair<E, std::string_view>> list;
@@ -42,7 +42,8 @@ DSTRAIN_ENUM_NAMES(SchedulerType, {SchedulerType::kWarmupLR, "WarmupLR"},
                    {SchedulerType::kWarmupDecayLR, "WarmupDecayLR"},
                    {SchedulerType::kWarmupCosineLR, "WarmupCosineLR"});
 DSTRAIN_ENUM_NAMES(WarmupType, {WarmupType::kLog, "log"}, {WarmupType::kLinear, "linear"});
-DSTRAIN_ENUM_NAMES(DataFormat, {DataFormat::kText, "text"}, {DataFormat::kTokens, "tokens"});
+DSTRAIN_ENUM_NAMES(DataFormat, {DataFormat::kAuto, "auto"}, {DataFormat::kText, "text"},
+                   {DataFormat::kTokens, "tokens"});
 
 #undef DSTRAIN_ENUM_NAMES
 

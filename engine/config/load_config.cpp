@@ -1,5 +1,7 @@
 #include "engine/config/load_config.h"
 
+#include <algorithm>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 
@@ -80,13 +82,10 @@ void record_positions(const YAML::Node& node, const std::string& path, Source& s
 
 TrainConfig load_from_node(YAML::Node root, const std::string& name,
                            const std::vector<std::string>& overrides) {
-  if (!root.IsDefined() || root.IsNull()) {
-    if (overrides.empty())
-      throw ConfigError(fmt::format("{}: the config is empty; valid: a YAML mapping of sections, "
-                                    "see configs/tiny.yaml",
-                                    name));
-    root = YAML::Node(YAML::NodeType::Map);
-  }
+  if (!root.IsDefined() || root.IsNull())  // with or without --set: an empty file is a mistake
+    throw ConfigError(fmt::format("{}: the config is empty; valid: a YAML mapping of sections, "
+                                  "see configs/tiny.yaml",
+                                  name));
   if (!root.IsMap())
     throw ConfigError(fmt::format("{}:{}:{}: the config must be a YAML mapping of keys, got {}",
                                   name, root.Mark().line + 1, root.Mark().column + 1,
@@ -120,10 +119,23 @@ YAML::Node parse_yaml(const std::string& text, const std::string& name) {
 
 TrainConfig load_config_text(const std::string& text, const std::string& name,
                              const std::vector<std::string>& overrides) {
+  // yaml-cpp stops at a NUL byte and reports garbage: a binary file is refused here, by position.
+  if (const size_t nul = text.find('\0'); nul != std::string::npos) {
+    const size_t line = size_t(std::count(text.begin(), text.begin() + std::ptrdiff_t(nul), '\n')) + 1;
+    const size_t line_start = text.rfind('\n', nul) == std::string::npos ? 0 : text.rfind('\n', nul) + 1;
+    throw ConfigError(fmt::format("{}:{}:{}: the file holds a NUL byte (binary data, not YAML text); valid: a "
+                                  "YAML text file such as configs/tiny.yaml",
+                                  name, line, nul - line_start + 1));
+  }
   return load_from_node(parse_yaml(text, name), name, overrides);
 }
 
 TrainConfig load_config_file(const std::string& path, const std::vector<std::string>& overrides) {
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec))
+    throw ConfigError(fmt::format("{}: is a directory, not a config file; valid: a YAML file such as "
+                                  "configs/tiny.yaml",
+                                  path));
   std::ifstream in(path);
   if (!in) throw ConfigError(fmt::format("{}: cannot open the config file (does it exist?)", path));
   std::stringstream buf;

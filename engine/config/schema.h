@@ -211,6 +211,7 @@ void describe(V& v, CheckpointConfig& c) {
   v.field("keep_last", c.keep_last, at_least(1));
   v.field("resume", c.resume, non_empty());
   v.field("async", c.async);
+  v.field("allow_data_change", c.allow_data_change);
 }
 
 template <class V>

@@ -157,7 +157,9 @@ struct ActivationCheckpointingConfig {
 
 struct DataConfig {
   std::string path = "data/tinyshakespeare.txt";
-  DataFormat format = DataFormat::kText;  // text: raw bytes (token id = byte value); tokens: dstrain-prep output
+  // text: raw bytes (token id = byte value); tokens: a dstrain-prep dataset (HDF5); auto: which
+  // of the two the file is, from its first bytes (resolved when the config is loaded)
+  DataFormat format = DataFormat::kAuto;
   double validation_fraction = 0.05;
   int64_t eval_interval = 100;  // steps between validation runs; 0: none (Megatron's name)
   int64_t eval_iters = 8;       // global batches per validation run (Megatron's name)
@@ -169,6 +171,7 @@ struct CheckpointConfig {
   int64_t keep_last = 3;
   std::string resume = "auto";  // auto | none | a checkpoint path
   bool async = false;
+  bool allow_data_change = false;  // resume on data tokenized differently from the checkpoint's
 };
 
 struct MonitorConfig {

@@ -1,5 +1,7 @@
 // Cross-key checks that do not depend on the world size, and defaults that depend on other keys.
+#include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <numeric>
 
 #include "engine/common/error.h"
@@ -180,11 +182,6 @@ void validate_training(TrainConfig& cfg) {
                           "integer >= {}",
                           *s.total_num_steps, s.warmup_num_steps, s.warmup_num_steps));
   }
-  if (cfg.data.format == DataFormat::kText && cfg.model.vocab_size < 256)
-    fail_at(cfg, "data.format",
-            fmt::format("text gives byte tokens 0..255 but model.vocab_size is {}; valid: a "
-                        "vocab_size >= 256 for text data",
-                        cfg.model.vocab_size));
   namespace fs = std::filesystem;
   std::error_code ec;
   if (!fs::is_regular_file(cfg.data.path, ec))
@@ -195,6 +192,28 @@ void validate_training(TrainConfig& cfg) {
   if (fs::file_size(cfg.data.path, ec) == 0)
     fail_at(cfg, "data.path", fmt::format("'{}' is empty; valid: a file with training data",
                                           cfg.data.path));
+  // A dstrain-prep dataset is an HDF5 file: its signature tells it from text.
+  const bool hdf5 = [&] {
+    std::ifstream in(cfg.data.path, std::ios::binary);
+    char head[8] = {};
+    return in.read(head, 8) && std::memcmp(head, "\x89HDF\r\n\x1a\n", 8) == 0;
+  }();
+  if (cfg.data.format == DataFormat::kAuto) cfg.data.format = hdf5 ? DataFormat::kTokens : DataFormat::kText;
+  if (cfg.data.format == DataFormat::kText && hdf5)
+    fail_at(cfg, "data.format",
+            fmt::format("text, but '{}' is an HDF5 file (a dstrain-prep token dataset?): training on its "
+                        "bytes would be nonsense; valid: tokens, or auto",
+                        cfg.data.path));
+  if (cfg.data.format == DataFormat::kTokens && !hdf5)
+    fail_at(cfg, "data.format",
+            fmt::format("tokens, but '{}' is not an HDF5 file (dstrain-prep writes those); valid: text for "
+                        "raw text, or auto",
+                        cfg.data.path));
+  if (cfg.data.format == DataFormat::kText && cfg.model.vocab_size < 256)
+    fail_at(cfg, "data.format",
+            fmt::format("text gives byte tokens 0..255 but model.vocab_size is {}; valid: a "
+                        "vocab_size >= 256 for text data",
+                        cfg.model.vocab_size));
   const std::string& resume = cfg.checkpoint.resume;
   if (resume != "auto" && resume != "none" && !fs::exists(resume, ec))
     fail_at(cfg, "checkpoint.resume",

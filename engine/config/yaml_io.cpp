@@ -73,6 +73,10 @@ bool parse_value(const YAML::Node& n, double& out, std::string& why) {
 
 bool parse_value(const YAML::Node& n, std::string& out, std::string& why) {
   why = "expected a string";
+  if (n.IsNull()) {  // `key:` or --set key= : the empty string (which "" disables where it may)
+    out.clear();
+    return true;
+  }
   if (!is_plain_scalar(n)) return false;
   out = n.Scalar();
   return true;

@@ -1,11 +1,13 @@
 #include "engine/data/token_dataset.h"
 
+#include <filesystem>
 #include <fstream>
 #include <iterator>
 
 #include <fmt/format.h>
 
 #include "engine/common/error.h"
+#include "engine/common/strings.h"
 #include "engine/common/rng.h"
 #include "engine/io/hdf5_file.h"
 
@@ -38,6 +40,14 @@ std::vector<int32_t> read_prepared(const std::string& path, DatasetInfo& info) {
   info.vocab_size = int64_t(f.attr_double("vocab_size"));
   info.tokenizer = f.attr_string("tokenizer");
   info.tokenizer_file = f.attr_string("tokenizer_file");
+  info.tokenizer_id = info.tokenizer;
+  if (!info.tokenizer_file.empty()) {  // FNV-1a of the tokenizer file (next to the dataset)
+    std::ifstream in(std::filesystem::path(path).parent_path() / info.tokenizer_file, std::ios::binary);
+    uint64_t h = 1469598103934665603ull;
+    bool any = false;
+    for (char c; in.get(c); any = true) h = (h ^ uint64_t(static_cast<unsigned char>(c))) * 1099511628211ull;
+    info.tokenizer_id += any ? fmt::format(":{:016x}", h) : ":" + info.tokenizer_file;
+  }
   if (!f.exists("tokens")) throw ConfigError(fmt::format("{}: no /tokens dataset", path));
   std::vector<int32_t> tokens;
   try {
@@ -72,6 +82,13 @@ TokenDataset::TokenDataset(const config::TrainConfig& cfg) : S_(cfg.seq_length),
     throw ConfigError(fmt::format("{}: {} training tokens make no sample of seq_length + 1 = {} "
                                   "tokens; valid: more data or a shorter seq_length",
                                   info_.path, val_start_, S_ + 1));
+  const int64_t batch = cfg.train_batch_size.value_or(1);
+  if (batch > info_.train_samples)
+    throw ConfigError(fmt::format("{}: train_batch_size {} sequences per step, but the data holds {} training "
+                                  "samples of {} tokens (one step would pass over it {:.3g} times); valid: "
+                                  "train_batch_size <= {}, or more data",
+                                  info_.path, with_commas(batch), with_commas(info_.train_samples), S_ + 1,
+                                  double(batch) / double(info_.train_samples), with_commas(info_.train_samples)));
   if (cfg.data.validation_fraction > 0 && info_.validation_samples < 1)
     throw ConfigError(fmt::format("{}: the validation split ({} tokens, data.validation_fraction "
                                   "{}) holds no sample of {} tokens; valid: a larger fraction, or 0 "

@@ -24,6 +24,9 @@ namespace dstrain::data {
 
 struct DatasetInfo {
   std::string path, tokenizer = "bytes", tokenizer_file;
+  // What identifies the tokenization: "bytes", or "bpe:" and a hash of the tokenizer file's
+  // contents (checkpoints record it; resuming on data tokenized otherwise is refused).
+  std::string tokenizer_id = "bytes";
   int64_t vocab_size = 256;
   int64_t tokens = 0, train_samples = 0, validation_samples = 0;
 };

@@ -16,7 +16,6 @@
 #include <memory>
 #include <mutex>
 #include <new>
-#include <source_location>
 #include <string>
 #include <system_error>
 #include <thread>
@@ -65,13 +64,13 @@ haddr_t align_down(haddr_t a) { return a / kPage * kPage; }
 // ---- Errors -------------------------------------------------------------------------------
 
 // Puts `what` on HDF5's error stack, below the error the failing API call adds; returns -1 so
-// that callbacks can `return push_error(...)`.
-herr_t push_error(hid_t minor, const std::string& what,
-                  std::source_location at = std::source_location::current()) {
-  H5Epush2(H5E_DEFAULT, at.file_name(), at.function_name(), at.line(), H5E_ERR_CLS, H5E_VFL, minor, "%s",
-           what.c_str());
+// that callbacks can `return push_error(...)`. (A macro for the call site: clang 14 with
+// libstdc++ 12 has no std::source_location.)
+herr_t push_error_at(hid_t minor, const std::string& what, const char* file, const char* function, unsigned line) {
+  H5Epush2(H5E_DEFAULT, file, function, line, H5E_ERR_CLS, H5E_VFL, minor, "%s", what.c_str());
   return -1;
 }
+#define push_error(minor, what) push_error_at((minor), (what), __FILE__, __func__, __LINE__)
 
 std::string sys_error(const char* what, const std::string& path, int err) {
   return std::string(what) + " " + path + ": " + std::strerror(err);

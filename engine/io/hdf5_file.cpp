@@ -14,9 +14,16 @@
 namespace dstrain::io {
 namespace {
 
-// Silence HDF5's own error stack printing: errors become exceptions with our message.
+// Before HDF5's first use: no library shutdown at process exit — after a failed close (a full
+// disk), HDF5 1.10 keeps the file open and its exit handler then crashes closing it again
+// (a segfault in H5F__close_cb). Every file dstrain writes is closed explicitly, by H5File, so
+// there is nothing left for the exit handler to flush. And silence HDF5's own error stack
+// printing: errors become exceptions with our message.
 struct QuietHdf5 {
-  QuietHdf5() { H5Eset_auto2(H5E_DEFAULT, nullptr, nullptr); }
+  QuietHdf5() {
+    H5dont_atexit();
+    H5Eset_auto2(H5E_DEFAULT, nullptr, nullptr);
+  }
 };
 const QuietHdf5 quiet;
 

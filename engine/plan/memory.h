@@ -25,4 +25,12 @@ struct MemoryEstimate {
 MemoryEstimate estimate_memory(int64_t dense, int64_t expert, int64_t dp, int64_t edp,
                                int zero_stage, config::Precision precision);
 
+// Bytes of activations a rank keeps from one micro-batch's forward for its backward (fp32): per
+// token, the hidden state between layers, each layer's normed inputs, MLA's query / key / value
+// and output and latent vectors, the SwiGLU (or activated experts') intermediates, and the
+// logits. An estimate within 30% of what the model keeps (tests/model/test_params.cpp; docs/design.md §7.4), used
+// to refuse a run that cannot fit before anything is allocated. `layers`: the decoder layers on
+// the rank (MTP modules count as layers).
+double activation_bytes(const config::ModelConfig& m, int64_t layers, int64_t micro_batch, int64_t seq_length);
+
 }  // namespace dstrain::plan

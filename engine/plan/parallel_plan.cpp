@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include "engine/common/error.h"
+#include "engine/common/strings.h"
 #include "engine/config/load_config.h"
 
 namespace dstrain::plan {
@@ -65,6 +66,16 @@ ParallelPlan make_plan(const config::TrainConfig& cfg, int world_size) {
 
   const config::ModelConfig& m = cfg.model;
   plan.stages = assign_stages(m, cfg.parallel);
+  // The registry has one entry per tensor: refuse a model whose table would not fit before
+  // building it (DeepSeek-V3 has about 47,000 entries).
+  const double layers = double(m.num_hidden_layers + m.num_nextn_predict_layers);
+  const double entries = layers * (20.0 + 3.0 * double(m.num_routed())) + 3.0;
+  if (entries > double(kMaxRegistryEntries))
+    config::fail_at(cfg, m.num_routed() > 1000 ? "model.n_routed_experts" : "model.num_hidden_layers",
+                    fmt::format("the model would have about {:.3g} parameter tensors ({:.0f} layers x {} routed experts "
+                                "x 3 projections); dstrain's registry holds at most {} (DeepSeek-V3 has 47,000); "
+                                "valid: fewer layers or experts",
+                                entries, layers, m.num_routed(), with_commas(kMaxRegistryEntries)));
   plan.params = build_param_table(m);
   plan.counts = count_params(m, plan.params);
   plan.flops = flops_per_token(m, cfg.seq_length);

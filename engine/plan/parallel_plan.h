@@ -42,7 +42,11 @@ struct ParallelPlan {
   MemoryEstimate memory(int stage, int zero_stage, config::Precision precision) const;
 };
 
-// Throws ConfigError when the config does not fit `world_size` (degrees, batch triangle).
+// The most parameter tensors a plan's registry may hold.
+inline constexpr int64_t kMaxRegistryEntries = 10'000'000;
+
+// Throws ConfigError when the config does not fit `world_size` (degrees, batch triangle), or the
+// model has more than kMaxRegistryEntries tensors.
 ParallelPlan make_plan(const config::TrainConfig& cfg, int world_size);
 
 }  // namespace dstrain::plan

@@ -1,7 +1,16 @@
 #include "engine/runtime/checkpoint.h"
 
+#include <fcntl.h>
+#include <sys/file.h>
+#include <sys/statvfs.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
+#include <ctime>
+#include <cmath>
+#include <cstring>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -13,6 +22,8 @@
 #include "engine/common/error.h"
 #include "engine/common/fault_inject.h"
 #include "engine/config/load_config.h"
+#include "engine/common/strings.h"
+#include "engine/io/direct_vfd.h"
 #include "engine/io/hdf5_file.h"
 
 namespace dstrain::runtime {
@@ -45,6 +56,21 @@ bool crash_now(int64_t save_index, size_t tensor, size_t tensors) {
   return fault_at(Fault::kCrashDuringSave) == save_index && tensor == tensors / 2;
 }
 
+// Index of the first NaN or Inf in x[0, n), or -1.
+int64_t first_non_finite(const float* x, int64_t n) {
+  int64_t bad = n;
+#pragma omp parallel for reduction(min : bad) schedule(static)
+  for (int64_t i = 0; i < n; ++i)
+    if (!std::isfinite(x[i])) bad = std::min(bad, i);
+  return bad == n ? -1 : bad;
+}
+
+// Removes a half-written file, never throwing (the save's own error is what gets reported).
+void remove_quietly(const std::string& path) {
+  std::error_code ec;
+  fs::remove(path, ec);
+}
+
 }  // namespace
 
 // A gathered checkpoint waiting to be written (async saves keep every tensor here).
@@ -72,6 +98,7 @@ Checkpointer::~Checkpointer() {
   } catch (const std::exception& e) {
     spdlog::error("checkpoint write failed: {}", e.what());
   }
+  if (lock_fd_ >= 0) ::close(lock_fd_);  // releases the lock
 }
 
 std::string Checkpointer::write_path(int64_t step) const {
@@ -156,8 +183,7 @@ std::string Checkpointer::save(const TrainState& state, model::ParamStore& param
   if (rank_ == 0 && error.empty()) {
     try {
       fs::create_directories(cfg.checkpoint.dir);
-      for (const auto& e : fs::directory_iterator(cfg.checkpoint.dir))  // leftovers of a crash
-        if (e.path().extension() == ".tmp") fs::remove(e.path());
+      remove_quietly(tmp);  // a leftover of this same step (an earlier failed save)
       if (!async) file = std::make_unique<io::H5File>(tmp, io::H5File::Mode::kCreate, io::H5File::Driver::kDirect);
     } catch (const std::exception& e) {
       error = fmt::format("{}: {}", tmp, e.what());
@@ -166,6 +192,14 @@ std::string Checkpointer::save(const TrainState& state, model::ParamStore& param
   std::vector<float> full, piece;
   // Rank 0: the assembled tensor goes to the staging buffers (async) or straight to the file.
   const auto emit = [&](const std::string& name, const std::vector<int64_t>& shape) {
+    // A checkpoint is only ever published whole and finite: a NaN or Inf (a diverged run)
+    // would make every resume from it diverge too.
+    if (const int64_t bad = first_non_finite(full.data(), int64_t(full.size())); bad >= 0) {
+      error = fmt::format("tensor '{}' holds a non-finite value ({} at element {}): refusing to save a "
+                          "diverged state; the previous checkpoint stays `latest`",
+                          name, full[size_t(bad)], bad);
+      return;
+    }
     if (async) {
       if (staged == pending->tensors.size()) pending->tensors.emplace_back();
       Pending::Tensor& t = pending->tensors[staged++];
@@ -212,6 +246,7 @@ std::string Checkpointer::save(const TrainState& state, model::ParamStore& param
     }
   }
   const auto write_meta = [&cfg, state, this](io::H5File& f) {
+    if (const int64_t slow = fault_at(Fault::kSlowSave)) std::this_thread::sleep_for(std::chrono::seconds(slow));
     f.set_attr("format", std::string("dstrain-checkpoint"));
     f.set_attr("format_version", double(kCheckpointFormatVersion));
     f.set_attr("step", double(state.step));
@@ -220,6 +255,8 @@ std::string Checkpointer::save(const TrainState& state, model::ParamStore& param
     f.set_attr("lr_last_batch_iteration", double(state.step - 1));
     f.set_attr("loss_scale", state.loss_scale);
     f.set_attr("seed", double(cfg.seed));
+    f.set_attr("data_tokenizer", state.data_tokenizer);
+    f.set_attr("data_vocab_size", double(state.data_vocab_size));
     f.set_attr("optimizer", config::to_string(cfg.optimizer.type));
     f.set_attr("layout", layout_text(plan_.degrees));
     f.set_attr("config_yaml", config::to_yaml(cfg));
@@ -237,6 +274,7 @@ std::string Checkpointer::save(const TrainState& state, model::ParamStore& param
           f.close();  // the driver's last bytes and fsync: an error here must stop the rename
         } catch (const std::exception& e) {
           p->error = e.what();
+          remove_quietly(tmp);
           return;
         }
         try {
@@ -244,6 +282,8 @@ std::string Checkpointer::save(const TrainState& state, model::ParamStore& param
           spdlog::info("saved checkpoint {} (durable)", path);
         } catch (const std::exception& e) {
           p->error = e.what();
+          remove_quietly(tmp);
+          remove_quietly((fs::path(path).parent_path() / "latest.tmp").string());
         }
       });
       pending_ = std::move(pending);  // owned (and joined) by the Checkpointer from now on
@@ -257,6 +297,10 @@ std::string Checkpointer::save(const TrainState& state, model::ParamStore& param
         error = e.what();
       }
     }
+  }
+  if (rank_ == 0 && !error.empty() && !async) {  // nothing half-written stays behind
+    file.reset();
+    remove_quietly(tmp);
   }
   error = comm::broadcast_string(*comm_, error, 0);
   if (!error.empty()) throw AgreedError(fmt::format("saving checkpoint {} failed: {}", path, error));
@@ -273,16 +317,209 @@ void Checkpointer::wait() {
   if (!error.empty()) throw Error("background checkpoint write failed: " + error);
 }
 
-std::string Checkpointer::resume_path() const {
-  const config::CheckpointConfig& c = plan_.config.checkpoint;
-  if (c.resume == "none") return "";
-  if (c.resume == "auto") return latest_checkpoint(c.dir);
-  if (fs::is_directory(c.resume)) {
-    const std::string p = latest_checkpoint(c.resume);
-    if (p.empty()) throw ConfigError(fmt::format("checkpoint.resume: {} holds no `latest` checkpoint", c.resume));
-    return p;
+namespace {
+
+// What `latest` in `dir` names, or "" with `problem` saying why it is unusable.
+std::string usable_latest(const std::string& dir, std::string& problem) {
+  const fs::path pointer = fs::path(dir) / "latest";
+  std::error_code ec;
+  if (!fs::exists(pointer, ec)) {
+    problem = "`latest` is missing";
+    return "";
   }
-  return c.resume;
+  std::ifstream in(pointer);
+  std::string name;
+  if (!(in >> name)) {
+    problem = "`latest` is empty";
+    return "";
+  }
+  const std::string path = (fs::path(dir) / name).string();
+  if (!fs::exists(path, ec)) {
+    problem = fmt::format("`latest` names {}, which does not exist", name);
+    return "";
+  }
+  return path;
+}
+
+}  // namespace
+
+std::vector<std::string> Checkpointer::resume_candidates(std::string* note) const {
+  const config::CheckpointConfig& c = plan_.config.checkpoint;
+  if (c.resume == "none") return {};
+  if (c.resume != "auto" && !fs::is_directory(c.resume)) return {c.resume};
+  const std::string dir = c.resume == "auto" ? c.dir : c.resume;
+  std::vector<std::string> out, files = list_checkpoints(dir);
+  std::string problem;
+  const std::string latest = usable_latest(dir, problem);
+  if (!latest.empty()) out.push_back(latest);
+  for (auto it = files.rbegin(); it != files.rend(); ++it)
+    if (*it != latest) out.push_back(*it);
+  if (note) {
+    note->clear();
+    if (latest.empty() && !files.empty())
+      *note = fmt::format("{} holds {} checkpoint(s) but {}: resuming from the newest one that loads", dir,
+                          files.size(), problem);
+    else if (latest.empty() && files.empty() && problem != "`latest` is missing")
+      *note = fmt::format("{}: {}, and the directory holds no checkpoint; valid: restore the checkpoint, or start "
+                          "afresh with --resume none",
+                          dir, problem);
+  }
+  return out;
+}
+
+std::optional<Checkpointer::Resumed> Checkpointer::resume(model::ParamStore& params, AdamW* adam) {
+  const config::CheckpointConfig& c = plan_.config.checkpoint;
+  if (c.resume == "none") return std::nullopt;
+  const bool fall_back = c.resume == "auto" || fs::is_directory(c.resume);
+  std::string note;
+  const std::vector<std::string> candidates = resume_candidates(&note);
+  if (!note.empty() && rank_ == 0) spdlog::warn("{}", note);
+  std::vector<std::string> failures;
+  for (const std::string& path : candidates) {
+    std::string error;
+    Resumed r{path, {}};
+    try {
+      r.state = load(path, params, adam);
+    } catch (const Error& e) {  // any reason it does not load (ConfigError names the tensor)
+      error = e.what();
+    }
+    // Each rank reads its own slices: a damaged tensor may fail on some ranks only.
+    if (comm::all_reduce_value(*comm_, int64_t(error.empty() ? 0 : 1), comm::ReduceOp::kMax) == 0) {
+      if (!failures.empty() && rank_ == 0)
+        spdlog::warn("resuming from {}, the newest checkpoint that loads ({} newer one(s) could not be loaded)", path,
+                     failures.size());
+      return r;
+    }
+    if (error.empty()) error = fmt::format("checkpoint {}: it cannot be loaded on another rank", path);
+    if (!fall_back) throw ConfigError(error);
+    if (rank_ == 0)
+      spdlog::error("{} — falling back to the next older checkpoint (checkpoint.resume: {})", error, c.resume);
+    failures.push_back(error);
+  }
+  if (candidates.empty()) {
+    // Nothing to resume: a new run — unless the user named a directory, or `latest` says a
+    // checkpoint existed: then starting afresh would be the silent loss this is meant to stop.
+    if (c.resume != "auto") throw ConfigError(fmt::format("checkpoint.resume: {} holds no checkpoint", c.resume));
+    if (!note.empty()) throw ConfigError(note);
+    return std::nullopt;
+  }
+  throw ConfigError(fmt::format("no checkpoint in {} can be loaded: {}; valid: repair or remove them, resume from "
+                                "another directory (--resume PATH), or start afresh (--resume none)",
+                                c.resume == "auto" ? c.dir : c.resume, join(failures, "; ")));
+}
+
+void Checkpointer::prepare_for_saves() {
+  const config::CheckpointConfig& c = plan_.config.checkpoint;
+  std::string error;
+  if (rank_ == 0) {
+    try {
+      error = lock_and_check_dir();
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+  }
+  error = comm::broadcast_string(*comm_, error, 0);
+  if (!error.empty()) throw ConfigError(fmt::format("checkpoint.dir {}: {}", c.dir, error));
+}
+
+// Rank 0's part of prepare_for_saves: "" when the directory is ready, else what is wrong.
+std::string Checkpointer::lock_and_check_dir() {
+  const std::string dir = plan_.config.checkpoint.dir;
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  if (ec) return fmt::format("cannot be created: {}; valid: a directory this run may write", ec.message());
+  // The lock: held while this Checkpointer lives, released by the kernel if the process dies.
+  const std::string lock = (fs::path(dir) / ".lock").string();
+  const int fd = ::open(lock.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  if (fd < 0)
+    return fmt::format("cannot be written: {} ({}); valid: a directory this run may write", std::strerror(errno),
+                       lock);
+  if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
+    char holder[512] = {};
+    const ssize_t n = ::pread(fd, holder, sizeof holder - 1, 0);
+    ::close(fd);
+    std::string who = n > 0 ? std::string(holder, size_t(n)) : std::string("another process");
+    while (!who.empty() && (who.back() == '\n' || who.back() == ' ')) who.pop_back();
+    return fmt::format("is in use by another dstrain run ({}); valid: wait for it to finish, or give this run "
+                       "its own checkpoint.dir",
+                       who);
+  }
+  lock_fd_ = fd;
+  char host[256] = "?";
+  ::gethostname(host, sizeof host - 1);
+  const std::time_t now = std::time(nullptr);
+  char when[64];
+  std::strftime(when, sizeof when, "%Y-%m-%d %H:%M:%S UTC", std::gmtime(&now));
+  const std::string me = fmt::format("pid {} on host {}, started {}\n", ::getpid(), host, when);
+  if (::ftruncate(fd, 0) != 0 || ::pwrite(fd, me.data(), me.size(), 0) != ssize_t(me.size()))
+    return fmt::format("cannot be written: {} ({})", std::strerror(errno), lock);
+  // Leftovers of a killed run: half-written checkpoints and `latest` updates. The lock says no
+  // other run is writing them.
+  for (const auto& e : fs::directory_iterator(dir, ec))
+    if (e.path().extension() == ".tmp") {
+      spdlog::info("removing {}, left by an interrupted save", e.path().string());
+      remove_quietly(e.path().string());
+    }
+  // Can this process write a file there (a read-only mount, permissions, a full disk)?
+  std::string probe = (fs::path(dir) / ".write-probe-XXXXXX").string();
+  const int pfd = ::mkstemp(probe.data());
+  if (pfd < 0) return fmt::format("cannot be written: {}; valid: a writable directory", std::strerror(errno));
+  const std::vector<char> page(4096, 0);
+  const bool wrote = ::write(pfd, page.data(), page.size()) == ssize_t(page.size()) && ::fsync(pfd) == 0;
+  const int write_errno = errno;
+  ::close(pfd);
+  ::unlink(probe.c_str());
+  if (!wrote) return fmt::format("cannot be written: {}; valid: a writable directory", std::strerror(write_errno));
+  // Room for one more checkpoint (a new one is complete before older ones are pruned).
+  double bytes = 0;
+  for (const plan::ParamInfo& p : plan_.params) bytes += 4.0 * double(p.numel()) * (p.buffer ? 1 : 3);
+  struct statvfs fsinfo {};
+  if (::statvfs(dir.c_str(), &fsinfo) == 0) {
+    const double free_bytes = double(fsinfo.f_bavail) * double(fsinfo.f_frsize);
+    if (free_bytes < bytes)
+      spdlog::warn("checkpoint.dir {} has {} free, but a checkpoint takes about {}: saves will fail when the disk "
+                   "is full (each failed save is reported and removed; the previous checkpoint stays `latest`)",
+                   dir, human_bytes(free_bytes), human_bytes(bytes));
+  }
+  spdlog::info("checkpoints go to {} ({} per checkpoint, {})", dir, human_bytes(bytes),
+               io::direct_io_supported(dir) ? "written with O_DIRECT" : "buffered: the file system refuses O_DIRECT");
+  return "";
+}
+
+int64_t verify_checkpoint(const std::string& path) {
+  std::unique_ptr<io::H5File> f;
+  try {
+    f = std::make_unique<io::H5File>(path, io::H5File::Mode::kRead, io::H5File::Driver::kDirect);
+  } catch (const Error&) {
+    throw ConfigError(fmt::format("checkpoint {}: cannot be opened as HDF5 (missing, truncated or not a checkpoint)",
+                                  path));
+  }
+  std::string format;
+  try {
+    format = f->attr_string("format");
+  } catch (const Error&) {
+  }
+  if (format != "dstrain-checkpoint") throw ConfigError(fmt::format("checkpoint {}: not a dstrain checkpoint", path));
+  int64_t tensors = 0;
+  for (const char* group : {"model", "optimizer/exp_avg", "optimizer/exp_avg_sq"}) {
+    std::vector<std::string> names;
+    try {
+      names = f->list(group);
+    } catch (const Error&) {
+      throw ConfigError(fmt::format("checkpoint {}: group {} cannot be read (truncated file?)", path, group));
+    }
+    for (const std::string& name : names) {
+      try {
+        f->read_floats(std::string(group) + "/" + name);
+      } catch (const Error&) {
+        throw ConfigError(fmt::format("checkpoint {}: tensor '{}/{}' fails its checksum or cannot be read (corrupt "
+                                      "or truncated file)",
+                                      path, group, name));
+      }
+      ++tensors;
+    }
+  }
+  return tensors;
 }
 
 TrainState Checkpointer::load(const std::string& path, model::ParamStore& params, AdamW* adam) const {
@@ -304,7 +541,20 @@ TrainState Checkpointer::load(const std::string& path, model::ParamStore& params
   } catch (const Error&) {
   }
   if (format != "dstrain-checkpoint") throw fail("not a dstrain checkpoint (no format attribute)");
-  const int version = int(f->attr_double("format_version"));
+  // A whole number in [0, max] from an attribute, or an error naming it (a damaged or foreign
+  // file may hold anything: a string, NaN, 1e300).
+  const auto count = [&](const char* attr, double max) -> int64_t {
+    double v = 0;
+    try {
+      v = f->attr_double(attr);
+    } catch (const Error&) {
+      throw fail(fmt::format("attribute '{}' is missing or not a number", attr));
+    }
+    if (!(v >= 0 && v <= max && v == std::floor(v)))
+      throw fail(fmt::format("attribute '{}' = {} is not a count from 0 to {}", attr, v, max));
+    return int64_t(v);
+  };
+  const int64_t version = count("format_version", 1e6);
   if (version > kCheckpointFormatVersion)
     throw fail(fmt::format("format version {} is newer than this dstrain reads ({}); use a newer dstrain",
                            version, kCheckpointFormatVersion));
@@ -347,9 +597,20 @@ TrainState Checkpointer::load(const std::string& path, model::ParamStore& params
     throw fail(fmt::format("it holds {} model tensors, this config has {} (another model?)", model_tensors,
                            plan_.params.size()));
   TrainState s;
-  s.step = int64_t(f->attr_double("step"));
-  s.tokens_seen = int64_t(f->attr_double("tokens_seen"));
-  s.loss_scale = f->attr_double("loss_scale");
+  s.step = count("step", 9e15);
+  s.tokens_seen = count("tokens_seen", 9e18);
+  try {
+    s.loss_scale = f->attr_double("loss_scale");
+  } catch (const Error&) {
+    throw fail("attribute 'loss_scale' is missing or not a number");
+  }
+  if (!(std::isfinite(s.loss_scale) && s.loss_scale > 0))
+    throw fail(fmt::format("attribute 'loss_scale' = {} is not a positive number", s.loss_scale));
+  try {  // absent in checkpoints written before format version 1 gained them
+    s.data_tokenizer = f->attr_string("data_tokenizer");
+  } catch (const Error&) {
+  }
+  if (!s.data_tokenizer.empty()) s.data_vocab_size = count("data_vocab_size", 1e12);
   return s;
 }
 

@@ -11,6 +11,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -29,6 +30,11 @@ struct TrainState {
   int64_t step = 0;         // optimizer steps completed (= the data position, docs/design.md §2.4)
   int64_t tokens_seen = 0;
   double loss_scale = 1.0;  // dynamic fp16 loss scale (1 without fp16)
+  // What the data was tokenized with ("bytes", or "bpe" with the tokenizer file's hash) and its
+  // vocabulary: resuming on other data is refused unless checkpoint.allow_data_change ("" and 0
+  // in checkpoints that predate these attributes).
+  std::string data_tokenizer;
+  int64_t data_vocab_size = 0;
 };
 
 class Checkpointer {
@@ -48,12 +54,34 @@ class Checkpointer {
   // Waits for a background write; rethrows its error.
   void wait();
 
-  // The checkpoint that checkpoint.resume asks for ("" for none): auto = `latest` in
-  // checkpoint.dir if any, none, or a path (a checkpoint file or a checkpoint directory).
-  std::string resume_path() const;
+  // Collective. Readies checkpoint.dir for this run's saves: rank 0 creates it, takes its lock
+  // (DIR/.lock, flock) for the Checkpointer's lifetime — a second run on the same directory is
+  // refused with a message naming the first — checks that it can write there (with the
+  // system's reason when not), warns when the disk has less room than a checkpoint takes, and
+  // removes the .tmp files a killed run left. Every rank throws the same ConfigError when the
+  // directory cannot be used.
+  void prepare_for_saves();
 
-  // Collective. Fills this rank's slices of the parameters, buffers and (if `adam`) moments.
-  // Throws ConfigError naming the file and the tensor on any mismatch or corruption.
+  // The checkpoints checkpoint.resume points to, in the order to try them: for `auto` (and for a
+  // directory) the one `latest` names, then every step_*.h5 of the directory from the newest;
+  // for a file, that file; none for `none` or an empty directory. `note` receives what is
+  // wrong with `latest` when the directory holds checkpoints but `latest` is missing, empty or
+  // dangling ("" otherwise).
+  std::vector<std::string> resume_candidates(std::string* note = nullptr) const;
+
+  struct Resumed {
+    std::string path;
+    TrainState state;
+  };
+  // Collective. Loads the first of resume_candidates() that loads on every rank — with `auto`,
+  // a corrupt newest checkpoint falls back, loudly, to the next older one — or nothing when
+  // there is none to resume. Throws ConfigError when checkpoints exist and none loads, or an
+  // explicitly named file does not.
+  std::optional<Resumed> resume(model::ParamStore& params, AdamW* adam);
+
+  // Fills this rank's slices of the parameters, buffers and (if `adam`) moments, reading only
+  // them (not collective: each rank reads on its own). Throws dstrain::Error — a ConfigError
+  // naming the file and the tensor — on any mismatch or corruption.
   TrainState load(const std::string& path, model::ParamStore& params, AdamW* adam) const;
 
  private:
@@ -62,18 +90,25 @@ class Checkpointer {
   const float* local_data(model::ParamStore& params, AdamW& adam, const parallel::ZeroSharding* zero,
                           const std::string& name, int k, std::vector<float>& gathered) const;
   void finish_file(const std::string& tmp, const std::string& path) const;
+  std::string lock_and_check_dir();
 
   const plan::ParallelPlan& plan_;
   std::unique_ptr<comm::Communicator> comm_;
+  int lock_fd_ = -1;  // rank 0: the held lock on checkpoint.dir/.lock
   int rank_ = 0;
   std::unique_ptr<Pending> pending_;
   std::unique_ptr<Pending> spare_;  // an async save's buffers, kept for the next one
   int64_t saves_ = 0;
 };
 
-// checkpoint.dir/latest resolved to a file path, or "" when there is none.
+// checkpoint.dir/latest resolved to a file path, or "" when there is none. Throws ConfigError
+// when `latest` names a file that does not exist.
 std::string latest_checkpoint(const std::string& dir);
 // step_*.h5 files of a directory, oldest first.
 std::vector<std::string> list_checkpoints(const std::string& dir);
+
+// Reads every tensor of a checkpoint, which checks each dataset's Fletcher-32 checksum; throws
+// ConfigError naming the file and the first tensor that fails. Returns the number of tensors.
+int64_t verify_checkpoint(const std::string& path);
 
 }  // namespace dstrain::runtime

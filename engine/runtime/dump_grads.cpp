@@ -29,9 +29,8 @@ void dump_grads(const plan::ParallelPlan& plan, const std::string& path, int thr
   // The whole global batch in one forward; no gradient reduction (one rank).
   const RankEngine engine = build_rank_engine(plan, RankGroups(plan), EngineOptions{threads, false, B});
   model::ParamStore& params = *engine.params;
-  const Checkpointer checkpoints(plan, comm::ProcessGroup::self("world"));  // checkpoint.resume: the model to dump
-  const std::string resume = checkpoints.resume_path();
-  if (!resume.empty()) checkpoints.load(resume, params, nullptr);
+  Checkpointer checkpoints(plan, comm::ProcessGroup::self("world"));  // checkpoint.resume: the model to dump
+  checkpoints.resume(params, nullptr);
   model::DeepSeekModel& net = *engine.model;
   const std::vector<int32_t> tokens = first_batch_tokens(cfg, B);
   const model::Losses loss = net.forward(tokens.data(), {double(B * S), double(B)});

@@ -66,10 +66,11 @@ void AdamW::step(double lr, int64_t step, double grad_scale) {
 
 double gradient_square_sum(model::ParamStore& params, Range dense, Range expert) {
   double sum = 0;
-  for (const auto& [buf, r] : {std::pair{&params.dense_grads(), dense}, std::pair{&params.expert_grads(), expert}}) {
-    const float* g = buf->data();
+  for (const bool is_expert : {false, true}) {
+    const float* g = (is_expert ? params.expert_grads() : params.dense_grads()).data();
+    const int64_t begin = (is_expert ? expert : dense).begin, end = (is_expert ? expert : dense).end;
 #pragma omp parallel for simd reduction(+ : sum) schedule(static)
-    for (int64_t i = r.begin; i < r.end; ++i) sum += double(g[i]) * double(g[i]);
+    for (int64_t i = begin; i < end; ++i) sum += double(g[i]) * double(g[i]);
   }
   return sum;
 }

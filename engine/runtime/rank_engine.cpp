@@ -3,6 +3,9 @@
 #include <fmt/format.h>
 
 #include "engine/common/error.h"
+#include "engine/common/host_memory.h"
+#include "engine/common/strings.h"
+#include "engine/config/load_config.h"
 
 namespace dstrain::runtime {
 
@@ -26,6 +29,7 @@ RankGroups::RankGroups(const plan::ParallelPlan& plan) : world_(comm::ProcessGro
 RankGroups::RankGroups(const plan::ParallelPlan& plan, int rank, std::vector<comm::ProcessGroup> groups,
                        comm::ProcessGroup world)
     : rank_(rank), coord_(plan.grid.coord(rank)), groups_(std::move(groups)), world_(std::move(world)) {
+  ranks_on_host_ = world_.ranks_on_this_host();
   DS_CHECK(groups_.size() == std::size(plan::kAllAxes), "{} process groups, one per axis expected", groups_.size());
   for (size_t i = 0; i < groups_.size(); ++i)
     DS_CHECK(groups_[i].name() == plan::axis_name(plan::kAllAxes[i]) &&
@@ -45,10 +49,48 @@ void check_layout_trainable(const plan::ParallelPlan& plan) {
     throw ConfigError(fmt::format("this build trains with data parallelism only; the layout has tensor "
                                   "{}, pipeline {}, expert {} (those runtimes are the next issues)",
                                   d.tp, d.pp, d.ep));
+  // Accepted by the config (and planned by --dry-run) but not implemented yet: refused rather
+  // than silently ignored.
+  const config::TrainConfig& c = plan.config;
+  const auto refuse = [&](const char* key, const char* what) {
+    config::fail_at(c, key, fmt::format("true, but {} is not implemented yet (this build computes in fp32 and keeps "
+                                        "every activation); valid: false, or leave it out",
+                                        what));
+  };
+  if (c.bf16.enabled) refuse("bf16.enabled", "bf16 mixed precision");
+  if (c.fp16.enabled) refuse("fp16.enabled", "fp16 mixed precision");
+  if (c.activation_checkpointing.enabled) refuse("activation_checkpointing.enabled", "activation checkpointing");
+}
+
+void check_memory_fits(const plan::ParallelPlan& plan, const RankGroups& groups, int64_t micro_batch,
+                       bool gradients) {
+  const config::TrainConfig& c = plan.config;
+  const int stage = groups.coord().pp;
+  const plan::MemoryEstimate state =
+      plan.memory(stage, gradients ? int(c.zero_optimization.stage) : 0, c.precision());
+  const plan::StageRange& s = plan.stages.at(size_t(stage));
+  const int64_t layers = s.num_layers() + (s.has_head ? c.model.num_nextn_predict_layers : 0);
+  const double acts = plan::activation_bytes(c.model, layers, micro_batch, c.seq_length);
+  const double weights_only = state.weights;
+  const double need = (gradients ? state.total() : weights_only) + acts;
+  const double available = double(host_memory_available());
+  const int ranks = groups.ranks_on_host();
+  if (available <= 0 || need * ranks <= available) return;
+  const double tokens = double(micro_batch * c.seq_length);
+  throw ConfigError(fmt::format(
+      "this run needs about {} per rank — parameters {}, gradients {}, optimizer state {}, activations {} for {} "
+      "tokens per micro-batch — and {} rank{} on this host share {} of available memory; valid: a smaller model, "
+      "a smaller train_micro_batch_size_per_gpu or seq_length, ZeRO (zero_optimization.stage) or more ranks on "
+      "more hosts",
+      human_bytes(need), human_bytes(state.weights), human_bytes(gradients ? state.gradients : 0.0),
+      human_bytes(gradients ? state.optimizer : 0.0), human_bytes(acts), with_commas(int64_t(tokens)), ranks,
+      ranks == 1 ? "" : "s", human_bytes(available)));
 }
 
 RankEngine build_rank_engine(const plan::ParallelPlan& plan, const RankGroups& groups, const EngineOptions& options) {
   check_layout_trainable(plan);
+  check_memory_fits(plan, groups, !options.model ? 0 : options.micro_batch > 0 ? options.micro_batch : plan.batch.micro,
+                    options.gradients);
   const config::TrainConfig& cfg = plan.config;
   const config::ModelConfig& m = cfg.model;
   const plan::Coord& c = groups.coord();

@@ -35,12 +35,14 @@ class RankGroups {
              comm::ProcessGroup world);
 
   int world_rank() const { return rank_; }
+  // Ranks of the job on this host (1 without MPI): they share its memory.
+  int ranks_on_host() const { return ranks_on_host_; }
   const plan::Coord& coord() const { return coord_; }
   const comm::ProcessGroup& group(plan::Axis axis) const;
   const comm::ProcessGroup& world() const { return world_; }
 
  private:
-  int rank_ = 0;
+  int rank_ = 0, ranks_on_host_ = 1;
   plan::Coord coord_;
   std::vector<comm::ProcessGroup> groups_;  // in plan::kAllAxes order
   comm::ProcessGroup world_;
@@ -48,6 +50,13 @@ class RankGroups {
 
 // The layouts the runtime trains today. Throws ConfigError naming what is missing otherwise.
 void check_layout_trainable(const plan::ParallelPlan& plan);
+
+// Refuses, before anything is allocated, a run whose ranks on this host need more memory than
+// it has: this rank's parameters, gradients and optimizer state (ZeRO-sharded as configured)
+// and its activations for `micro_batch` sequences, times the ranks on the host, against
+// host_memory_available(). Throws ConfigError with the figures.
+void check_memory_fits(const plan::ParallelPlan& plan, const RankGroups& groups, int64_t micro_batch,
+                       bool gradients);
 
 struct EngineOptions {
   int threads = 0;          // CPU threads (0: all cores, or OMP_NUM_THREADS)

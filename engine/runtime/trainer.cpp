@@ -10,6 +10,7 @@
 #include "engine/common/error.h"
 #include "engine/common/fault_inject.h"
 #include "engine/common/strings.h"
+#include "engine/config/load_config.h"
 
 namespace dstrain::runtime {
 namespace {
@@ -37,19 +38,30 @@ bool Trainer::request_stop(int signal) {
 Trainer::Trainer(const plan::ParallelPlan& plan, int threads) : Trainer(plan, RankGroups(plan), threads) {}
 
 Trainer::Trainer(const plan::ParallelPlan& plan, RankGroups groups, int threads)
-    : plan_(plan), cfg_(plan_.config), groups_(std::move(groups)),
-      engine_(build_rank_engine(plan_, groups_, EngineOptions{threads})),
-      schedule_(plan_.config), metrics_(""), tensorboard_("") {
+    : plan_(plan), cfg_(plan_.config), groups_(std::move(groups)), schedule_(plan_.config), metrics_(""),
+      tensorboard_("") {
+  // What can fail on some ranks only (a data file one host lacks, less free memory on one host)
+  // is checked before the first collective, and the ranks agree on it: otherwise the others
+  // would wait forever in the communicators' set-up for a rank that has given up.
+  std::string local_error;
+  try {
+    dataset_ = std::make_unique<data::TokenDataset>(cfg_);
+    if (groups_.world_rank() == 0) {  // the output files (rank 0 writes them)
+      metrics_ = MetricsFile(cfg_.monitor.metrics_file);
+      tensorboard_ = TensorBoardWriter(cfg_.monitor.tensorboard);
+    }
+    check_layout_trainable(plan_);
+    check_memory_fits(plan_, groups_, plan_.batch.micro, true);
+  } catch (const Error& e) {
+    local_error = e.what();
+  }
+  agree_on_start(local_error);
+  engine_ = build_rank_engine(plan_, groups_, EngineOptions{threads});
   rank_ = groups_.world_rank();
   dp_rank_ = groups_.coord().dp, dp_size_ = plan_.degrees.dp;
   world_ = groups_.world().communicator("world", {cfg_.parallel.comm_timeout_s});
-  if (rank_ == 0) {
-    metrics_ = MetricsFile(cfg_.monitor.metrics_file);
-    tensorboard_ = TensorBoardWriter(cfg_.monitor.tensorboard);
-  }
   model::ParamStore& params = *engine_.params;
   const parallel::ZeroSharding& zero = *engine_.zero;
-  dataset_ = std::make_unique<data::TokenDataset>(cfg_);
   skip_sync_step_ = fault_at(Fault::kSkipGradSync);
   if (engine_.grad_sync && rank_ == 0) {
     const config::ZeroConfig& z = cfg_.zero_optimization;
@@ -69,11 +81,23 @@ Trainer::Trainer(const plan::ParallelPlan& plan, RankGroups groups, int threads)
   tokens_.resize(plan_.batch.micro * (cfg_.seq_length + 1));
   peak_flops_ = cfg_.monitor.peak_tflops > 0 ? cfg_.monitor.peak_tflops * 1e12 : measure_peak_flops();
   checkpointer_ = std::make_unique<Checkpointer>(plan_, groups_.world());
-  const std::string resume = checkpointer_->resume_path();
-  if (!resume.empty()) {
-    const TrainState st = checkpointer_->load(resume, params, adam_.get());
-    start_step_ = st.step;
-    if (rank_ == 0) spdlog::info("resumed from {} at step {}", resume, start_step_);
+  checkpointer_->prepare_for_saves();  // the directory's lock first: no other run writes there now
+  if (const auto resumed = checkpointer_->resume(params, adam_.get())) {
+    const TrainState& st = resumed->state;
+    const data::DatasetInfo& d = dataset_->info();
+    if (!st.data_tokenizer.empty() && (st.data_tokenizer != d.tokenizer_id || st.data_vocab_size != d.vocab_size)) {
+      const std::string what = fmt::format("checkpoint {} was trained on data tokenized as {} (vocabulary {}), but {} "
+                                           "is tokenized as {} (vocabulary {})",
+                                           resumed->path, st.data_tokenizer, st.data_vocab_size, d.path,
+                                           d.tokenizer_id, d.vocab_size);
+      if (!cfg_.checkpoint.allow_data_change)
+        config::fail_at(cfg_, "checkpoint.allow_data_change",
+                        what + "; valid: the data the checkpoint was trained on, or true to resume on other data");
+      if (rank_ == 0) spdlog::warn("{} (checkpoint.allow_data_change: true)", what);
+    }
+    start_step_ = saved_step_ = st.step;
+    saved_path_ = resumed->path;
+    if (rank_ == 0) spdlog::info("resumed from {} at step {}", resumed->path, start_step_);
   }
 }
 
@@ -149,10 +173,52 @@ double Trainer::global_grad_norm() {
   return std::sqrt(comm::all_reduce_value(*world_, sq, comm::ReduceOp::kSum));
 }
 
+// Collective over the world: when any rank failed to start, every rank throws the error of the
+// lowest-numbered one (so the job reports one line, not one per rank).
+void Trainer::agree_on_start(const std::string& local_error) {
+  const auto agree = groups_.world().communicator("start", {cfg_.parallel.comm_timeout_s});
+  const int64_t size = agree->size();
+  const int64_t first =
+      -comm::all_reduce_value(*agree, -(local_error.empty() ? size : int64_t(agree->rank())), comm::ReduceOp::kMax);
+  if (first == size) return;
+  throw ConfigError(comm::broadcast_string(*agree, local_error, int(first)));
+}
+
+// What diverged at `step` ("" when the loss and the gradient norm are finite), naming the first
+// parameter — in registry order, over every rank — whose reduced gradient is not finite.
+std::string Trainer::divergence(int64_t step, const StepResult& r) {
+  if (std::isfinite(r.grad_norm) && std::isfinite(r.loss.total())) return "";
+  const model::ParamStore& params = *engine_.params;
+  const parallel::ZeroSharding& z = *engine_.zero;
+  int64_t first = int64_t(plan_.params.size());
+  for (size_t i = 0; i < plan_.params.size() && first == int64_t(plan_.params.size()); ++i) {
+    const plan::ParamInfo& info = plan_.params[i];
+    if (info.buffer || !params.has(info.name)) continue;
+    const model::ParamView& v = params.view(info.name);
+    const Range mine = parallel::intersect({v.offset, v.offset + v.numel}, z.owned(v.expert));
+    const float* g = (v.expert ? engine_.params->expert_grads() : engine_.params->dense_grads()).data();
+    for (int64_t j = mine.begin; j < mine.end; ++j)
+      if (!std::isfinite(g[j])) {
+        first = int64_t(i);
+        break;
+      }
+  }
+  first = -comm::all_reduce_value(*world_, -first, comm::ReduceOp::kMax);  // the minimum over ranks
+  const std::string where = first < int64_t(plan_.params.size())
+                                ? fmt::format("the first non-finite gradient is in {}", plan_.params[size_t(first)].name)
+                                : "every gradient is finite";
+  return fmt::format("step {}: the loss is {} and the gradient norm {}: training diverged ({}); the weights were not "
+                     "updated. Lower optimizer.params.lr (now {}) or clip harder with gradient_clipping (now {}; a "
+                     "smaller value clips harder, 0 is off)",
+                     step + 1, r.loss.total(), r.grad_norm, where, cfg_.optimizer.params.lr, cfg_.gradient_clipping);
+}
+
 StepResult Trainer::train_step(int64_t step) {
   StepResult r = compute_gradients(step);
   const auto t0 = Clock::now();
   r.grad_norm = global_grad_norm();
+  r.diverged = divergence(step, r);  // checked before the optimizer touches anything
+  if (!r.diverged.empty()) return r;
   r.lr = schedule_.lr(step);
   adam_->step(r.lr, step + 1, clip_factor(r.grad_norm, cfg_.gradient_clipping));  // clipping fused
   engine_.zero->gather_buffers(engine_.params->dense_params().data(), engine_.params->expert_params().data(),
@@ -187,16 +253,25 @@ void Trainer::log_expert_stats(int64_t step, const StepResult& r) {
   const config::ModelConfig& m = cfg_.model;
   for (int64_t i = 0; i < m.num_hidden_layers + m.num_nextn_predict_layers; ++i)
     if (m.is_moe_layer(i)) layer_ids.push_back(i);
+  Scalars s;  // also to the metrics file and TensorBoard: experts/layer_L/{min,max,mean,cv,max_over_mean}
   for (size_t i = 0; i < r.expert_loads.size(); ++i) {
     const auto& loads = r.expert_loads[i];
     double mean = 0, var = 0;
     int64_t lo = loads.empty() ? 0 : loads[0], hi = lo;
     for (int64_t x : loads) mean += double(x) / double(loads.size()), lo = std::min(lo, x), hi = std::max(hi, x);
     for (int64_t x : loads) var += (double(x) - mean) * (double(x) - mean) / double(loads.size());
+    const double cv = mean > 0 ? std::sqrt(var) / mean : 0.0, peak = mean > 0 ? double(hi) / mean : 0.0;
+    const int64_t layer = i < layer_ids.size() ? layer_ids[i] : int64_t(i);
     spdlog::info("step {} experts, layer {}: tokens per expert min {} max {} mean {:.1f} CV {:.3f} "
                  "(max/mean {:.2f})",
-                 step + 1, i < layer_ids.size() ? layer_ids[i] : int64_t(i), lo, hi, mean, mean > 0 ? std::sqrt(var) / mean : 0.0, mean > 0 ? hi / mean : 0.0);
+                 step + 1, layer, lo, hi, mean, cv, peak);
+    const std::string key = fmt::format("experts/layer_{}/", layer);
+    for (const auto& kv : Scalars{{key + "min", double(lo)}, {key + "max", double(hi)}, {key + "mean", mean},
+                                  {key + "cv", cv}, {key + "max_over_mean", peak}})
+      s.push_back(kv);
   }
+  metrics_.write(step + 1, s);
+  tensorboard_.write(step + 1, s);
 }
 
 void Trainer::log_step(int64_t step, const StepResult& r, double window_s, int64_t window_steps,
@@ -233,7 +308,12 @@ std::string Trainer::save_checkpoint(int64_t steps_done) {
   TrainState st;
   st.step = steps_done;
   st.tokens_seen = steps_done * plan_.batch.tokens_per_step();
-  return checkpointer_->save(st, *engine_.params, *adam_, engine_.zero.get());
+  st.data_tokenizer = dataset_->info().tokenizer_id;
+  st.data_vocab_size = dataset_->info().vocab_size;
+  const std::string path = checkpointer_->save(st, *engine_.params, *adam_, engine_.zero.get());
+  saved_step_ = steps_done;
+  saved_path_ = path;
+  return path;
 }
 
 TrainSummary Trainer::run() {
@@ -258,6 +338,10 @@ TrainSummary Trainer::run() {
                  dp_size_ > 1 ? fmt::format(" x {} data-parallel ranks", dp_size_) : "", peak_flops_ / 1e12,
                  cfg_.monitor.peak_tflops > 0 ? "monitor.peak_tflops" : "measured fp32 GEMM peak");
   }
+  if (cfg_.scheduler && cfg_.scheduler->params.warmup_num_steps > cfg_.train_steps && rank_ == 0)
+    spdlog::warn("scheduler.params.warmup_num_steps {} is longer than train_steps {}: the learning rate never "
+                 "reaches its peak",
+                 cfg_.scheduler->params.warmup_num_steps, cfg_.train_steps);
   g_loop_running.store(true);
   struct LoopGuard {  // also when the loop throws: a later signal then exits at once
     ~LoopGuard() { g_loop_running.store(false); }
@@ -268,6 +352,7 @@ TrainSummary Trainer::run() {
   double excluded = 0;  // validation and checkpoint time inside the current window
   int64_t window_steps = 0;
   StepResult last;
+  out.steps = start_step_;
   if (start_step_ >= cfg_.train_steps && rank_ == 0)
     spdlog::info("step {} reached train_steps {}: nothing to train (raise train_steps, or start afresh "
                  "with --set checkpoint.resume=none)",
@@ -275,10 +360,14 @@ TrainSummary Trainer::run() {
   for (int64_t step = start_step_; step < cfg_.train_steps; ++step) {
     last = train_step(step);
     ++window_steps;
-    if (!std::isfinite(last.loss.ce))
-      throw AgreedError(fmt::format("step {}: the loss is {} (diverged); lower optimizer.params.lr or "
-                              "raise gradient_clipping",
-                              step + 1, last.loss.ce));
+    if (!last.diverged.empty()) {
+      // The state after `step` steps is finite and untouched: keep it, unless it is saved already.
+      std::string kept = saved_step_ >= 0 ? fmt::format("the last finite state is {} (step {})", saved_path_, saved_step_)
+                                          : "no checkpoint was written";
+      if (step > saved_step_ && step > 0) kept = "saved the last finite state as " + save_checkpoint(step);
+      checkpointer_->wait();
+      throw AgreedError(fmt::format("{}; {}", last.diverged, kept));
+    }
     const bool last_step = step + 1 == cfg_.train_steps;
     std::optional<double> val;
     if (cfg_.data.eval_interval > 0 && d.validation_samples > 0 &&
@@ -314,8 +403,10 @@ TrainSummary Trainer::run() {
   out.final_loss = last.loss.ce;
   out.seconds = seconds_since(start);
   out.tokens_per_sec = double((out.steps - start_step_) * plan_.batch.tokens_per_step()) / out.seconds;
-  if (rank_ == 0 && !out.stopped)
-    spdlog::info("done: {} steps in {}, train loss {:.4f}{}", out.steps, clock_text(out.seconds), out.final_loss,
+  const int64_t trained = out.steps - start_step_;
+  if (rank_ == 0 && !out.stopped && trained > 0)
+    spdlog::info("done: trained {} step{} ({} -> {}) in {}, train loss {:.4f}{}", trained, trained == 1 ? "" : "s",
+                 start_step_, out.steps, clock_text(out.seconds), out.final_loss,
                  out.final_val_loss >= 0 ? fmt::format(", validation loss {:.4f}", out.final_val_loss) : "");
   return out;
 }

@@ -35,6 +35,9 @@ struct StepResult {
   double forward_s = 0, backward_s = 0, optimizer_s = 0;
   double comm_wait_s = 0;  // waiting for the gradient reduction after the backward pass
   std::vector<std::vector<int64_t>> expert_loads;  // per MoE layer, this step
+  // Set when the loss or the gradient norm is not finite: what went wrong. The weights, the
+  // optimizer state and the router biases were then left as they were before the step.
+  std::string diverged;
 };
 
 struct TrainSummary {
@@ -54,7 +57,8 @@ class Trainer {
 
   // Gradients of step `step` (0-based) without touching the weights.
   StepResult compute_gradients(int64_t step);
-  // compute_gradients + clipping + AdamW + router bias update.
+  // compute_gradients + clipping + AdamW + router bias update; nothing is updated when the step
+  // diverged (StepResult::diverged).
   StepResult train_step(int64_t step);
   // Mean cross-entropy over data.eval_iters global batches of validation data.
   double validate();
@@ -73,18 +77,20 @@ class Trainer {
 
  private:
   double measure_peak_flops();
+  std::string divergence(int64_t step, const StepResult& r);
   void reduce_losses(StepResult& r);
   double global_grad_norm();
   void log_step(int64_t step, const StepResult& r, double window_s, int64_t window_steps,
                 double elapsed_s, const std::optional<double>& val);
   void log_expert_stats(int64_t step, const StepResult& r);
+  void agree_on_start(const std::string& local_error);
 
   const plan::ParallelPlan plan_;  // owned: the parameter store's views point into its registry
   const config::TrainConfig& cfg_;
   RankGroups groups_;
+  std::unique_ptr<data::TokenDataset> dataset_;  // before the engine: bad data fails before allocating
   RankEngine engine_;
   std::unique_ptr<comm::Communicator> world_;  // every rank: stop requests, the gradient norm
-  std::unique_ptr<data::TokenDataset> dataset_;
   std::unique_ptr<AdamW> adam_;
   LrSchedule schedule_;
   MetricsFile metrics_;
@@ -96,6 +102,8 @@ class Trainer {
   int dp_size_ = 1;
   std::unique_ptr<Checkpointer> checkpointer_;
   int64_t start_step_ = 0;
+  int64_t saved_step_ = -1;  // the step of the newest checkpoint of this run (or the resumed one)
+  std::string saved_path_;   // and its file
   int64_t skip_sync_step_ = 0;  // fault injection (Fault::kSkipGradSync)
 };
 

@@ -15,53 +15,11 @@
 #include <sys/wait.h>
 
 #include "engine/io/hdf5_file.h"
+#include "tests/cli/cli_util.h"
 
 namespace {
 
-struct Result {
-  int rc = -1;
-  std::string out, err;
-};
-
-std::string slurp(const std::string& path) {
-  std::ifstream in(path);
-  std::stringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
-
-Result run(const std::string& args) {
-  const std::string dir = ::testing::TempDir();
-  const std::string out = dir + "/cli_out.txt", err = dir + "/cli_err.txt";
-  const std::string cmd = args + " >" + out + " 2>" + err + " </dev/null";
-  const int status = std::system(cmd.c_str());
-  Result r;
-  r.rc = WIFEXITED(status) ? WEXITSTATUS(status) : 128;
-  r.out = slurp(out);
-  r.err = slurp(err);
-  return r;
-}
-
-const std::string kDstrain = DSTRAIN_BIN;
-const std::string kDsrun = DSRUN_BIN;
-std::string mpirun(int np) {
-  return std::string(MPIEXEC) + " --oversubscribe --allow-run-as-root -np " + std::to_string(np) +
-         " ";
-}
-
-int count(const std::string& text, const std::string& what) {
-  int n = 0;
-  for (size_t pos = text.find(what); pos != std::string::npos; pos = text.find(what, pos + 1)) ++n;
-  return n;
-}
-
-std::vector<std::string> lines_with(const std::string& text, const std::string& prefix) {
-  std::vector<std::string> out;
-  std::stringstream s(text);
-  for (std::string line; std::getline(s, line);)
-    if (line.rfind(prefix, 0) == 0) out.push_back(line);
-  return out;
-}
+using namespace dstrain::testing;
 
 TEST(Cli, HelpAndUsageErrors) {
   Result r = run(kDstrain + " --help");
@@ -169,7 +127,7 @@ TEST(Cli, TrainsTheTinyPreset) {
                        "--set checkpoint.resume=none --set checkpoint.dir=" + ::testing::TempDir() + "/cli_tiny");
   EXPECT_EQ(r.rc, 0) << r.err;
   EXPECT_NE(r.out.find("step 2/4 | loss "), std::string::npos) << r.out;
-  EXPECT_NE(r.out.find("done: 4 steps in"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("done: trained 4 steps (0 -> 4) in"), std::string::npos) << r.out;
 }
 
 TEST(Cli, TrainingWithTensorParallelismSaysWhatIsMissing) {
@@ -215,24 +173,6 @@ TEST(Cli, DumpGradsNeedsOneRank) {
   const auto errors = lines_with(r.err, "dstrain: error:");
   ASSERT_EQ(errors.size(), 1u) << r.err;
   EXPECT_NE(errors[0].find("--dump-grads runs on one rank"), std::string::npos);
-}
-
-// Losses of a metrics file by step.
-std::map<int, double> losses(const std::string& path) {
-  std::map<int, double> out;
-  std::ifstream in(path);
-  for (std::string line; std::getline(in, line);) {
-    const nlohmann::json row = nlohmann::json::parse(line);
-    if (row.contains("step") && row.contains("loss")) out[row["step"].get<int>()] = row["loss"].get<double>();
-  }
-  return out;
-}
-
-std::string train_cmd(const std::string& dir, const std::string& name, int steps, const std::string& extra = "") {
-  return kDstrain + " configs/tiny.yaml --set train_steps=" + std::to_string(steps) +
-         " --set steps_per_print=1 --set data.eval_interval=0 --set monitor.expert_stats_interval=0"
-         " --set checkpoint.interval=4 --set checkpoint.dir=" + dir + "/" + name +
-         " --set monitor.metrics_file=" + dir + "/" + name + ".jsonl " + extra;
 }
 
 // A checkpoint saved on one layout continues the same loss curve on another: 1 -> 2 ranks and

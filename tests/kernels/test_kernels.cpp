@@ -174,7 +174,9 @@ TEST_P(Kernels, RopeWorkedExample) {
 
 TEST(KernelGradients, RopeBothLayouts) {
   const int64_t N = 6, S = 3, heads = 2, dr = 8;
-  const auto [c, s] = rope_tables(S, dr, 10000.0);
+  const auto tables = rope_tables(S, dr, 10000.0);
+  const Vec& c = tables.first;  // (named, not bound: the lambda below captures them)
+  const Vec& s = tables.second;
   for (bool interleave : {true, false}) {
     const Vec x = randn(N * heads * dr, 9), R = randn(N * heads * dr, 10);
     const auto loss = [&](const Vec& xx) {

@@ -7,6 +7,7 @@
 
 #include "engine/common/rng.h"
 #include "engine/config/presets.h"
+#include "engine/model/deepseek_model.h"
 #include "engine/model/ffn.h"
 #include "engine/model/param_store.h"
 #include "engine/plan/parallel_plan.h"
@@ -140,3 +141,32 @@ TEST(RouterBias, MovesTowardsBalance) {
 
 }  // namespace
 }  // namespace dstrain
+
+namespace dstrain::model {
+namespace {
+
+// The activation estimate the memory check uses (plan::activation_bytes) against what the model
+// actually keeps for backward, for each preset at a few batch shapes: within 30% (it refuses a
+// run only when the estimate alone does not fit, so it must not overshoot much).
+TEST(MemoryEstimate, ActivationsMatchWhatTheModelKeeps) {
+  for (const char* preset : {"tiny", "small"})
+    for (const auto& [B, S] : {std::pair<int64_t, int64_t>{2, 32}, {4, 64}}) {
+      config::ModelConfig m = config::model_preset(preset);
+      for (const int64_t mtp : {int64_t(0), int64_t(1)}) {
+        m.num_nextn_predict_layers = mtp;
+        const auto table = plan::build_param_table(m);
+        const std::vector<int> stages(table.size(), 0);
+        ParamStore params(table, stages, m.num_routed(), {});
+        auto be = kernels::make_cpu_backend(1);
+        LocalCollectives coll;
+        DeepSeekModel net(m, *be, coll, params, B, S);
+        const double actual = double(net.saved_activation_bytes());
+        const double estimate = plan::activation_bytes(m, m.num_hidden_layers + mtp, B, S);
+        EXPECT_GT(estimate, 0.7 * actual) << preset << " B " << B << " S " << S << " mtp " << mtp;
+        EXPECT_LT(estimate, 1.3 * actual) << preset << " B " << B << " S " << S << " mtp " << mtp;
+      }
+    }
+}
+
+}  // namespace
+}  // namespace dstrain::model

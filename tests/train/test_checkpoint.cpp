@@ -55,8 +55,10 @@ TEST(Checkpoint, LatestPointsAtTheNewestAndOldOnesArePruned) {
   const std::string dir = fresh_dir("prune");
   const plan::ParallelPlan p = tiny_plan(dir, {"train_steps=8", "checkpoint.interval=2", "checkpoint.keep_last=2",
                                               "checkpoint.resume=none", "steps_per_print=100"});
-  Trainer t(p, 1);
-  t.run();
+  {
+    Trainer t(p, 1);
+    t.run();
+  }  // (its lock on the directory is released)
   const auto files = list_checkpoints(dir);
   ASSERT_EQ(files.size(), 2u);
   EXPECT_EQ(fs::path(files[0]).filename(), "step_00000006.h5");

@@ -115,7 +115,7 @@ TEST(Dataset, BadDataFiles) {
       {"does_not_exist.txt", "text", "is not a readable file", {}},
       {"empty.txt", "text", "is empty", {}},
       {"tiny.txt", "text", "make no sample of seq_length + 1 = 65 tokens", {}},
-      {"text_as_tokens.h5", "tokens", "cannot open (missing or not HDF5?)", {}},
+      {"text_as_tokens.h5", "tokens", "is not an HDF5 file", {}},
       {"no_format.h5", "tokens", "not a dstrain token dataset", {}},
       {"big_vocab.h5", "tokens", "more than the model's vocab_size 256", {}},
       {"truncated.h5", "tokens", "truncated.h5", {}},

@@ -23,8 +23,13 @@
 namespace dstrain::runtime {
 namespace {
 
+// The tiny preset, checkpointing into a directory of this test's own (the tests run in parallel
+// processes, and a checkpoint directory admits one run at a time); `sets` may override it.
 config::TrainConfig tiny(const std::vector<std::string>& sets = {}) {
-  return config::load_config_file("configs/tiny.yaml", sets);
+  std::vector<std::string> all = {"checkpoint.dir=" + ::testing::TempDir() + "/train_" +
+                                  ::testing::UnitTest::GetInstance()->current_test_info()->name()};
+  all.insert(all.end(), sets.begin(), sets.end());
+  return config::load_config_file("configs/tiny.yaml", all);
 }
 
 // DeepSpeed's formulas, written out independently (lr_schedules.py).
@@ -165,8 +170,11 @@ TEST(Optimizer, AdamWithoutAdamWModeIsL2Regularised) {
 
 // Same global batch of 8: one micro-batch of 8, or 4 micro-batches of 2 — same gradients.
 TEST(Trainer, GradientAccumulationMatchesOneBigBatch) {
-  const plan::ParallelPlan one = tiny_plan({"train_micro_batch_size_per_gpu=8", "gradient_accumulation_steps=1"});
-  const plan::ParallelPlan four = tiny_plan({"train_micro_batch_size_per_gpu=2", "gradient_accumulation_steps=4"});
+  const std::string dir = ::testing::TempDir() + "/accumulation";
+  const plan::ParallelPlan one = tiny_plan({"train_micro_batch_size_per_gpu=8", "gradient_accumulation_steps=1",
+                                            "checkpoint.dir=" + dir + "/one"});
+  const plan::ParallelPlan four = tiny_plan({"train_micro_batch_size_per_gpu=2", "gradient_accumulation_steps=4",
+                                             "checkpoint.dir=" + dir + "/four"});
   ASSERT_EQ(one.batch.global, 8);
   ASSERT_EQ(four.batch.accumulation, 4);
   Trainer a(one, 2), b(four, 2);

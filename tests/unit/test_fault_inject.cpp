@@ -24,7 +24,7 @@ TEST(FaultInject, MalformedValuesAreErrors) {
       ADD_FAILURE() << bad << " accepted";
     } catch (const ConfigError& e) {
       EXPECT_NE(std::string(e.what()).find("DSTRAIN_FAULT_INJECT"), std::string::npos) << e.what();
-      EXPECT_NE(std::string(e.what()).find("valid: skip_grad_sync:N, crash_during_save:N"), std::string::npos)
+      EXPECT_NE(std::string(e.what()).find("valid: skip_grad_sync:N, crash_during_save:N, slow_save:N"), std::string::npos)
           << e.what();
     }
   }

@@ -1,8 +1,10 @@
 // dstrain-ckpt: look into and convert dstrain checkpoints.
 //   dstrain-ckpt info PATH              step, tokens, layout, format, config, tensor table
+//   dstrain-ckpt verify PATH            reads every tensor and checks its checksum
 //   dstrain-ckpt diff A B               per-tensor max |difference| of two checkpoints
 //   dstrain-ckpt export-hf PATH OUT_DIR config.json + model.safetensors for Hugging Face
-// PATH is a checkpoint file or a checkpoint directory (its `latest`).
+// PATH is a checkpoint file or a checkpoint directory (its `latest`). Exit status: 0 fine (diff:
+// identical), 1 an error or (diff) tensors that differ or are missing, 2 a bad command line.
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -27,6 +29,7 @@ namespace fs = std::filesystem;
 
 const char* kUsage =
     "usage: dstrain-ckpt info PATH\n"
+    "       dstrain-ckpt verify PATH\n"
     "       dstrain-ckpt diff A B\n"
     "       dstrain-ckpt export-hf PATH OUT_DIR\n"
     "PATH: a checkpoint file, or a checkpoint directory (its latest)\n";
@@ -115,15 +118,36 @@ int diff(const std::string& a_arg, const std::string& b_arg) {
   }
   std::printf("%d tensors differ (largest difference %.6g), %d missing or reshaped; steps %g and %g\n", differing,
               worst, missing, a->attr_double("step"), b->attr_double("step"));
+  return differing + missing == 0 ? 0 : 1;  // as diff(1)
+}
+
+int verify(const std::string& arg) {
+  const std::string path = resolve(arg);
+  const int64_t tensors = dstrain::runtime::verify_checkpoint(path);
+  std::printf("%s: ok, %s tensors read, every checksum verified\n", path.c_str(), dstrain::with_commas(tensors).c_str());
   return 0;
 }
 
 // safetensors: 8-byte little-endian header size, a JSON header with dtype, shape and byte
 // offsets per tensor, then the raw little-endian data.
-int export_hf(const std::string& arg, const std::string& out_dir) {
+// Writes into a fresh directory next to OUT_DIR and renames it into place only when complete: a
+// bad checkpoint or a failed write leaves no partial export behind.
+int export_hf(const std::string& arg, const std::string& final_dir) {
   const std::string path = resolve(arg);
   const auto f = open_checkpoint(path);
+  if (fs::exists(final_dir) && !fs::is_empty(final_dir))
+    throw dstrain::ConfigError(fmt::format("{} exists and is not empty; valid: a new or empty directory", final_dir));
+  const std::string out_dir = final_dir + ".tmp";
+  fs::remove_all(out_dir);
   fs::create_directories(out_dir);
+  struct Cleanup {  // on any error: remove the partial export
+    std::string dir;
+    bool done = false;
+    ~Cleanup() {
+      std::error_code ec;
+      if (!done) fs::remove_all(dir, ec);
+    }
+  } cleanup{out_dir};
   {
     std::ofstream cfg(fs::path(out_dir) / "config.json");
     cfg << f->attr_string("hf_config");
@@ -149,13 +173,23 @@ int export_hf(const std::string& arg, const std::string& out_dir) {
     st.write(reinterpret_cast<const char*>(&len), 8);
     st.write(header.data(), std::streamsize(header.size()));
     for (const std::string& name : names) {
-      const auto data = f->read_floats("model/" + name);
+      std::vector<float> data;
+      try {
+        data = f->read_floats("model/" + name);
+      } catch (const dstrain::Error&) {
+        throw dstrain::ConfigError(fmt::format("{}: tensor '{}' fails its checksum or cannot be read (corrupt or "
+                                               "truncated checkpoint); nothing was exported",
+                                               path, name));
+      }
       st.write(reinterpret_cast<const char*>(data.data()), std::streamsize(4 * data.size()));
     }
     if (!st.flush()) throw dstrain::Error(fmt::format("{}: write failed", tmp));
   }
   fs::rename(tmp, out);
-  std::printf("wrote %s/config.json and model.safetensors (%zu tensors, %s) from %s\n", out_dir.c_str(), names.size(),
+  if (fs::exists(final_dir)) fs::remove(final_dir);  // empty (checked above)
+  fs::rename(out_dir, final_dir);
+  cleanup.done = true;
+  std::printf("wrote %s/config.json and model.safetensors (%zu tensors, %s) from %s\n", final_dir.c_str(), names.size(),
               dstrain::human_bytes(double(offset)).c_str(), path.c_str());
   return 0;
 }
@@ -167,6 +201,7 @@ int main(int argc, char** argv) {
   const std::vector<std::string> a(argv + 1, argv + argc);
   try {
     if (a.size() == 2 && a[0] == "info") return info(a[1]);
+    if (a.size() == 2 && a[0] == "verify") return verify(a[1]);
     if (a.size() == 3 && a[0] == "diff") return diff(a[1], a[2]);
     if (a.size() == 3 && a[0] == "export-hf") return export_hf(a[1], a[2]);
     std::fputs(kUsage, stderr);

@@ -3,12 +3,15 @@
 // trains (or loads) and saves next to the data.
 //
 //   dstrain-prep --input FILE [--input FILE ...] --output DATA.h5
-//                [--tokenizer bytes|bpe] [--vocab-size N] [--tokenizer-file PATH]
+//                [--tokenizer bytes|bpe] [--vocab-size N] [--tokenizer-file PATH] [--force]
 //
 // With --tokenizer bpe and no --tokenizer-file, a BPE of --vocab-size tokens is trained on the
 // inputs and saved as DATA.tokenizer; with --tokenizer-file, that tokenizer is applied as is.
+// Existing outputs are kept unless --force; a --vocab-size the inputs cannot reach (BPE stops
+// when no pair of tokens repeats) is an error, not a smaller vocabulary.
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
@@ -29,11 +32,12 @@ struct Args {
   std::vector<std::string> inputs;
   std::string output, tokenizer = "bytes", tokenizer_file;
   int64_t vocab_size = 0;
+  bool force = false;
 };
 
 const char* kUsage =
     "usage: dstrain-prep --input FILE [--input FILE ...] --output DATA.h5\n"
-    "                    [--tokenizer bytes|bpe] [--vocab-size N] [--tokenizer-file PATH]\n";
+    "                    [--tokenizer bytes|bpe] [--vocab-size N] [--tokenizer-file PATH] [--force]\n";
 
 Args parse(int argc, char** argv) {
   Args a;
@@ -43,13 +47,22 @@ Args parse(int argc, char** argv) {
       std::fputs(kUsage, stdout);
       std::exit(0);
     }
+    if (k == "--force") {
+      a.force = true;
+      continue;
+    }
     if (i + 1 >= argc) throw dstrain::ConfigError(fmt::format("{} needs a value\n{}", k, kUsage));
     const std::string v = argv[++i];
     if (k == "--input") a.inputs.push_back(v);
     else if (k == "--output") a.output = v;
     else if (k == "--tokenizer") a.tokenizer = v;
     else if (k == "--tokenizer-file") a.tokenizer_file = v;
-    else if (k == "--vocab-size") a.vocab_size = std::atoll(v.c_str());
+    else if (k == "--vocab-size") {
+      char* end = nullptr;
+      a.vocab_size = std::strtoll(v.c_str(), &end, 10);
+      if (v.empty() || *end != '\0' || a.vocab_size < 1)
+        throw dstrain::ConfigError(fmt::format("--vocab-size {}: valid: a positive integer", v));
+    }
     else throw dstrain::ConfigError(fmt::format("unknown option '{}'\n{}", k, kUsage));
   }
   if (a.inputs.empty() || a.output.empty())
@@ -74,7 +87,13 @@ int run(const Args& a) {
   for (const std::string& in : a.inputs) text += read_all(in);
   if (text.empty()) throw dstrain::ConfigError("the inputs are empty");
   std::error_code ec;
-  const auto parent = std::filesystem::path(a.output).parent_path();
+  const std::filesystem::path out_path(a.output);
+  const std::filesystem::path tokenizer_path = out_path.parent_path() / (out_path.stem().string() + ".tokenizer");
+  for (const auto& p : {out_path, tokenizer_path})
+    if (!a.force && std::filesystem::exists(p, ec) && (p == out_path || (a.tokenizer == "bpe")))
+      throw dstrain::ConfigError(fmt::format("{} exists already; valid: another --output, or --force to replace it",
+                                             p.string()));
+  const auto parent = out_path.parent_path();
   if (!parent.empty()) std::filesystem::create_directories(parent, ec);
   std::vector<int32_t> tokens;
   int64_t vocab = 256;
@@ -85,8 +104,11 @@ int run(const Args& a) {
     dstrain::data::BpeTokenizer bpe = a.tokenizer_file.empty()
                                           ? dstrain::data::BpeTokenizer::train(text, a.vocab_size)
                                           : dstrain::data::BpeTokenizer::load(a.tokenizer_file);
-    const std::filesystem::path out_path(a.output);
-    const std::filesystem::path saved = out_path.parent_path() / (out_path.stem().string() + ".tokenizer");
+    if (a.tokenizer_file.empty() && bpe.vocab_size() < a.vocab_size)
+      throw dstrain::ConfigError(fmt::format("--vocab-size {}: the inputs support only {} tokens (beyond that no pair "
+                                             "of tokens occurs twice); valid: --vocab-size <= {}, or more text",
+                                             a.vocab_size, bpe.vocab_size(), bpe.vocab_size()));
+    const std::filesystem::path saved = tokenizer_path;
     bpe.save(saved.string());
     tok_file = saved.filename().string();
     tokens = bpe.encode(text);
@@ -109,7 +131,7 @@ int main(int argc, char** argv) {
   dstrain::tune_host_allocator();
   try {
     return run(parse(argc, argv));
-  } catch (const dstrain::Error& e) {
+  } catch (const std::exception& e) {  // every failure: one line, never an uncaught exception
     std::fprintf(stderr, "dstrain-prep: error: %s\n", e.what());
     return 1;
   }
