@@ -16,8 +16,8 @@ options:
   --world-size N        plan for N ranks instead of the MPI world (with --dry-run/--print-config)
   --print-config        print the fully resolved config, defaults included, and exit
   --resume auto|none|PATH  continue from a checkpoint (same as --set checkpoint.resume=...)
-  --dump-grads FILE.h5  one forward and backward on the first global batch; write weights,
-                        gradients, tokens and losses to FILE.h5 (one rank) and exit
+  --dump-grads FILE.h5  one forward and backward on the first global batch on any layout; write
+                        the full weights, gradients, tokens and losses to FILE.h5 and exit
   --threads N           CPU threads (default: all cores, or OMP_NUM_THREADS)
   --check-comm          build every process group's communicator, check its members, and exit
   --ranks-needed        print the rank count the config needs (parallel.data must be a number)

@@ -148,18 +148,19 @@ int run(const launcher::Options& cli, int rank, int world) {
   }
   init_logging(rank, p->config.monitor.log_level);
   opts = with_default_threads(opts, rank);
+  std::vector<comm::ProcessGroup> groups;
+  if (agree_on_failure(setup_groups(*p, rank, groups), rank, world)) return 1;
   if (!opts.dump_grads.empty()) {
     std::optional<std::string> dump_error;
     try {
-      runtime::dump_grads(*p, opts.dump_grads, opts.threads);  // refuses world sizes > 1
+      runtime::dump_grads(*p, runtime::RankGroups(*p, rank, std::move(groups), comm::ProcessGroup::world()),
+                          opts.dump_grads, opts.threads);
       if (rank == 0) spdlog::info("wrote {}", opts.dump_grads);
     } catch (const Error& e) {
       dump_error = e.what();
     }
     return agree_on_failure(dump_error, rank, world) ? 1 : 0;
   }
-  std::vector<comm::ProcessGroup> groups;
-  if (agree_on_failure(setup_groups(*p, rank, groups), rank, world)) return 1;
   if (opts.check_comm) {
     report_groups(*p, rank, world, groups);
     return 0;

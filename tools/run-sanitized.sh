@@ -27,6 +27,6 @@ for target in config tokenizer checkpoint; do
     echo "fuzz_$target found a failure (log above)" >&2
     exit 1
   }
-  grep -E "stat::number_of_executed_runs|stat::peak_rss_mb" "$work/$target.log" | sed "s/^/  /"
+  grep -E "stat::number_of_executed_units|stat::peak_rss_mb" "$work/$target.log" | sed "s/^/  /"
 done
 echo "sanitizers and fuzzers: ok"

@@ -194,6 +194,8 @@ const std::string& key_meaning(const std::string& path) {
        "data-parallel degree; auto = world_size / (tensor x pipeline)"},
       {"parallel.stage_layers",
        "decoder layers per pipeline stage; empty splits evenly, extra layers to the first stages"},
+      {"parallel.sequence_parallel",
+       "split the norm and residual regions by tokens over the tensor-parallel ranks (Megatron's sequence parallelism)"},
       {"parallel.comm_timeout_s",
        "seconds a collective may stay outstanding before the watchdog aborts the job with a report"},
       {"data.path",

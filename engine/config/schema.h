@@ -127,6 +127,7 @@ void describe(V& v, ParallelConfig& c) {
   v.field("data", c.data);
   v.field("stage_layers", c.stage_layers, at_least(1));
   v.field("comm_timeout_s", c.comm_timeout_s, real_range(0.1, 1e7));
+  v.field("sequence_parallel", c.sequence_parallel);
 }
 
 template <class V>

@@ -99,6 +99,7 @@ struct ParallelConfig {
   AutoInt data;                      // auto: world_size / (tensor * pipeline)
   std::vector<int64_t> stage_layers;  // decoder layers per pipeline stage; empty: uniform
   double comm_timeout_s = 600;        // watchdog deadline of every collective
+  bool sequence_parallel = false;     // Megatron's: norms and residuals split by tokens over TP
 };
 
 struct Fp16Config {  // DeepSpeed `fp16` with its defaults

@@ -123,7 +123,23 @@ void validate_parallel(const TrainConfig& cfg) {
                           n, n, divisors_of(n)));
   };
   tp_divides(m.num_attention_heads, "model.num_attention_heads");
-  tp_divides(m.vocab_size, "model.vocab_size (vocab-parallel embedding and head)");
+  // The vocabulary is split in blocks of ceil(V / tp) rows (a remainder is padding that exists
+  // nowhere): every rank must hold at least one real row.
+  const auto leaves_a_rank_empty = [&](int64_t tp) { return (tp - 1) * ((m.vocab_size + tp - 1) / tp) >= m.vocab_size; };
+  if (leaves_a_rank_empty(p.tensor)) {
+    int64_t most = p.tensor;
+    while (most > 1 && leaves_a_rank_empty(most)) --most;
+    fail_at(cfg, "parallel.tensor",
+            fmt::format("{} splits model.vocab_size = {} into blocks of {} rows, leaving the last rank none; valid: "
+                        "at most {}",
+                        p.tensor, m.vocab_size, (m.vocab_size + p.tensor - 1) / p.tensor, most));
+  }
+  if (p.sequence_parallel && cfg.seq_length % p.tensor != 0)
+    fail_at(cfg, "parallel.sequence_parallel",
+            fmt::format("true, but seq_length {} is not divisible by parallel.tensor {}: sequence parallelism "
+                        "splits every sequence's tokens over the tensor-parallel ranks; valid: a seq_length "
+                        "that is a multiple of {}, or false",
+                        cfg.seq_length, p.tensor, p.tensor));
   if (m.first_k_dense_replace > 0 || !m.n_routed_experts)
     tp_divides(m.intermediate_size, "model.intermediate_size");
   if (m.n_routed_experts && m.num_shared() > 0)
@@ -209,11 +225,6 @@ void validate_training(TrainConfig& cfg) {
             fmt::format("tokens, but '{}' is not an HDF5 file (dstrain-prep writes those); valid: text for "
                         "raw text, or auto",
                         cfg.data.path));
-  if (cfg.data.format == DataFormat::kText && cfg.model.vocab_size < 256)
-    fail_at(cfg, "data.format",
-            fmt::format("text gives byte tokens 0..255 but model.vocab_size is {}; valid: a "
-                        "vocab_size >= 256 for text data",
-                        cfg.model.vocab_size));
   const std::string& resume = cfg.checkpoint.resume;
   if (resume != "auto" && resume != "none" && !fs::exists(resume, ec))
     fail_at(cfg, "checkpoint.resume",

@@ -1,5 +1,6 @@
 #include "engine/data/token_dataset.h"
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
@@ -69,7 +70,13 @@ TokenDataset::TokenDataset(const config::TrainConfig& cfg) : S_(cfg.seq_length),
   tokens_ = cfg.data.format == config::DataFormat::kTokens ? read_prepared(cfg.data.path, info_) : read_text_bytes(cfg.data.path);
   info_.tokens = int64_t(tokens_.size());
   if (tokens_.empty()) throw ConfigError(fmt::format("{}: the data file is empty (data.path)", info_.path));
-  if (info_.vocab_size > cfg.model.vocab_size)
+  if (cfg.data.format != config::DataFormat::kTokens) {  // text: the bytes present must fit the model
+    const int32_t top = tokens_.empty() ? 0 : *std::max_element(tokens_.begin(), tokens_.end());
+    if (top >= cfg.model.vocab_size)
+      throw ConfigError(fmt::format("{}: the text holds byte {}, but model.vocab_size is {} (text is read as "
+                                    "bytes, token id = byte value); valid: model.vocab_size > {}",
+                                    info_.path, top, cfg.model.vocab_size, top));
+  } else if (info_.vocab_size > cfg.model.vocab_size)
     throw ConfigError(fmt::format("{}: the data's vocabulary has {} tokens ({}), more than the "
                                   "model's vocab_size {}; valid: model.vocab_size >= {}",
                                   info_.path, info_.vocab_size, info_.tokenizer, cfg.model.vocab_size,

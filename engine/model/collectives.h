@@ -1,9 +1,12 @@
-// The only cross-rank calls model math makes (docs/design.md §6.2): the Megatron f/g points of tensor
-// parallelism. The model names the points; the tensor-parallel runtime is to implement them
-// over the tp group's communicator. LocalCollectives is the implementation for TP = 1, the
-// only one today: every call is the identity.
+// The only cross-rank calls model math makes (docs/design.md §6.2): the points where tensor
+// parallelism crosses a shard boundary — Megatron's f / g operators, the vocabulary-parallel
+// reductions and sequence parallelism's all-gather / reduce-scatter. The model names the points;
+// the tensor-parallel runtime implements them over the tp group's communicator
+// (engine/parallel/tp_collectives.h). LocalCollectives is the implementation for TP = 1: every
+// call is the identity (or a copy).
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 
 namespace dstrain::model {
@@ -11,14 +14,34 @@ namespace dstrain::model {
 class Collectives {
  public:
   virtual ~Collectives() = default;
-  // Sum over the tensor-parallel group, in place ("g" in forward after a row-parallel layer,
-  // "f" in backward before a replicated input's gradient is used).
+  virtual int tp_rank() const = 0;
+  virtual int tp_size() const = 0;
+  // Sum / maximum over the tensor-parallel group, in place. Every rank ends with bitwise the
+  // same values.
   virtual void tp_all_reduce(float* x, int64_t n) = 0;
+  virtual void tp_all_reduce_max(float* x, int64_t n) = 0;
+  // Sequence parallelism: the token rows of a [tp_size * rows, width] tensor are split into
+  // tp_size contiguous parts, part p on rank p. all-gather: `full` = every rank's `part`, in rank
+  // order. reduce-scatter: `part` = this rank's rows of the sum over ranks of `full` (`full` is
+  // left as scratch).
+  virtual void tp_all_gather_rows(float* full, const float* part, int64_t rows, int64_t width) = 0;
+  virtual void tp_reduce_scatter_rows(float* part, float* full, int64_t rows, int64_t width) = 0;
+  // Seconds spent inside the calls so far (the step-time breakdown; 0 where nothing crosses ranks).
+  virtual double seconds() const { return 0.0; }
 };
 
 class LocalCollectives final : public Collectives {
  public:
+  int tp_rank() const override { return 0; }
+  int tp_size() const override { return 1; }
   void tp_all_reduce(float*, int64_t) override {}
+  void tp_all_reduce_max(float*, int64_t) override {}
+  void tp_all_gather_rows(float* full, const float* part, int64_t rows, int64_t width) override {
+    if (full != part) std::copy(part, part + rows * width, full);
+  }
+  void tp_reduce_scatter_rows(float* part, float* full, int64_t rows, int64_t width) override {
+    if (full != part) std::copy(full, full + rows * width, part);
+  }
 };
 
 }  // namespace dstrain::model

@@ -3,6 +3,9 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cmath>
+
+#include "engine/plan/param_table.h"
 
 namespace dstrain::model {
 
@@ -10,7 +13,7 @@ namespace dstrain::model {
 
 DecoderLayer::DecoderLayer(const LayerEnv& env, int64_t index, int64_t B, int64_t S,
                            const RopeTables* rope)
-    : env_(env), H_(env.cfg->hidden_size), eps_(float(env.cfg->rms_norm_eps)),
+    : env_(env), H_(env.cfg->hidden_size), N_(B * S), eps_(float(env.cfg->rms_norm_eps)),
       attn_(env, fmt::format("model.layers.{}.", index), B, S, rope) {
   const std::string prefix = fmt::format("model.layers.{}.", index);
   in_norm_.bind(*env.params, prefix + "input_layernorm.weight");
@@ -18,9 +21,12 @@ DecoderLayer::DecoderLayer(const LayerEnv& env, int64_t index, int64_t B, int64_
   if (env.cfg->is_moe_layer(index))
     moe_ = std::make_unique<MoeLayer>(env, prefix, B, S);
   else
-    mlp_ = std::make_unique<SwiGluMlp>(env, prefix + "mlp.", env.cfg->intermediate_size / env.tp_size, B * S);
-  const int64_t N = B * S;
-  a_.resize(N * H_), rstd1_.resize(N), h_mid_.resize(N * H_), u_.resize(N * H_), rstd2_.resize(N);
+    mlp_ = std::make_unique<SwiGluMlp>(env, prefix + "mlp.", env.cfg->intermediate_size / env.tp_size, N_);
+  part_ = token_part(N_, env.tp_size, env.tp_rank);
+  DS_CHECK(!env.sp || part_.count * env.tp_size == N_, "sequence parallelism needs equal token parts");
+  rows_ = env.sp ? part_.count : N_;
+  a_.resize(rows_ * H_), rstd1_.resize(rows_), h_mid_.resize(rows_ * H_), u_.resize(rows_ * H_);
+  rstd2_.resize(rows_), dw_.resize(H_);
 }
 
 int64_t DecoderLayer::saved_floats() const {
@@ -32,45 +38,93 @@ int64_t DecoderLayer::scratch_floats(int64_t N) const {
   return std::max(attn_.scratch_floats(N), moe_ ? moe_->scratch_floats(N) : mlp_->scratch_floats(N));
 }
 
+// This rank's rows, or all N rows gathered into `full` with sequence parallelism.
+const float* DecoderLayer::gathered(const float* part, float* full) const {
+  if (!env_.sp) return part;
+  env_.coll->tp_all_gather_rows(full, part, rows_, H_);
+  return full;
+}
+
+// `partial` [N,H]: this rank's part of a sum over the tensor-parallel ranks; `out`: the rows of
+// the sum this rank holds — all of them (an all-reduce in place, out == partial), or its token
+// part with sequence parallelism (a reduce-scatter).
+void DecoderLayer::reduce_into(float* out, float* partial) const {
+  if (env_.sp) {
+    env_.coll->tp_reduce_scatter_rows(out, partial, rows_, H_);
+  } else {
+    env_.coll->tp_all_reduce(partial, N_ * H_);
+    if (out != partial) std::copy(partial, partial + N_ * H_, out);
+  }
+}
+
+// RMSNorm backward on this rank's rows. With sequence parallelism the weight's gradient comes
+// from this rank's tokens only: the increment is summed over the ranks before it is added.
+void DecoderLayer::norm_backward(float* dx, const WeightRef& w, const float* dy, const float* x,
+                                 const float* rstd) {
+  kernels::Backend& be = *env_.be;
+  if (!env_.sp) return be.rmsnorm_backward(dx, w.g, dy, x, w.w, rstd, rows_, H_);
+  std::fill(dw_.begin(), dw_.end(), 0.0f);
+  be.rmsnorm_backward(dx, dw_.data(), dy, x, w.w, rstd, rows_, H_);
+  env_.coll->tp_all_reduce(dw_.data(), H_);
+  be.add(w.g, dw_.data(), H_);
+}
+
 void DecoderLayer::forward(float* h_out, const float* h_in, int64_t B, int64_t S,
                            const LossScale& scale) {
   kernels::Backend& be = *env_.be;
-  const int64_t N = B * S;
-  be.rmsnorm_forward(a_.data(), rstd1_.data(), h_in, in_norm_.w, N, H_, eps_);
-  attn_.forward(h_mid_.data(), a_.data(), B, S);
-  be.add(h_mid_.data(), h_in, N * H_);
-  be.rmsnorm_forward(u_.data(), rstd2_.data(), h_mid_.data(), post_norm_.w, N, H_, eps_);
-  if (moe_) moe_->forward(h_out, u_.data(), B, S, scale);
-  else mlp_->forward(h_out, u_.data(), N);
-  be.add(h_out, h_mid_.data(), N * H_);
+  const int64_t n = rows_;
+  be.rmsnorm_forward(a_.data(), rstd1_.data(), h_in, in_norm_.w, n, H_, eps_);
+  float* attn = env_.sp ? env_.full[1] : h_mid_.data();
+  attn_.forward(attn, gathered(a_.data(), env_.full[0]), B, S);
+  reduce_into(h_mid_.data(), attn);
+  attn_.add_output_bias(h_mid_.data(), n);
+  be.add(h_mid_.data(), h_in, n * H_);
+  be.rmsnorm_forward(u_.data(), rstd2_.data(), h_mid_.data(), post_norm_.w, n, H_, eps_);
+  const float* u_full = gathered(u_.data(), env_.full[0]);
+  float* ffn = env_.sp ? env_.full[1] : h_out;
+  if (moe_) moe_->forward(ffn, u_full, env_.sp ? u_.data() : u_full + part_.first * H_, part_, B, S, scale);
+  else mlp_->forward(ffn, u_full, N_);
+  reduce_into(h_out, ffn);
+  be.add(h_out, h_mid_.data(), n * H_);
 }
 
 void DecoderLayer::backward(float* dh, const float* h_in, int64_t B, int64_t S, float* tmp1,
                             float* tmp2) {
   kernels::Backend& be = *env_.be;
-  const int64_t N = B * S;
+  const int64_t n = rows_;
   env_.scratch->reset();
-  if (moe_) moe_->backward(tmp1, dh, u_.data(), B, S);
-  else mlp_->backward(tmp1, dh, u_.data(), N, 0.0f);
+  // Feed-forward block: the complete output gradient of all tokens, this rank's part of the
+  // input gradient, summed over the ranks.
+  const float* dout = gathered(dh, env_.full[2]);
+  const float* u_full = gathered(u_.data(), env_.full[0]);
+  float* du = env_.sp ? env_.full[1] : tmp1;
+  if (moe_) moe_->backward(du, dout, u_full, env_.sp ? u_.data() : u_full + part_.first * H_, part_, B, S);
+  else mlp_->backward(du, dout, u_full, N_, 0.0f);
+  reduce_into(tmp1, du);
   env_.poll();
-  be.rmsnorm_backward(tmp2, post_norm_.g, tmp1, h_mid_.data(), post_norm_.w, rstd2_.data(), N, H_);
-  be.add(dh, tmp2, N * H_);  // dL/dh_mid
-  attn_.backward(tmp1, dh, a_.data(), B, S);
+  norm_backward(tmp2, post_norm_, tmp1, h_mid_.data(), rstd2_.data());
+  be.add(dh, tmp2, n * H_);  // dL/dh_mid
+  // Attention: its input gradient comes out complete (the low-rank activations' gradients are
+  // summed inside), so with sequence parallelism this rank just takes its rows.
+  const float* dmid = gathered(dh, env_.full[2]);
+  float* da = env_.sp ? env_.full[1] : tmp1;
+  attn_.backward(da, dmid, gathered(a_.data(), env_.full[0]), B, S);
   env_.poll();
-  be.rmsnorm_backward(tmp2, in_norm_.g, tmp1, h_in, in_norm_.w, rstd1_.data(), N, H_);
-  be.add(dh, tmp2, N * H_);  // dL/dh_in
+  norm_backward(tmp2, in_norm_, env_.sp ? da + part_.first * H_ : da, h_in, rstd1_.data());
+  be.add(dh, tmp2, n * H_);  // dL/dh_in
 }
 
-// ---- multi-token prediction (docs/model.md §3.8) ---------------------------------------------------
+// ---- multi-token prediction (docs/model.md §3.8) ---------------------------------------------
 
 struct DeepSeekModel::Mtp {
   int64_t depth = 1, n = 0;  // module k, sequence length S - k
   WeightRef enorm, hnorm, eh_proj, head_norm;
   std::unique_ptr<DecoderLayer> layer;
   std::vector<int32_t> ids, targets;
-  std::vector<float> e, en, rstd_e, hprev, hn, rstd_h, cat, m, h, z, rstd_z, logits, loss_rows, dh;
+  std::vector<float> e, en, rstd_e, hprev, hn, rstd_h, cat, m, h, z, rstd_z, logits, dh;
 
-  Mtp(const LayerEnv& env, int64_t k, int64_t B, int64_t S, const RopeTables* rope) : depth(k), n(S - k) {
+  Mtp(const LayerEnv& env, int64_t k, int64_t B, int64_t S, int64_t Vl, const RopeTables* rope)
+      : depth(k), n(S - k) {
     const config::ModelConfig& c = *env.cfg;
     const int64_t index = c.num_hidden_layers + k - 1, H = c.hidden_size, rows = B * n;
     const std::string p = fmt::format("model.layers.{}.", index);
@@ -81,9 +135,9 @@ struct DeepSeekModel::Mtp {
     layer = std::make_unique<DecoderLayer>(env, index, B, n, rope);
     ids.resize(rows), targets.resize(rows);
     for (auto* v : {&e, &en, &hprev, &hn, &m, &h, &z, &dh}) v->resize(rows * H);
-    rstd_e.resize(rows), rstd_h.resize(rows), rstd_z.resize(rows), loss_rows.resize(rows);
+    rstd_e.resize(rows), rstd_h.resize(rows), rstd_z.resize(rows);
     cat.resize(rows * 2 * H);
-    logits.resize(rows * c.vocab_size);
+    logits.resize(rows * Vl);
   }
   int64_t saved_floats() const {
     int64_t total = layer->saved_floats();
@@ -95,15 +149,22 @@ struct DeepSeekModel::Mtp {
 
 // ---- model -----------------------------------------------------------------------------------
 
-DeepSeekModel::DeepSeekModel(const config::ModelConfig& cfg, kernels::Backend& be,
-                             Collectives& coll, ParamStore& params, int64_t B, int64_t S, int tp_size)
-    : cfg_(cfg), be_(be), rope_(make_rope_tables(cfg, S)), B_(B), S_(S), H_(cfg.hidden_size),
-      V_(cfg.vocab_size), L_(cfg.num_hidden_layers) {
-  DS_CHECK(tp_size == 1 || cfg.vocab_size % tp_size == 0, "vocab");
+DeepSeekModel::DeepSeekModel(const config::ModelConfig& cfg, kernels::Backend& be, Collectives& coll,
+                             ParamStore& params, int64_t B, int64_t S, bool sequence_parallel)
+    : cfg_(cfg), be_(be), coll_(coll), rope_(make_rope_tables(cfg, S)), B_(B), S_(S), H_(cfg.hidden_size),
+      V_(cfg.vocab_size), L_(cfg.num_hidden_layers), tp_(coll.tp_size()), sp_(sequence_parallel && coll.tp_size() > 1) {
   const int64_t N = B * S;
   be_.reserve_attention(S);  // the attention kernels' scratch, once (MTP modules run shorter sequences)
+  const int64_t block = plan::vocab_block(V_, tp_);
+  v0_ = std::min(V_, coll.tp_rank() * block), Vl_ = std::min(V_, v0_ + block) - v0_;
+  part_ = token_part(N, tp_, coll.tp_rank());
+  rows_ = sp_ ? part_.count : N;
   ones_.assign(N, 1.0f);
-  env_ = LayerEnv{&cfg_, &be_, &coll, &params, &scratch_, ones_.data(), &progress_, tp_size};
+  if (sp_) full_.resize(3 * N * H_);
+  env_ = LayerEnv{&cfg_, &be_, &coll_, &params, &scratch_, ones_.data(), &progress_, tp_, coll.tp_rank(), sp_,
+                  {full_.data(), full_.data() + N * H_, full_.data() + 2 * N * H_}};
+  mtp_env_ = env_;
+  mtp_env_.sp = false;
   embed_.bind(params, "model.embed_tokens.weight");
   norm_.bind(params, "model.norm.weight");
   lm_head_.bind(params, "lm_head.weight");
@@ -114,14 +175,16 @@ DeepSeekModel::DeepSeekModel(const config::ModelConfig& cfg, kernels::Backend& b
   }
   for (int64_t k = 1; k <= cfg.num_nextn_predict_layers; ++k) {
     DS_CHECK(S - k >= 1, "MTP depth {} needs seq_length > {}", k, k);
-    mtp_.push_back(std::make_unique<Mtp>(env_, k, B, S, &rope_));
+    mtp_.push_back(std::make_unique<Mtp>(mtp_env_, k, B, S, Vl_, &rope_));
     scratch = std::max({scratch, mtp_.back()->layer->scratch_floats(N), 2 * N * H_ + 64});
   }
   scratch_.reserve(scratch);
-  ids_.resize(N), targets_.resize(N);
-  hidden_.assign(L_ + 1, std::vector<float>(N * H_));
-  z_.resize(N * H_), rstd_f_.resize(N), logits_.resize(N * V_), loss_rows_.resize(N);
-  dz_.resize(N * H_), dh_.resize(N * H_), tmp1_.resize(N * H_), tmp2_.resize(N * H_);
+  ids_.resize(N), local_ids_.resize(N), targets_.resize(N);
+  hidden_.assign(L_ + 1, std::vector<float>(rows_ * H_));
+  z_.resize(rows_ * H_), rstd_f_.resize(rows_), logits_.resize(N * Vl_), loss_rows_.resize(N);
+  if (sp_) z_full_.resize(N * H_);
+  if (tp_ > 1) row_max_.resize(N), row_sums_.resize(2 * N);
+  dz_.resize(N * H_), dh_.resize(rows_ * H_), tmp1_.resize(N * H_), tmp2_.resize(N * H_), norm_dw_.resize(H_);
 }
 
 DeepSeekModel::~DeepSeekModel() = default;
@@ -136,26 +199,57 @@ std::vector<MoeLayer*> DeepSeekModel::moe_layers() {
 }
 
 int64_t DeepSeekModel::saved_activation_bytes() const {
-  int64_t floats = int64_t(z_.size() + rstd_f_.size() + logits_.size()) + int64_t(ids_.size() * 2);
+  int64_t floats = int64_t(z_.size() + z_full_.size() + rstd_f_.size() + logits_.size()) +
+                   int64_t(ids_.size() * 3);
   for (const auto& h : hidden_) floats += int64_t(h.size());
   for (const auto& l : layers_) floats += l->saved_floats();
   for (const auto& m : mtp_) floats += m->saved_floats();
   return floats * int64_t(sizeof(float));
 }
 
+int64_t DeepSeekModel::residual_region_bytes() const {
+  // Per layer: the hidden state, the two normed inputs, the residual sum (rows x H each).
+  return int64_t(sizeof(float)) * rows_ * H_ * (int64_t(hidden_.size()) + 3 * L_ + 1);
+}
+
 int64_t DeepSeekModel::workspace_bytes() const {
   return (scratch_.capacity() + int64_t(dz_.size() + dh_.size() + tmp1_.size() + tmp2_.size() + ones_.size() +
-                                        loss_rows_.size())) *
+                                        loss_rows_.size() + full_.size())) *
          int64_t(sizeof(float));
 }
 
-double DeepSeekModel::head_loss(float* logits, const float* h, float* z, float* rstd,
-                                const WeightRef& norm, const int32_t* targets, int64_t rows,
+// Token ids as rows of this rank's vocabulary shard: id - v0 when in [v0, v0 + Vl), else -1.
+void DeepSeekModel::map_ids(int32_t* local, const int32_t* ids, int64_t n) const {
+  for (int64_t t = 0; t < n; ++t) {
+    const int64_t r = int64_t(ids[t]) - v0_;
+    local[t] = r >= 0 && r < Vl_ ? int32_t(r) : -1;
+  }
+}
+
+// out [n,H] = the embedding rows of all n tokens (the vocabulary-parallel lookup: each rank
+// contributes the rows it holds, the sum over the ranks is the lookup).
+void DeepSeekModel::embed(float* out, const int32_t* local_ids, int64_t n) {
+  be_.embedding_forward(out, embed_.w, local_ids, n, H_);
+  coll_.tp_all_reduce(out, n * H_);
+}
+
+// The LM head and the cross-entropy over `rows` tokens of z [rows,H] (all tokens): logits of
+// this rank's vocabulary columns; the row maximum and the sums of exponentials are reduced over
+// the ranks (vocabulary-parallel), never the logits. Leaves dL/dlogits in `logits`.
+double DeepSeekModel::head_loss(float* logits, const float* z, const int32_t* targets, int64_t rows,
                                 double grad_scale) {
-  be_.rmsnorm_forward(z, rstd, h, norm.w, rows, H_, float(cfg_.rms_norm_eps));
-  linear_forward(be_, logits, z, lm_head_.w, rows, V_, H_);
-  if (keep_logits_ && logits == logits_.data()) kept_logits_.assign(logits, logits + rows * V_);
-  be_.cross_entropy(loss_rows_.data(), logits, targets, rows, V_, float(grad_scale));
+  linear_forward(be_, logits, z, lm_head_.w, rows, Vl_, H_);
+  if (keep_logits_ && logits == logits_.data()) kept_logits_.assign(logits, logits + rows * Vl_);
+  if (tp_ == 1) {
+    be_.cross_entropy(loss_rows_.data(), logits, targets, rows, V_, float(grad_scale));
+  } else {
+    be_.cross_entropy_row_max(row_max_.data(), logits, rows, Vl_);
+    coll_.tp_all_reduce_max(row_max_.data(), rows);
+    be_.cross_entropy_row_sums(row_sums_.data(), logits, row_max_.data(), targets, v0_, rows, Vl_);
+    coll_.tp_all_reduce(row_sums_.data(), 2 * rows);
+    be_.cross_entropy_finish(loss_rows_.data(), logits, row_max_.data(), row_sums_.data(), targets, v0_, rows, Vl_,
+                             float(grad_scale));
+  }
   double sum = 0;
   for (int64_t r = 0; r < rows; ++r) sum += loss_rows_[r];
   return sum * grad_scale;
@@ -168,13 +262,21 @@ Losses DeepSeekModel::forward(const int32_t* tokens, const LossScale& scale) {
       ids_[b * S_ + t] = tokens[b * (S_ + 1) + t];
       targets_[b * S_ + t] = tokens[b * (S_ + 1) + t + 1];
     }
+  map_ids(local_ids_.data(), ids_.data(), N);
   for (auto* moe : moe_layers()) moe->stats().aux_loss = 0.0;
-  be_.embedding_forward(hidden_[0].data(), embed_.w, ids_.data(), N, H_);
+  if (sp_) {  // the lookup's sum over the ranks, scattered by token parts
+    be_.embedding_forward(tmp1_.data(), embed_.w, local_ids_.data(), N, H_);
+    coll_.tp_reduce_scatter_rows(hidden_[0].data(), tmp1_.data(), rows_, H_);
+  } else {
+    embed(hidden_[0].data(), local_ids_.data(), N);
+  }
   for (int64_t i = 0; i < L_; ++i)
     layers_[i]->forward(hidden_[i + 1].data(), hidden_[i].data(), B_, S_, scale);
+  be_.rmsnorm_forward(z_.data(), rstd_f_.data(), hidden_[L_].data(), norm_.w, rows_, H_, float(cfg_.rms_norm_eps));
+  const float* z = z_.data();
+  if (sp_) coll_.tp_all_gather_rows(z_full_.data(), z_.data(), rows_, H_), z = z_full_.data();
   Losses out;
-  out.ce = head_loss(logits_.data(), hidden_[L_].data(), z_.data(), rstd_f_.data(), norm_,
-                     targets_.data(), N, 1.0 / scale.tokens);
+  out.ce = head_loss(logits_.data(), z, targets_.data(), N, 1.0 / scale.tokens);
   if (!mtp_.empty()) mtp_forward(tokens, scale, out);
   for (auto* moe : moe_layers()) out.aux += moe->stats().aux_loss;
   return out;
@@ -182,10 +284,11 @@ Losses DeepSeekModel::forward(const int32_t* tokens, const LossScale& scale) {
 
 void DeepSeekModel::mtp_forward(const int32_t* tokens, const LossScale& scale, Losses& out) {
   const double lambda = cfg_.mtp_loss_weight / double(mtp_.size());
+  const float* z = sp_ ? z_full_.data() : z_.data();  // h^0: the main model's final normed states, all tokens
   for (size_t k = 0; k < mtp_.size(); ++k) {
     Mtp& m = *mtp_[k];
     const int64_t n = m.n, rows = B_ * n, depth = m.depth;
-    const float* prev = k == 0 ? z_.data() : mtp_[k - 1]->h.data();
+    const float* prev = k == 0 ? z : mtp_[k - 1]->h.data();
     const int64_t prev_len = n + 1;  // S for the first module, S - (k - 1) after
     for (int64_t b = 0; b < B_; ++b) {
       be_.copy_strided(m.hprev.data() + b * n * H_, H_, prev + b * prev_len * H_, H_, n, H_);
@@ -194,28 +297,39 @@ void DeepSeekModel::mtp_forward(const int32_t* tokens, const LossScale& scale, L
         m.targets[b * n + i] = tokens[b * (S_ + 1) + i + depth + 1];
       }
     }
+    map_ids(m.ids.data(), m.ids.data(), rows);  // only this rank's vocabulary rows are looked up
     const float eps = float(cfg_.rms_norm_eps);
-    be_.embedding_forward(m.e.data(), embed_.w, m.ids.data(), rows, H_);
+    embed(m.e.data(), m.ids.data(), rows);
     be_.rmsnorm_forward(m.en.data(), m.rstd_e.data(), m.e.data(), m.enorm.w, rows, H_, eps);
     be_.rmsnorm_forward(m.hn.data(), m.rstd_h.data(), m.hprev.data(), m.hnorm.w, rows, H_, eps);
     be_.copy_strided(m.cat.data(), 2 * H_, m.en.data(), H_, rows, H_);  // [enorm(e) ; hnorm(h)]
     be_.copy_strided(m.cat.data() + H_, 2 * H_, m.hn.data(), H_, rows, H_);
     linear_forward(be_, m.m.data(), m.cat.data(), m.eh_proj.w, rows, H_, 2 * H_);
     m.layer->forward(m.h.data(), m.m.data(), B_, n, scale);
+    be_.rmsnorm_forward(m.z.data(), m.rstd_z.data(), m.h.data(), m.head_norm.w, rows, H_, eps);
     const double grad_scale = lambda / (scale.sequences * double(n));
-    out.mtp += head_loss(m.logits.data(), m.h.data(), m.z.data(), m.rstd_z.data(), m.head_norm,
-                         m.targets.data(), rows, grad_scale);
+    out.mtp += head_loss(m.logits.data(), m.z.data(), m.targets.data(), rows, grad_scale);
   }
 }
 
 void DeepSeekModel::backward() {
   const int64_t N = B_ * S_;
-  // Head: dz = dlogits W_lm, dW_lm += dlogits^T z; MTP adds its gradient of h^0 = z.
-  linear_backward(be_, dz_.data(), lm_head_.g, logits_.data(), z_.data(), lm_head_.w, N, V_, H_);
+  const float* z = sp_ ? z_full_.data() : z_.data();
+  // Head: dz = dlogits W_lm, this rank's vocabulary columns' part, summed over the ranks;
+  // dW_lm += dlogits^T z (this rank's rows, complete). MTP adds its gradient of h^0 = z.
+  linear_backward(be_, dz_.data(), lm_head_.g, logits_.data(), z, lm_head_.w, N, Vl_, H_);
+  coll_.tp_all_reduce(dz_.data(), N * H_);
   progress_.poll();
   if (!mtp_.empty()) mtp_backward(dz_.data());
-  be_.rmsnorm_backward(dh_.data(), norm_.g, dz_.data(), hidden_[L_].data(), norm_.w,
-                       rstd_f_.data(), N, H_);
+  const float* dz = dz_.data() + (sp_ ? part_.first * H_ : 0);  // this rank's rows of the complete gradient
+  if (sp_) {  // the final norm's weight gradient from this rank's tokens, summed over the ranks
+    std::fill(norm_dw_.begin(), norm_dw_.end(), 0.0f);
+    be_.rmsnorm_backward(dh_.data(), norm_dw_.data(), dz, hidden_[L_].data(), norm_.w, rstd_f_.data(), rows_, H_);
+    coll_.tp_all_reduce(norm_dw_.data(), H_);
+    be_.add(norm_.g, norm_dw_.data(), H_);
+  } else {
+    be_.rmsnorm_backward(dh_.data(), norm_.g, dz, hidden_[L_].data(), norm_.w, rstd_f_.data(), rows_, H_);
+  }
   // The head and the MTP modules (which share lm_head) are final together.
   const int64_t D = int64_t(mtp_.size());
   for (int64_t l = L_ + D; l >= L_; --l) progress_.grads_final(l);
@@ -223,7 +337,9 @@ void DeepSeekModel::backward() {
     layers_[i]->backward(dh_.data(), hidden_[i].data(), B_, S_, tmp1_.data(), tmp2_.data());
     progress_.grads_final(i);
   }
-  be_.embedding_backward(embed_.g, dh_.data(), ids_.data(), N, H_, V_);
+  const float* dh0 = dh_.data();
+  if (sp_) coll_.tp_all_gather_rows(tmp1_.data(), dh_.data(), rows_, H_), dh0 = tmp1_.data();
+  be_.embedding_backward(embed_.g, dh0, local_ids_.data(), N, H_, Vl_);
   progress_.grads_final(-1);
 }
 
@@ -239,8 +355,10 @@ void DeepSeekModel::mtp_backward(float* dz) {
   for (int64_t k = int64_t(mtp_.size()) - 1; k >= 0; --k) {
     Mtp& m = *mtp_[k];
     const int64_t n = m.n, rows = B_ * n;
-    // Its own head, then the gradient module k+1 left in m.dh.
-    linear_backward(be_, tmp1_.data(), lm_head_.g, m.logits.data(), m.z.data(), lm_head_.w, rows, V_, H_);
+    // Its own head (the complete gradient of its normed states), then the gradient module k+1
+    // left in m.dh.
+    linear_backward(be_, tmp1_.data(), lm_head_.g, m.logits.data(), m.z.data(), lm_head_.w, rows, Vl_, H_);
+    coll_.tp_all_reduce(tmp1_.data(), rows * H_);
     be_.rmsnorm_backward(tmp2_.data(), m.head_norm.g, tmp1_.data(), m.h.data(), m.head_norm.w,
                          m.rstd_z.data(), rows, H_);
     be_.add(m.dh.data(), tmp2_.data(), rows * H_);
@@ -248,11 +366,11 @@ void DeepSeekModel::mtp_backward(float* dz) {
     scratch_.reset();
     float* dcat = scratch_.take(rows * 2 * H_);
     linear_backward(be_, dcat, m.eh_proj.g, m.dh.data(), m.cat.data(), m.eh_proj.w, rows, H_, 2 * H_);
-    // Embedding half: enorm backward, then into the shared embedding table.
+    // Embedding half: enorm backward, then into this rank's rows of the shared embedding table.
     be_.copy_strided(tmp1_.data(), H_, dcat, 2 * H_, rows, H_);
     be_.rmsnorm_backward(tmp2_.data(), m.enorm.g, tmp1_.data(), m.e.data(), m.enorm.w,
                          m.rstd_e.data(), rows, H_);
-    be_.embedding_backward(embed_.g, tmp2_.data(), m.ids.data(), rows, H_, V_);
+    be_.embedding_backward(embed_.g, tmp2_.data(), m.ids.data(), rows, H_, Vl_);
     // Hidden half: hnorm backward, then into the first n positions of the previous hidden state.
     be_.copy_strided(tmp1_.data(), H_, dcat + H_, 2 * H_, rows, H_);
     be_.rmsnorm_backward(tmp2_.data(), m.hnorm.g, tmp1_.data(), m.hprev.data(), m.hnorm.w,

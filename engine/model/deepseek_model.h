@@ -2,6 +2,14 @@
 // final norm, untied LM head, cross-entropy, balance loss and optional MTP modules — explicit
 // forward and backward, no autograd. Written once against kernels::Backend and
 // model::Collectives; sizes are this rank's local shard sizes.
+//
+// Tensor parallelism (docs/model.md §10.1): attention heads and the dense / shared-expert MLP
+// widths are split (column- then row-parallel, one reduction after each block); the embedding
+// and lm_head are split by vocabulary rows (the lookup sums over the ranks, the cross-entropy is
+// computed vocabulary-parallel, the [tokens, V] logits never gathered); the routed experts run
+// whole on every rank, each on its part of the tokens. With sequence parallelism the norm and
+// residual regions hold this rank's token part only: an all-gather before each block, a
+// reduce-scatter after it. The MTP modules run without sequence parallelism.
 #pragma once
 
 #include <memory>
@@ -14,24 +22,31 @@ namespace dstrain::model {
 
 class DecoderLayer {
  public:
+  // With env.sp, the layer's input and output are the rows of this rank's token part.
   DecoderLayer(const LayerEnv& env, int64_t index, int64_t B, int64_t S, const RopeTables* rope);
   void forward(float* h_out, const float* h_in, int64_t B, int64_t S, const LossScale& scale);
-  // dh: in dL/dh_out, out dL/dh_in. tmp1/tmp2: [N,H] work buffers owned by the model.
+  // dh: in dL/dh_out, out dL/dh_in (this rank's rows). tmp1/tmp2: [N,H] work buffers.
   void backward(float* dh, const float* h_in, int64_t B, int64_t S, float* tmp1, float* tmp2);
 
   MoeLayer* moe() { return moe_.get(); }
+  int64_t rows() const { return rows_; }  // token rows of the input and output on this rank
   int64_t saved_floats() const;
   int64_t scratch_floats(int64_t N) const;
 
  private:
+  const float* gathered(const float* part, float* full) const;
+  void reduce_into(float* out, float* partial) const;
+  void norm_backward(float* dx, const WeightRef& w, const float* dy, const float* x, const float* rstd);
+
   LayerEnv env_;
-  int64_t H_;
+  int64_t H_, N_, rows_;
+  TokenPart part_;  // the tokens this rank routes (and holds, with sequence parallelism)
   float eps_;
   WeightRef in_norm_, post_norm_;
   MlaAttention attn_;
   std::unique_ptr<SwiGluMlp> mlp_;
   std::unique_ptr<MoeLayer> moe_;
-  std::vector<float> a_, rstd1_, h_mid_, u_, rstd2_;
+  std::vector<float> a_, rstd1_, h_mid_, u_, rstd2_, dw_;
 };
 
 struct Losses {
@@ -41,9 +56,10 @@ struct Losses {
 
 class DeepSeekModel {
  public:
-  // B x S tokens per forward (the micro-batch). tp_size > 1 expects a Collectives that reduces.
+  // B x S tokens per forward (the micro-batch). Tensor parallelism comes from `coll`
+  // (tp_size() ranks); `sequence_parallel` splits the norm and residual regions by tokens.
   DeepSeekModel(const config::ModelConfig& cfg, kernels::Backend& be, Collectives& coll,
-                ParamStore& params, int64_t B, int64_t S, int tp_size = 1);
+                ParamStore& params, int64_t B, int64_t S, bool sequence_parallel = false);
   ~DeepSeekModel();
 
   // tokens [B, S+1]: inputs T[:, :S], targets T[:, 1:] (-100 ignored). Keeps what backward needs.
@@ -58,9 +74,13 @@ class DeepSeekModel {
   // the last, the embedding (-1) last.
   static std::vector<int64_t> backward_order(const config::ModelConfig& cfg);
 
-  // With keep_logits, forward copies the main head's logits [B*S, V] here before the loss.
+  // With keep_logits, forward copies the main head's logits [B*S, V] here before the loss (one
+  // rank only: under tensor parallelism a rank holds its vocabulary columns).
   void keep_logits(bool on) { keep_logits_ = on; }
   const std::vector<float>& logits() const { return kept_logits_; }
+
+  // The hidden state entering decoder layer i (i = L: the last layer's output), this rank's rows.
+  const std::vector<float>& hidden_state(int64_t i) const { return hidden_.at(size_t(i)); }
 
   // MoE layers in order (main model, then MTP), for load statistics and the bias update.
   std::vector<MoeLayer*> moe_layers();
@@ -68,28 +88,39 @@ class DeepSeekModel {
   // Bytes of activations kept between forward and backward, and of backward temporaries.
   int64_t saved_activation_bytes() const;
   int64_t workspace_bytes() const;
+  // Of the saved activations, the bytes of the norm and residual regions (the hidden states
+  // between layers, the normed inputs, the residual sums): what sequence parallelism divides.
+  int64_t residual_region_bytes() const;
 
  private:
   struct Mtp;  // one multi-token-prediction module
-  double head_loss(float* logits, const float* h, float* z, float* rstd, const WeightRef& norm,
-                   const int32_t* targets, int64_t rows, double grad_scale);
+  void map_ids(int32_t* local, const int32_t* ids, int64_t n) const;
+  void embed(float* out, const int32_t* local_ids, int64_t n);
+  double head_loss(float* logits, const float* z, const int32_t* targets, int64_t rows, double grad_scale);
   void mtp_forward(const int32_t* tokens, const LossScale& scale, Losses& out);
   void mtp_backward(float* dz);
 
   const config::ModelConfig& cfg_;
   kernels::Backend& be_;
+  Collectives& coll_;
   Progress progress_;
-  LayerEnv env_;
+  LayerEnv env_, mtp_env_;  // the MTP modules' layers run without sequence parallelism
   Scratch scratch_;
   std::vector<float> ones_;
   RopeTables rope_;
   int64_t B_, S_, H_, V_, L_;
+  int tp_ = 1;
+  bool sp_ = false;
+  TokenPart part_;        // with sequence parallelism, this rank's token rows
+  int64_t rows_ = 0;      // token rows of the hidden states on this rank
+  int64_t v0_ = 0, Vl_ = 0;  // this rank's vocabulary rows [v0, v0 + Vl)
   WeightRef embed_, norm_, lm_head_;
   std::vector<std::unique_ptr<DecoderLayer>> layers_;
   std::vector<std::unique_ptr<Mtp>> mtp_;
-  std::vector<int32_t> ids_, targets_;
-  std::vector<std::vector<float>> hidden_;  // h_0 ... h_L, [N,H] each
-  std::vector<float> z_, rstd_f_, logits_, loss_rows_, dz_, dh_, tmp1_, tmp2_, kept_logits_;
+  std::vector<int32_t> ids_, local_ids_, targets_;
+  std::vector<std::vector<float>> hidden_;  // h_0 ... h_L, [rows, H] each
+  std::vector<float> z_, z_full_, rstd_f_, logits_, loss_rows_, row_max_, row_sums_, dz_, dh_, tmp1_, tmp2_,
+      full_, norm_dw_, kept_logits_;
   bool keep_logits_ = false;
 };
 

@@ -20,8 +20,7 @@ void SwiGluMlp::forward(float* out, const float* u, int64_t N) {
   kernels::Backend& be = *env_.be;
   linear_forward(be, GU_.data(), u, gate_up_.w, N, 2 * w_, H_);
   be.swiglu_forward(M_.data(), GU_.data(), N, w_);
-  linear_forward(be, out, M_.data(), down_.w, N, H_, w_);
-  env_.coll->tp_all_reduce(out, N * H_);  // row-parallel down_proj
+  linear_forward(be, out, M_.data(), down_.w, N, H_, w_);  // row-parallel: this rank's part of the sum
 }
 
 void SwiGluMlp::backward(float* du, const float* dout, const float* u, int64_t N, float beta) {
@@ -32,14 +31,8 @@ void SwiGluMlp::backward(float* du, const float* dout, const float* u, int64_t N
   linear_backward(be, dM, down_.g, dout, M_.data(), down_.w, N, H_, w_);
   env_.poll();
   be.swiglu_backward(dGU, dM, GU_.data(), N, w_);
-  // Column-parallel gate/up: the input gradient is partial; reduce it before it meets others.
-  float* target = (beta == 0.0f || env_.tp_size == 1) ? du : scratch.take(N * H_);
-  linear_backward(be, target, gate_up_.g, dGU, u, gate_up_.w, N, 2 * w_, H_,
-                  target == du ? beta : 0.0f);
-  if (env_.tp_size > 1) {
-    env_.coll->tp_all_reduce(target, N * H_);
-    if (target != du) be.add(du, target, N * H_);
-  }
+  // Column-parallel gate/up: the input gradient is this rank's part (the caller sums over TP).
+  linear_backward(be, du, gate_up_.g, dGU, u, gate_up_.w, N, 2 * w_, H_, beta);
 }
 
 MoeLayer::MoeLayer(const LayerEnv& env, const std::string& prefix, int64_t B, int64_t S) : env_(env) {
@@ -69,10 +62,11 @@ MoeLayer::MoeLayer(const LayerEnv& env, const std::string& prefix, int64_t B, in
     down_[e].bind(p, ex + "down_proj.weight");
     DS_CHECK(p.param(ex + "up_proj.weight") == gate_up_[e].w + I_ * H_, "{} not adjacent", ex);
   }
-  const int64_t N = B * S;
+  int64_t N = B * S;
   if (m.num_shared() > 0)
     shared_ = std::make_unique<SwiGluMlp>(env, mlp + "shared_experts.",
                                           m.num_shared() * I_ / env.tp_size, N);
+  N = token_part(B * S, env.tp_size, 0).count;  // the most tokens this rank routes
   scores_.resize(N * E_), w_.resize(N * k_), dscores_.resize(N * E_);
   Xp_.resize(N * k_ * H_), GUp_.resize(N * k_ * 2 * I_), Mp_.resize(N * k_ * I_), Yp_.resize(N * k_ * H_);
   idx_.resize(N * k_), pos_.resize(N * k_), src_.resize(N * k_);
@@ -88,7 +82,7 @@ int64_t MoeLayer::saved_floats() const {
 
 int64_t MoeLayer::scratch_floats(int64_t N) const {
   const int64_t rows = N * k_;
-  return rows * (2 * H_ + 3 * I_) + N * (k_ + 2 * E_) + (shared_ ? shared_->scratch_floats(N) : 0) + 128;
+  return rows * (2 * H_ + 3 * I_) + N * (k_ + 2 * E_) + E_ * H_ + (shared_ ? shared_->scratch_floats(N) : 0) + 192;
 }
 
 // Router, then the dispatch plan: rows sorted by (expert, token, slot), pos[t,j] = row of slot j.
@@ -112,46 +106,59 @@ void MoeLayer::route(const float* u, int64_t N) {
 
 // Sequence-wise (or batch-wise) balance loss, docs/model.md §5.2. Its gradient with respect to the
 // scores does not depend on anything downstream, so it is computed here and kept for backward.
-void MoeLayer::balance_loss(int64_t B, int64_t S, const LossScale& scale) {
+// Under tensor parallelism each rank holds the routing of its token part only: the statistics
+// of every sequence (expert counts f and mean normalised scores P) are summed over the ranks
+// first, so every rank computes the whole loss and the gradient of its own tokens.
+void MoeLayer::balance_loss(TokenPart part, int64_t B, int64_t S, const LossScale& scale) {
   const double alpha = env_.cfg->aux_loss_alpha;
-  std::fill(dscores_.begin(), dscores_.end(), 0.0f);
+  const int64_t n = part.count;
+  std::fill(dscores_.begin(), dscores_.begin() + n * E_, 0.0f);
   if (alpha <= 0.0) return;
   const bool per_seq = env_.cfg->seq_aux;
   const int64_t groups = per_seq ? B : 1, T = per_seq ? S : B * S;
   // Each group's weight in the global mean: 1/B_global per sequence, or this micro-batch's share.
   const double group_weight = per_seq ? 1.0 / scale.sequences : double(B) / scale.sequences;
-  std::vector<double> f(E_), P(E_);
+  std::vector<double> stats(size_t(2 * groups * E_), 0.0);  // f [groups, E], then P [groups, E]
+  double* f = stats.data();
+  double* P = stats.data() + groups * E_;
+  const auto group_of = [&](int64_t i) { return per_seq ? (part.first + i) / S : 0; };
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t g = group_of(i);
+    for (int64_t j = 0; j < k_; ++j) f[g * E_ + idx_[i * k_ + j]] += double(E_) / double(k_ * T);
+    double sum = 0;
+    for (int64_t e = 0; e < E_; ++e) sum += scores_[i * E_ + e];
+    for (int64_t e = 0; e < E_; ++e) P[g * E_ + e] += scores_[i * E_ + e] / sum / double(T);
+  }
+  if (env_.tp_size > 1) {  // every rank's tokens of each group
+    std::vector<float> sum(stats.begin(), stats.end());
+    env_.coll->tp_all_reduce(sum.data(), int64_t(sum.size()));
+    std::copy(sum.begin(), sum.end(), stats.begin());
+  }
   for (int64_t g = 0; g < groups; ++g) {
-    std::fill(f.begin(), f.end(), 0.0);
-    std::fill(P.begin(), P.end(), 0.0);
-    for (int64_t t = g * T; t < (g + 1) * T; ++t) {
-      for (int64_t j = 0; j < k_; ++j) f[idx_[t * k_ + j]] += double(E_) / double(k_ * T);
-      double sum = 0;
-      for (int64_t e = 0; e < E_; ++e) sum += scores_[t * E_ + e];
-      for (int64_t e = 0; e < E_; ++e) P[e] += scores_[t * E_ + e] / sum / double(T);
-    }
     double loss = 0;
-    for (int64_t e = 0; e < E_; ++e) loss += f[e] * P[e];
+    for (int64_t e = 0; e < E_; ++e) loss += f[g * E_ + e] * P[g * E_ + e];
     stats_.aux_loss += alpha * group_weight * loss;
-    // dL/ds'_{t,e} = alpha w f_e / T, then through s' = s / sum(s).
-    for (int64_t t = g * T; t < (g + 1) * T; ++t) {
-      const float* s = &scores_[t * E_];
-      double sum = 0, dot = 0;
-      for (int64_t e = 0; e < E_; ++e) sum += s[e];
-      for (int64_t e = 0; e < E_; ++e) dot += alpha * group_weight * f[e] / double(T) * s[e] / sum;
-      for (int64_t e = 0; e < E_; ++e)
-        dscores_[t * E_ + e] = float((alpha * group_weight * f[e] / double(T) - dot) / sum);
-    }
+  }
+  // dL/ds'_{t,e} = alpha w f_e / T, then through s' = s / sum(s).
+  for (int64_t i = 0; i < n; ++i) {
+    const double* fg = f + group_of(i) * E_;
+    const float* s = &scores_[i * E_];
+    double sum = 0, dot = 0;
+    for (int64_t e = 0; e < E_; ++e) sum += s[e];
+    for (int64_t e = 0; e < E_; ++e) dot += alpha * group_weight * fg[e] / double(T) * s[e] / sum;
+    for (int64_t e = 0; e < E_; ++e)
+      dscores_[i * E_ + e] = float((alpha * group_weight * fg[e] / double(T) - dot) / sum);
   }
 }
 
-void MoeLayer::forward(float* out, const float* u, int64_t B, int64_t S, const LossScale& scale) {
+void MoeLayer::forward(float* out_full, const float* u_full, const float* u_part, TokenPart part, int64_t B,
+                       int64_t S, const LossScale& scale) {
   kernels::Backend& be = *env_.be;
-  const int64_t N = B * S, rows = N * k_;
+  const int64_t N = B * S, n = part.count, rows = n * k_;
   env_.scratch->reset();
-  route(u, N);
-  balance_loss(B, S, scale);
-  be.gather_rows(Xp_.data(), u, src_.data(), rows, H_);
+  route(u_part, n);
+  balance_loss(part, B, S, scale);
+  be.gather_rows(Xp_.data(), u_part, src_.data(), rows, H_);
   std::vector<float*> C;
   std::vector<const float*> A, Bw;
   std::vector<int64_t> M, Nn, K;
@@ -176,19 +183,20 @@ void MoeLayer::forward(float* out, const float* u, int64_t B, int64_t S, const L
   }
   be.gemm_grouped(C.data(), A.data(), Bw.data(), M.data(), Nn.data(), K.data(), int64_t(C.size()),
                   false, true, 1.0f, 0.0f);
-  if (shared_) shared_->forward(out, u, N);
-  else be.fill(out, 0.0f, N * H_);
-  be.moe_combine(out, Yp_.data(), w_.data(), pos_.data(), N, k_, H_);
+  if (shared_) shared_->forward(out_full, u_full, N);
+  else be.fill(out_full, 0.0f, N * H_);
+  be.moe_combine(out_full + part.first * H_, Yp_.data(), w_.data(), pos_.data(), n, k_, H_);
 }
 
-void MoeLayer::backward(float* du, const float* dout, const float* u, int64_t B, int64_t S) {
+void MoeLayer::backward(float* du_full, const float* dout_full, const float* u_full, const float* u_part,
+                        TokenPart part, int64_t B, int64_t S) {
   kernels::Backend& be = *env_.be;
   Scratch& scratch = *env_.scratch;
   scratch.reset();
-  const int64_t N = B * S, rows = N * k_;
+  const int64_t N = B * S, n = part.count, rows = n * k_;
   float* dYp = scratch.take(rows * H_);
-  float* dw = scratch.take(N * k_);
-  be.moe_combine_backward(dYp, dw, dout, Yp_.data(), w_.data(), pos_.data(), N, k_, H_);
+  float* dw = scratch.take(n * k_);
+  be.moe_combine_backward(dYp, dw, dout_full + part.first * H_, Yp_.data(), w_.data(), pos_.data(), n, k_, H_);
   float* dMp = scratch.take(rows * I_);
   float* dGUp = scratch.take(rows * 2 * I_);
   float* dXp = dYp;  // dYp is dead once dMp exists; same size [rows, H]
@@ -227,13 +235,22 @@ void MoeLayer::backward(float* du, const float* dout, const float* u, int64_t B,
   be.gemm_grouped(dWgu.C.data(), dWgu.A.data(), dWgu.B.data(), dWgu.M.data(), dWgu.N.data(),
                   dWgu.K.data(), int64_t(dWgu.C.size()), true, false, 1.0f, 1.0f);
   env_.poll();
-  be.fill(du, 0.0f, N * H_);
-  be.moe_dispatch_backward(du, dXp, pos_.data(), N, k_, H_);
-  float* dlogits = scratch.take(N * E_);
-  be.router_backward(dlogits, dw, dscores_.data(), scores_.data(), idx_.data(), N, rp_);
-  linear_backward(be, du, gate_.g, dlogits, u, gate_.w, N, E_, H_, 1.0f);
+  if (shared_) shared_->backward(du_full, dout_full, u_full, N, 0.0f);
+  else be.fill(du_full, 0.0f, N * H_);
+  float* du_part = du_full + part.first * H_;
+  be.moe_dispatch_backward(du_part, dXp, pos_.data(), n, k_, H_);
+  float* dlogits = scratch.take(n * E_);
+  be.router_backward(dlogits, dw, dscores_.data(), scores_.data(), idx_.data(), n, rp_);
+  if (env_.tp_size == 1) {
+    linear_backward(be, du_part, gate_.g, dlogits, u_part, gate_.w, n, E_, H_, 1.0f);
+  } else {  // the router is replicated: its gradient from this rank's tokens, summed over the ranks
+    float* dgate = scratch.take(E_ * H_);
+    be.fill(dgate, 0.0f, E_ * H_);
+    linear_backward(be, du_part, dgate, dlogits, u_part, gate_.w, n, E_, H_, 1.0f);
+    env_.coll->tp_all_reduce(dgate, E_ * H_);
+    be.add(gate_.g, dgate, E_ * H_);
+  }
   env_.poll();
-  if (shared_) shared_->backward(du, dout, u, N, 1.0f);
 }
 
 void update_router_bias(float* bias, const int64_t* loads, int64_t E, float gamma) {

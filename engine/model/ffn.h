@@ -10,7 +10,9 @@
 namespace dstrain::model {
 
 // down(silu(gate(u)) * up(u)) with gate and up fused into one [2w, H] GEMM (their parameters
-// are adjacent in the flat buffer). `w` is this rank's (tensor-parallel) width.
+// are adjacent in the flat buffer). `w` is this rank's (tensor-parallel) width. Column- then
+// row-parallel: forward's output and backward's input gradient are this rank's parts of sums
+// over the tensor-parallel ranks, which the caller reduces (once for everything it adds up).
 class SwiGluMlp {
  public:
   SwiGluMlp(const LayerEnv& env, const std::string& prefix, int64_t width, int64_t max_tokens);
@@ -40,20 +42,36 @@ struct LossScale {
   double sequences = 1;  // sequences of the global batch (the balance loss is their mean)
 };
 
+// Under tensor parallelism the routed experts are not split (expert-TP = 1): each rank routes
+// the tokens of its TokenPart and runs them through its experts, and the shared experts are
+// column- then row-parallel over all tokens. Both leave this rank's parts of sums over the
+// tensor-parallel ranks in one [N, H] buffer, which the caller reduces once (an all-reduce, or a
+// reduce-scatter with sequence parallelism). The balance loss sums its per-sequence statistics
+// over the ranks, so every rank computes the same loss.
 class MoeLayer {
  public:
   MoeLayer(const LayerEnv& env, const std::string& prefix, int64_t B, int64_t S);
-  void forward(float* out, const float* u, int64_t B, int64_t S, const LossScale& scale);
-  void backward(float* du, const float* dout, const float* u, int64_t B, int64_t S);
+  // out_full [N,H] (overwritten): the shared experts' part (all tokens) plus the routed output
+  // in the rows of `part`. u_full [N,H]: all tokens (read by the shared experts; may be null
+  // without them); u_part: the rows of `part`.
+  void forward(float* out_full, const float* u_full, const float* u_part, TokenPart part, int64_t B, int64_t S,
+               const LossScale& scale);
+  // du_full [N,H] (overwritten): this rank's part of the input gradient, likewise. dout_full: the
+  // complete gradient of the output, all tokens.
+  void backward(float* du_full, const float* dout_full, const float* u_full, const float* u_part, TokenPart part,
+                int64_t B, int64_t S);
 
   MoeStats& stats() { return stats_; }
   float* router_bias() { return bias_; }  // null for deepseek_v2
+  // The last forward's selection: expert ids [tokens routed here, k], for this rank's token part.
+  const std::vector<int32_t>& selection() const { return idx_; }
+  int64_t top_k() const { return k_; }
   int64_t saved_floats() const;
   int64_t scratch_floats(int64_t N) const;
 
  private:
-  void route(const float* u, int64_t N);
-  void balance_loss(int64_t B, int64_t S, const LossScale& scale);
+  void route(const float* u, int64_t n);
+  void balance_loss(TokenPart part, int64_t B, int64_t S, const LossScale& scale);
 
   LayerEnv env_;
   kernels::RouterParams rp_;

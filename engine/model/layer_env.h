@@ -2,6 +2,7 @@
 // the backend, the collectives, the parameters, and a scratch area for backward temporaries.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -54,6 +55,19 @@ struct Progress {
   }
 };
 
+// The rows [first, first + count) of a micro-batch's N tokens that one tensor-parallel rank
+// handles where the work is split by tokens: the routed experts always (expert-TP = 1: each rank
+// runs the router and the experts on its part, no token on two ranks), and the norm and residual
+// regions under sequence parallelism. Contiguous parts of ceil(N / tp) rows, the last shorter.
+struct TokenPart {
+  int64_t first = 0, count = 0;
+};
+inline TokenPart token_part(int64_t N, int tp_size, int tp_rank) {
+  const int64_t block = (N + tp_size - 1) / tp_size;
+  const int64_t first = std::min(N, tp_rank * block);
+  return {first, std::min(N, first + block) - first};
+}
+
 struct LayerEnv {
   const config::ModelConfig* cfg = nullptr;
   kernels::Backend* be = nullptr;
@@ -62,7 +76,13 @@ struct LayerEnv {
   Scratch* scratch = nullptr;
   const float* ones = nullptr;  // at least as many 1.0f as tokens (bias gradients)
   const Progress* progress = nullptr;
-  int tp_size = 1;
+  int tp_size = 1, tp_rank = 0;
+  // Sequence parallelism in this layer: its input and output are this rank's token part only
+  // (the MTP modules run without it).
+  bool sp = false;
+  // Three [N, H] buffers for the whole micro-batch, shared by the layers (one runs at a time):
+  // the gathered inputs and the partial outputs of the tensor-parallel blocks.
+  float* full[3] = {nullptr, nullptr, nullptr};
   void poll() const {
     if (progress) progress->poll();
   }

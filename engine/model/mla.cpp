@@ -126,9 +126,11 @@ void MlaAttention::forward(float* out, const float* a, int64_t B, int64_t S) {
                   rope_->sin.data(), N, S, nh_, dr_, env_.cfg->rope_interleave);
   be.attention_forward(O_.data(), lse_.data(), Q_.data(), K_.data(), V_.data(), B, S, nh_, dqk_,
                        dv_, rope_->attention_scale);
-  linear_forward(be, out, O_.data(), o_.w, N, H_, nh_ * dv_);
-  env_.coll->tp_all_reduce(out, N * H_);  // row-parallel o_proj: sum the heads' partial outputs
-  if (o_bias_) bias_forward(be, out, o_bias_.w, N, H_);
+  linear_forward(be, out, O_.data(), o_.w, N, H_, nh_ * dv_);  // row-parallel: this rank's heads' part
+}
+
+void MlaAttention::add_output_bias(float* x, int64_t rows) {
+  if (o_bias_) bias_forward(*env_.be, x, o_bias_.w, rows, H_);
 }
 
 void MlaAttention::backward(float* da, const float* dout, const float* a, int64_t B, int64_t S) {
@@ -149,11 +151,15 @@ void MlaAttention::backward(float* da, const float* dout, const float* a, int64_
   float* dkv = scratch.take(N * nh_ * kv_w);
   be.copy_strided(dkv, kv_w, dK, dqk_, N * nh_, dn_);
   be.copy_strided(dkv + dn_, kv_w, dV, dv_, N * nh_, dv_);
-  float* dkpe = scratch.take(N * dr_);
+  // The gradients of the replicated low-rank activations, adjacent so that one all-reduce sums
+  // them over the tensor-parallel ranks: [dckvn | dkpe | dcqn].
+  const int64_t latent = N * (rkv_ + dr_ + (lora_ ? rq_ : 0));
+  float* dckvn = scratch.take(latent);
+  float* dkpe = dckvn + N * rkv_;
+  float* dcqn = lora_ ? dkpe + N * dr_ : nullptr;
   be.fill(dkpe, 0.0f, N * dr_);
   be.rope_backward(dkpe, dr_, 0, dK + dn_, nh_ * dqk_, dqk_, rope_->cos.data(), rope_->sin.data(),
                    N, S, nh_, dr_, env_.cfg->rope_interleave, true);
-  float* dckvn = scratch.take(N * rkv_);
   env_.poll();
   linear_backward(be, dckvn, kv_b_.g, dkv, ckvn_.data(), kv_b_.w, N, nh_ * kv_w, rkv_);
   // Query branch: dq = [dq_nope | rope^-1(dq_pe)].
@@ -161,12 +167,9 @@ void MlaAttention::backward(float* da, const float* dout, const float* a, int64_
   be.copy_strided(dq, dqk_, dQ, dqk_, N * nh_, dn_);
   be.rope_backward(dq + dn_, nh_ * dqk_, dqk_, dQ + dn_, nh_ * dqk_, dqk_, rope_->cos.data(),
                    rope_->sin.data(), N, S, nh_, dr_, env_.cfg->rope_interleave, false);
-  float* dcqn = lora_ ? scratch.take(N * rq_) : nullptr;
   if (lora_) linear_backward(be, dcqn, q_b_.g, dq, cqn_.data(), q_b_.w, N, nh_ * dqk_, rq_);
-  // Head-sharded compute gave partial gradients of the replicated activations (MODEL §10.1).
-  env_.coll->tp_all_reduce(dckvn, N * rkv_);
-  env_.coll->tp_all_reduce(dkpe, N * dr_);
-  if (lora_) env_.coll->tp_all_reduce(dcqn, N * rq_);
+  // Head-sharded compute gave partial gradients of the replicated activations (docs/model.md §10.1).
+  env_.coll->tp_all_reduce(dckvn, latent);
   float* dckv = scratch.take(N * rkv_);
   be.rmsnorm_backward(dckv, kv_a_norm_.g, dckvn, ckv_.data(), kv_a_norm_.w, rstd_kv_.data(), N, rkv_);
   if (kv_a_bias_) {

@@ -20,9 +20,13 @@ class MlaAttention {
   MlaAttention(const LayerEnv& env, const std::string& prefix, int64_t B, int64_t S,
                const RopeTables* rope);
 
-  // out [N,H] = MLA(a), a [N,H] the normed layer input (kept by the caller for backward).
+  // out [N,H] = this rank's heads' part of o_proj(attention(a)), before the sum over the
+  // tensor-parallel ranks and without o_proj's bias (the caller reduces, then adds it once:
+  // add_output_bias). a [N,H]: the normed layer input of all tokens (kept by the caller).
   void forward(float* out, const float* a, int64_t B, int64_t S);
-  // da [N,H] (overwritten) from dout [N,H]; accumulates parameter gradients.
+  void add_output_bias(float* x, int64_t rows);
+  // da [N,H] (overwritten, complete: summed over the tensor-parallel ranks) from dout [N,H] (the
+  // complete gradient of the layer's output, all tokens); accumulates parameter gradients.
   void backward(float* da, const float* dout, const float* a, int64_t B, int64_t S);
 
   int64_t saved_floats() const;

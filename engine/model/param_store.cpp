@@ -30,7 +30,7 @@ bool is_norm_weight(const std::string& name) {
 ParamStore::ParamStore(const std::vector<plan::ParamInfo>& table,
                        const std::vector<int>& param_stage, int64_t num_experts,
                        const ShardCoords& where) {
-  int64_t dense = 0, expert = 0, buffers = 0;
+  int64_t dense = 0, expert = 0, buffers = 0, dense_held = 0, expert_held = 0;
   for (size_t i = 0; i < table.size(); ++i) {
     if (param_stage[i] != where.stage) continue;
     const plan::ParamInfo& info = table[i];
@@ -43,11 +43,15 @@ ParamStore::ParamStore(const std::vector<plan::ParamInfo>& table,
     v.expert = info.shard == plan::Shard::kExpert;
     int64_t& cursor = v.buffer ? buffers : v.expert ? expert : dense;
     v.offset = cursor;
-    cursor += v.numel;
+    v.stored = v.numel;
+    if (info.shard == plan::Shard::kVocab && !v.buffer)
+      v.stored = plan::vocab_block(info.shape[0], where.tp_size) * (info.numel() / info.shape[0]);
+    cursor += v.stored;
+    (v.expert ? expert_held : dense_held) += v.buffer ? 0 : v.numel;
     views_[info.name] = v;
     order_.push_back(info.name);
   }
-  dense_numel_ = dense, expert_numel_ = expert, num_params_ = dense + expert;
+  dense_numel_ = dense, expert_numel_ = expert, num_params_ = dense_held + expert_held;
   dense_.assign(dense, 0.0f);
   dense_grad_.assign(dense, 0.0f);
   expert_.assign(expert, 0.0f);

@@ -32,6 +32,12 @@ struct ParamView {
   bool buffer = false;    // lives in the buffer store (no gradient)
   int64_t offset = 0;     // into its flat buffer
   int64_t numel = 0;      // local
+  // Elements reserved in the flat buffer: numel, except for a vocabulary shard, which reserves
+  // a whole block of ceil(V / tp) rows. Every tensor-parallel rank's buffers then have the same
+  // layout (the last ranks' unused rows stay zero: no kernel reads or writes them, and AdamW
+  // skips them), so the data-parallel reductions and ZeRO partitions — and with them the
+  // replicated parameters — come out bitwise the same on every tensor-parallel rank.
+  int64_t stored = 0;
 };
 
 class ParamStore {
@@ -67,6 +73,8 @@ class ParamStore {
 
   // Parameters held (without any padding).
   int64_t num_params() const { return num_params_; }
+  // The flat buffers' lengths before ZeRO padding (the dense one includes the unused rows of a
+  // vocabulary block, ParamView::stored).
   int64_t dense_numel() const { return dense_numel_; }
   int64_t expert_numel() const { return expert_numel_; }
   // Extends the flat parameter and gradient buffers with zeros to these lengths (ZeRO partitions

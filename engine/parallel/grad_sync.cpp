@@ -59,7 +59,7 @@ GradSync::GradSync(model::ParamStore& params, const ZeroSharding& zero, const st
     const model::ParamView& v = params.view(name);
     if (v.buffer || v.numel == 0) continue;
     DS_CHECK(position_[slot(v.info->layer)] >= 0, "{}: layer {} is not in the backward order", name, v.info->layer);
-    (v.expert ? expert : dense).push_back({v.offset, v.numel, v.info->layer});
+    (v.expert ? expert : dense).push_back({v.offset, v.stored, v.info->layer});  // buckets tile the buffer
   }
   for (const bool e : {false, true}) {
     if (zero.group(e).size() == 1) continue;  // nothing to reduce over a group of one

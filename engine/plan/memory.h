@@ -31,6 +31,9 @@ MemoryEstimate estimate_memory(int64_t dense, int64_t expert, int64_t dp, int64_
 // logits. An estimate within 30% of what the model keeps (tests/model/test_params.cpp; docs/design.md §7.4), used
 // to refuse a run that cannot fit before anything is allocated. `layers`: the decoder layers on
 // the rank (MTP modules count as layers).
-double activation_bytes(const config::ModelConfig& m, int64_t layers, int64_t micro_batch, int64_t seq_length);
+// With tensor parallelism `tp`, the parts split by heads, widths, vocabulary rows or (the routed
+// experts) tokens count 1/tp; with sequence parallelism the norm and residual regions too.
+double activation_bytes(const config::ModelConfig& m, int64_t layers, int64_t micro_batch, int64_t seq_length,
+                        int tp = 1, bool sequence_parallel = false);
 
 }  // namespace dstrain::plan

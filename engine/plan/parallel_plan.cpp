@@ -48,7 +48,7 @@ ShardSpec ParallelPlan::shard(size_t param_index, int rank) const {
 
 MemoryEstimate ParallelPlan::memory(int stage, int zero_stage, config::Precision precision) const {
   const StageLoad& s = stage_loads.at(stage);
-  return estimate_memory(s.dense_params, s.expert_params, degrees.dp, degrees.edp(), zero_stage,
+  return estimate_memory(s.dense_params, s.expert_params, degrees.dp, degrees.edp_group(), zero_stage,
                          precision);
 }
 

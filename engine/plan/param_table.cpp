@@ -140,6 +140,8 @@ std::vector<ParamInfo> build_param_table(const config::ModelConfig& m) {
   return TableBuilder(m).build();
 }
 
+int64_t vocab_block(int64_t vocab_size, int tp_size) { return (vocab_size + tp_size - 1) / tp_size; }
+
 ShardSpec shard_of(const ParamInfo& p, int64_t num_experts, int tp, int tp_size, int ep,
                    int ep_size) {
   ShardSpec s;
@@ -148,8 +150,16 @@ ShardSpec shard_of(const ParamInfo& p, int64_t num_experts, int tp, int tp_size,
   switch (p.shard) {
     case Shard::kReplicated:
       break;
+    case Shard::kVocab: {
+      // Vocabulary rows in blocks of ceil(V / tp): a vocabulary that tp does not divide is padded
+      // at the end (Megatron's rule); the padding rows exist nowhere — the last ranks hold fewer
+      // real rows (possibly none), and the model treats the missing ones as absent logits.
+      const int64_t block = vocab_block(p.shape[0], tp_size);
+      s.offset[0] = std::min(p.shape[0], tp * block);
+      s.local_shape[0] = std::min(p.shape[0], (tp + 1) * block) - s.offset[0];
+      break;
+    }
     case Shard::kColumn:
-    case Shard::kVocab:
     case Shard::kRow: {
       const size_t dim = p.shard == Shard::kRow ? 1 : 0;
       DS_CHECK(p.shape[dim] % tp_size == 0, "{} dim {} = {} not divisible by tp {}", p.name, dim,

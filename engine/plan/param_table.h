@@ -51,4 +51,8 @@ struct ShardSpec {
 };
 ShardSpec shard_of(const ParamInfo& p, int64_t num_experts, int tp, int tp_size, int ep, int ep_size);
 
+// Vocabulary rows per tensor-parallel rank: ceil(V / tp). Rank r holds rows
+// [r * block, min(V, (r + 1) * block)) of the embedding and lm_head (docs/model.md §10.1).
+int64_t vocab_block(int64_t vocab_size, int tp_size);
+
 }  // namespace dstrain::plan

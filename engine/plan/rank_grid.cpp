@@ -37,7 +37,7 @@ int RankGrid::group_size(Axis a) const {
     case Axis::kData: return d_.dp;
     case Axis::kPipeline: return d_.pp;
     case Axis::kExpert: return d_.ep;
-    case Axis::kExpertData: return d_.edp();
+    case Axis::kExpertData: return d_.edp() * d_.tp;
   }
   return 0;
 }
@@ -50,7 +50,7 @@ int RankGrid::group_index(Axis a, int rank) const {
     case Axis::kData: return c.pp * d_.tp + c.tp;
     case Axis::kPipeline: return c.dp * d_.tp + c.tp;
     case Axis::kExpert: return (c.pp * d_.edp() + c.edp) * d_.tp + c.tp;
-    case Axis::kExpertData: return (c.pp * d_.ep + c.ep) * d_.tp + c.tp;
+    case Axis::kExpertData: return c.pp * d_.ep + c.ep;
   }
   return -1;
 }
@@ -76,10 +76,10 @@ std::vector<int> RankGrid::group(Axis a, int index) const {
       for (int ep = 0; ep < d_.ep; ++ep) ranks.push_back(rank_of(tp, edp * d_.ep + ep, pp));
       break;
     }
-    case Axis::kExpertData: {
-      const int tp = index % d_.tp, rest = index / d_.tp;
-      const int ep = rest % d_.ep, pp = rest / d_.ep;
-      for (int edp = 0; edp < d_.edp(); ++edp) ranks.push_back(rank_of(tp, edp * d_.ep + ep, pp));
+    case Axis::kExpertData: {  // every tensor-parallel rank holds the same experts (expert-TP = 1)
+      const int ep = index % d_.ep, pp = index / d_.ep;
+      for (int edp = 0; edp < d_.edp(); ++edp)
+        for (int tp = 0; tp < d_.tp; ++tp) ranks.push_back(rank_of(tp, edp * d_.ep + ep, pp));
       break;
     }
   }

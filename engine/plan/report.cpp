@@ -46,9 +46,10 @@ void batch_section(std::ostringstream& o, const ParallelPlan& p) {
 void groups_section(std::ostringstream& o, const ParallelPlan& p, const ReportOptions& opts) {
   const Degrees& d = p.degrees;
   o << fmt::format("layout     world {} = tensor {} x pipeline {} x data {}; expert {} inside "
-                   "data (expert-data {})\n",
-                   d.world(), d.tp, d.pp, d.dp, d.ep, d.edp());
-  o << "           rank = ((pp * DP) + dp) * TP + tp; ep = dp % EP, edp = dp / EP\n";
+                   "data (expert-data groups of {} = {} x tensor {})\n",
+                   d.world(), d.tp, d.pp, d.dp, d.ep, d.edp_group(), d.edp(), d.tp);
+  o << "           rank = ((pp * DP) + dp) * TP + tp; ep = dp % EP, edp = dp / EP; an expert-data group is\n"
+       "           every (edp, tp) of one (pp, ep): the ranks holding the same experts\n";
   for (Axis a : kAllAxes) {
     const int n = p.grid.num_groups(a);
     o << fmt::format("  {:<4} {} group(s) of {}:", axis_name(a), n, p.grid.group_size(a));
@@ -117,7 +118,21 @@ void memory_section(std::ostringstream& o, const ParallelPlan& p) {
       o << fmt::format(" {:>14}", human_bytes(p.memory(worst, z, pr).total()));
     o << "\n";
   }
-  o << "  (activations and workspace not included)\n";
+  // Activations kept for backward, one micro-batch (the stage holding the head carries the MTP
+  // modules too).
+  const config::TrainConfig& c = p.config;
+  const bool sp = c.parallel.sequence_parallel && p.degrees.tp > 1;
+  o << fmt::format("  activations per rank for one micro-batch of {} x {} tokens{}:\n", p.batch.micro, c.seq_length,
+                   p.degrees.tp > 1 ? fmt::format(" (tensor parallel {}{})", p.degrees.tp,
+                                                  sp ? ", sequence parallel" : ", norm and residual regions whole")
+                                    : "");
+  for (size_t s = 0; s < p.stages.size(); ++s) {
+    const int64_t layers = p.stages[s].num_layers() + (p.stages[s].has_head ? c.model.num_nextn_predict_layers : 0);
+    const double acts = activation_bytes(c.model, layers, p.batch.micro, c.seq_length, p.degrees.tp, sp);
+    o << fmt::format("  stage {:<3} {} (one rank alone: {})\n", s, human_bytes(acts),
+                     human_bytes(activation_bytes(c.model, layers, p.batch.micro, c.seq_length)));
+  }
+  o << "  (workspace not included)\n";
 }
 
 }  // namespace

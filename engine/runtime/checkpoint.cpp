@@ -33,14 +33,15 @@ namespace {
 const char* kGroups[3] = {"model/", "optimizer/exp_avg/", "optimizer/exp_avg_sq/"};
 
 // The ranks that write the slices of parameter i: the holders of replica 0 (data-parallel
-// coordinate 0, or expert-data-parallel 0 for experts; tensor-parallel 0 for replicated ones).
+// coordinate 0, or expert-data-parallel 0 for experts; tensor-parallel 0 for replicated ones and
+// for experts, which every tensor-parallel rank holds whole).
 std::vector<int> owners(const plan::ParallelPlan& p, size_t i) {
   std::vector<int> out;
   const plan::ParamInfo& info = p.params[i];
   for (int r = 0; r < p.degrees.world(); ++r) {
     const plan::Coord c = p.grid.coord(r);
     if (c.pp != p.param_stage[i] || !p.shard(i, r).held) continue;
-    if (info.shard == plan::Shard::kReplicated && c.tp != 0) continue;
+    if ((info.shard == plan::Shard::kReplicated || info.shard == plan::Shard::kExpert) && c.tp != 0) continue;
     if (info.shard == plan::Shard::kExpert ? c.edp != 0 : c.dp != 0) continue;
     out.push_back(r);
   }

@@ -64,13 +64,20 @@ void AdamW::step(double lr, int64_t step, double grad_scale) {
   }
 }
 
-double gradient_square_sum(model::ParamStore& params, Range dense, Range expert) {
-  double sum = 0;
-  for (const bool is_expert : {false, true}) {
-    const float* g = (is_expert ? params.expert_grads() : params.dense_grads()).data();
-    const int64_t begin = (is_expert ? expert : dense).begin, end = (is_expert ? expert : dense).end;
+double gradient_square_sum(model::ParamStore& params, Range dense, Range expert, bool replicated) {
+  const auto sum_of = [](const float* g, Range r) {
+    double sum = 0;
 #pragma omp parallel for simd reduction(+ : sum) schedule(static)
-    for (int64_t i = begin; i < end; ++i) sum += double(g[i]) * double(g[i]);
+    for (int64_t i = r.begin; i < r.end; ++i) sum += double(g[i]) * double(g[i]);
+    return sum;
+  };
+  double sum = sum_of(params.expert_grads().data(), expert);
+  const float* g = params.dense_grads().data();
+  if (replicated) return sum + sum_of(g, dense);
+  for (const std::string& name : params.names()) {  // the tensor-parallel shards only
+    const model::ParamView& v = params.view(name);
+    if (v.buffer || v.expert || v.info->shard == plan::Shard::kReplicated) continue;
+    sum += sum_of(g, parallel::intersect({v.offset, v.offset + v.numel}, dense));
   }
   return sum;
 }

@@ -61,7 +61,10 @@ class AdamW {
 };
 
 // Sum of squared gradients over [dense) and [expert) of the flat gradient buffers (double).
-double gradient_square_sum(model::ParamStore& params, Range dense, Range expert);
+// Without `replicated`, the dense parameters every tensor-parallel rank holds whole (norms, the
+// router, the low-rank projections) are left out: the tensor-parallel ranks other than 0 count
+// only their shards, so a sum over the ranks counts each gradient once.
+double gradient_square_sum(model::ParamStore& params, Range dense, Range expert, bool replicated = true);
 
 // The factor that brings a gradient of global norm `norm` down to `max_norm` (DeepSpeed:
 // max_norm / (norm + 1e-6) when norm > max_norm; 1 under the limit or when max_norm is 0).

@@ -6,6 +6,7 @@
 #include "engine/common/host_memory.h"
 #include "engine/common/strings.h"
 #include "engine/config/load_config.h"
+#include "engine/parallel/tp_collectives.h"
 
 namespace dstrain::runtime {
 
@@ -45,10 +46,10 @@ const comm::ProcessGroup& RankGroups::group(plan::Axis axis) const {
 
 void check_layout_trainable(const plan::ParallelPlan& plan) {
   const plan::Degrees& d = plan.degrees;
-  if (d.tp != 1 || d.pp != 1 || d.ep != 1)
-    throw ConfigError(fmt::format("this build trains with data parallelism only; the layout has tensor "
-                                  "{}, pipeline {}, expert {} (those runtimes are the next issues)",
-                                  d.tp, d.pp, d.ep));
+  if (d.pp != 1 || d.ep != 1)
+    throw ConfigError(fmt::format("this build trains with tensor and data parallelism; the layout has pipeline {}, "
+                                  "expert {} (those runtimes are the next issues)",
+                                  d.pp, d.ep));
   // Accepted by the config (and planned by --dry-run) but not implemented yet: refused rather
   // than silently ignored.
   const config::TrainConfig& c = plan.config;
@@ -70,7 +71,8 @@ void check_memory_fits(const plan::ParallelPlan& plan, const RankGroups& groups,
       plan.memory(stage, gradients ? int(c.zero_optimization.stage) : 0, c.precision());
   const plan::StageRange& s = plan.stages.at(size_t(stage));
   const int64_t layers = s.num_layers() + (s.has_head ? c.model.num_nextn_predict_layers : 0);
-  const double acts = plan::activation_bytes(c.model, layers, micro_batch, c.seq_length);
+  const double acts = plan::activation_bytes(c.model, layers, micro_batch, c.seq_length, plan.degrees.tp,
+                                             c.parallel.sequence_parallel && plan.degrees.tp > 1);
   const double weights_only = state.weights;
   const double need = (gradients ? state.total() : weights_only) + acts;
   const double available = double(host_memory_available());
@@ -122,10 +124,12 @@ RankEngine build_rank_engine(const plan::ParallelPlan& plan, const RankGroups& g
       e.params_peer_mapped = mapped;
     }
   }
-  e.collectives = std::make_unique<model::LocalCollectives>();  // the TP seam: tensor parallelism is 1 here
-  if (!options.model) return e;
+  e.tp = groups.group(plan::Axis::kTensor).communicator("tp", comm::CommOptions{cfg.parallel.comm_timeout_s});
   const int64_t micro = options.micro_batch > 0 ? options.micro_batch : plan.batch.micro;
-  e.model = std::make_unique<model::DeepSeekModel>(m, *e.backend, *e.collectives, *e.params, micro, cfg.seq_length, d.tp);
+  e.collectives = parallel::make_tp_collectives(*e.tp, micro * cfg.seq_length * m.hidden_size);
+  if (!options.model) return e;
+  e.model = std::make_unique<model::DeepSeekModel>(m, *e.backend, *e.collectives, *e.params, micro, cfg.seq_length,
+                                                   cfg.parallel.sequence_parallel);
   return e;
 }
 

@@ -68,7 +68,8 @@ struct EngineOptions {
 struct RankEngine {
   std::unique_ptr<kernels::Backend> backend;
   std::unique_ptr<model::ParamStore> params;  // initialised from the seed
-  std::unique_ptr<model::Collectives> collectives;
+  std::unique_ptr<comm::Communicator> tp;  // the tensor-parallel group (on every build, after dp and edp)
+  std::unique_ptr<model::Collectives> collectives;  // over `tp`
   std::unique_ptr<model::DeepSeekModel> model;  // null when EngineOptions::model is false
   // The gradient groups: dense parameters reduce over dp, routed experts over edp.
   std::unique_ptr<comm::Communicator> dp, edp;

@@ -79,7 +79,11 @@ Trainer::Trainer(const plan::ParallelPlan& plan, RankGroups groups, int threads)
   else
     adam_ = std::make_unique<AdamW>(cfg_.optimizer, params, *engine_.backend);
   tokens_.resize(plan_.batch.micro * (cfg_.seq_length + 1));
-  peak_flops_ = cfg_.monitor.peak_tflops > 0 ? cfg_.monitor.peak_tflops * 1e12 : measure_peak_flops();
+  // Measured on every rank at once (they compete for the host's memory bandwidth and turbo):
+  // the best rank's figure is the least disturbed one.
+  peak_flops_ = cfg_.monitor.peak_tflops > 0
+                    ? cfg_.monitor.peak_tflops * 1e12
+                    : comm::all_reduce_value(*world_, measure_peak_flops(), comm::ReduceOp::kMax);
   checkpointer_ = std::make_unique<Checkpointer>(plan_, groups_.world());
   checkpointer_->prepare_for_saves();  // the directory's lock first: no other run writes there now
   if (const auto resumed = checkpointer_->resume(params, adam_.get())) {
@@ -120,7 +124,17 @@ double Trainer::measure_peak_flops() {
 // Data parallelism: every rank computed its slice's share of the global mean; the sums over
 // ranks are the single-rank gradients (reduced by the gradient sync during the last backward
 // pass), losses and expert loads.
+// Tensor parallelism: the losses come out complete on every tensor-parallel rank, the expert
+// loads per rank (each routes its part of the tokens), summed over the group here.
 void Trainer::reduce_losses(StepResult& r) {
+  if (engine_.tp->size() > 1) {
+    std::vector<int64_t> loads;
+    for (const auto& l : r.expert_loads) loads.insert(loads.end(), l.begin(), l.end());
+    if (!loads.empty()) engine_.tp->all_reduce(loads.data(), int64_t(loads.size()), comm::ReduceOp::kSum)->wait();
+    size_t at = 0;
+    for (auto& l : r.expert_loads)
+      for (auto& x : l) x = loads[at++];
+  }
   if (dp_size_ == 1) return;
   std::vector<double> scalars = {r.loss.ce, r.loss.aux, r.loss.mtp};
   for (const auto& l : r.expert_loads) scalars.insert(scalars.end(), l.begin(), l.end());
@@ -141,6 +155,7 @@ StepResult Trainer::compute_gradients(int64_t step) {
   engine_.params->zero_grads();
   auto moes = model.moe_layers();
   for (auto* moe : moes) std::fill(moe->stats().loads.begin(), moe->stats().loads.end(), 0);
+  const double tp_comm0 = engine_.collectives->seconds();
   for (int64_t m = 0; m < b.accumulation; ++m) {
     const int64_t first = data::TokenDataset::position(step, b.global, dp_rank_, dp_size_, m, b.micro);
     dataset_->train_batch(tokens_.data(), first, b.micro);
@@ -159,6 +174,7 @@ StepResult Trainer::compute_gradients(int64_t step) {
     r.loss.ce += l.ce, r.loss.aux += l.aux, r.loss.mtp += l.mtp;
   }
   if (sync) r.comm_wait_s = sync->finish();
+  r.tp_comm_s = engine_.collectives->seconds() - tp_comm0;
   for (auto* moe : moes) r.expert_loads.push_back(moe->stats().loads);
   reduce_losses(r);
   return r;
@@ -166,10 +182,11 @@ StepResult Trainer::compute_gradients(int64_t step) {
 
 // The norm of the whole reduced gradient. The ranks of each gradient group share out the work:
 // each adds the squares of its partition of the buffer (at ZeRO-2 the only part it holds
-// reduced), and the sum over all ranks counts every gradient once.
+// reduced), and the sum over all ranks counts every gradient once — the parameters every
+// tensor-parallel rank holds whole counted on tensor-parallel rank 0 only.
 double Trainer::global_grad_norm() {
   const parallel::ZeroSharding& z = *engine_.zero;
-  const double sq = gradient_square_sum(*engine_.params, z.owned(false), z.owned(true));
+  const double sq = gradient_square_sum(*engine_.params, z.owned(false), z.owned(true), groups_.coord().tp == 0);
   return std::sqrt(comm::all_reduce_value(*world_, sq, comm::ReduceOp::kSum));
 }
 
@@ -287,18 +304,21 @@ void Trainer::log_step(int64_t step, const StepResult& r, double window_s, int64
   line += fmt::format(" | lr {:.3e} | grad_norm {:.3f} | {} tok/s | {:.3f} TFLOP/s | MFU {:.1f}% | "
                       "elapsed {} | ETA {}",
                       r.lr, r.grad_norm, with_commas(int64_t(tps)), flops / 1e12,
-                      100.0 * flops / (peak_flops_ * dp_size_), clock_text(elapsed_s), clock_text(remaining));
-  if (cfg_.wall_clock_breakdown)
+                      100.0 * flops / (peak_flops_ * plan_.degrees.world()), clock_text(elapsed_s), clock_text(remaining));
+  if (cfg_.wall_clock_breakdown) {
     line += fmt::format(" | fwd {:.0f} ms bwd {:.0f} ms comm wait {:.1f} ms opt {:.0f} ms", r.forward_s * 1e3,
                         r.backward_s * 1e3, r.comm_wait_s * 1e3, r.optimizer_s * 1e3);
+    if (plan_.degrees.tp > 1) line += fmt::format(" tp comm {:.1f} ms", r.tp_comm_s * 1e3);
+  }
   spdlog::info("{}", line);
   Scalars s = {{"loss", r.loss.ce}, {"lr", r.lr}, {"grad_norm", r.grad_norm}, {"tokens_per_sec", tps},
-               {"tflops", flops / 1e12}, {"mfu", flops / (peak_flops_ * dp_size_)}, {"aux_loss", r.loss.aux},
+               {"tflops", flops / 1e12}, {"mfu", flops / (peak_flops_ * plan_.degrees.world())}, {"aux_loss", r.loss.aux},
                {"mtp_loss", r.loss.mtp}, {"elapsed_s", elapsed_s}};
   if (val) s.push_back({"val_loss", *val});
   if (cfg_.wall_clock_breakdown)
     for (const auto& kv : Scalars{{"forward_ms", r.forward_s * 1e3}, {"backward_ms", r.backward_s * 1e3},
-                                  {"comm_wait_ms", r.comm_wait_s * 1e3}, {"optimizer_ms", r.optimizer_s * 1e3}})
+                                  {"comm_wait_ms", r.comm_wait_s * 1e3}, {"optimizer_ms", r.optimizer_s * 1e3},
+                                  {"tp_comm_ms", r.tp_comm_s * 1e3}})
       s.push_back(kv);
   metrics_.write(step + 1, s);
   tensorboard_.write(step + 1, s);
@@ -329,14 +349,27 @@ TrainSummary Trainer::run() {
     const double state = 4.0 * double(adam_->exp_avg_dense().size() + adam_->exp_avg_expert().size()) * 2;
     const double grads =
         4.0 * double(zero.shards_gradients() ? zero.shard(false).size() + zero.shard(true).size() : params.num_params());
+    const plan::Degrees& deg = plan_.degrees;
     spdlog::info("memory per rank: parameters {}, gradients {}{}, optimizer state {} (ZeRO-{}{})",
                  human_bytes(4.0 * double(params.num_params())), human_bytes(grads),
                  zero.shards_gradients() ? " reduced" : "", human_bytes(state), stage,
-                 stage > 0 ? fmt::format(" over {} data-parallel ranks", dp_size_) : "");
-    spdlog::info("model {} parameters on {}{}; MFU against {:.3f} TFLOP/s per rank ({})",
-                 with_commas(params.num_params()), engine_.backend->name(),
-                 dp_size_ > 1 ? fmt::format(" x {} data-parallel ranks", dp_size_) : "", peak_flops_ / 1e12,
-                 cfg_.monitor.peak_tflops > 0 ? "monitor.peak_tflops" : "measured fp32 GEMM peak");
+                 stage > 0 ? fmt::format(": dense parameters over {} data-parallel rank{}, routed experts over {}",
+                                         dp_size_, dp_size_ == 1 ? "" : "s", deg.edp_group())
+                           : "");
+    const model::DeepSeekModel& net = *engine_.model;
+    const bool sp = cfg_.parallel.sequence_parallel && deg.tp > 1;
+    spdlog::info("activations per rank: {} kept for backward per micro-batch of {} x {} tokens, of which the norm "
+                 "and residual regions {}{}; workspace {}",
+                 human_bytes(double(net.saved_activation_bytes())), plan_.batch.micro, cfg_.seq_length,
+                 human_bytes(double(net.residual_region_bytes())),
+                 deg.tp == 1 ? "" : sp ? fmt::format(" (1/{}: sequence parallel)", deg.tp) : " (whole on every tensor-parallel rank)",
+                 human_bytes(double(net.workspace_bytes())));
+    std::string layout;
+    if (deg.tp > 1) layout += fmt::format(" x {} tensor-parallel", deg.tp);
+    if (dp_size_ > 1) layout += fmt::format(" x {} data-parallel", dp_size_);
+    spdlog::info("model {} parameters on {}{}{}; MFU against {:.3f} TFLOP/s per rank ({})",
+                 with_commas(params.num_params()), engine_.backend->name(), layout, deg.world() > 1 ? " ranks" : "",
+                 peak_flops_ / 1e12, cfg_.monitor.peak_tflops > 0 ? "monitor.peak_tflops" : "measured fp32 GEMM peak");
   }
   if (cfg_.scheduler && cfg_.scheduler->params.warmup_num_steps > cfg_.train_steps && rank_ == 0)
     spdlog::warn("scheduler.params.warmup_num_steps {} is longer than train_steps {}: the learning rate never "

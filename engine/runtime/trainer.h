@@ -34,6 +34,7 @@ struct StepResult {
   double grad_norm = 0, lr = 0;
   double forward_s = 0, backward_s = 0, optimizer_s = 0;
   double comm_wait_s = 0;  // waiting for the gradient reduction after the backward pass
+  double tp_comm_s = 0;    // inside the tensor-parallel collectives (forward and backward)
   std::vector<std::vector<int64_t>> expert_loads;  // per MoE layer, this step
   // Set when the loss or the gradient norm is not finite: what went wrong. The weights, the
   // optimizer state and the router biases were then left as they were before the step.

@@ -142,6 +142,18 @@ class CpuBackend final : public Backend {
                      float grad_scale) override {
     cpu::cross_entropy(loss, logits, target, rows, V, grad_scale);
   }
+  void cross_entropy_row_max(float* row_max, const float* logits, int64_t rows, int64_t V) override {
+    cpu::cross_entropy_row_max(row_max, logits, rows, V);
+  }
+  void cross_entropy_row_sums(float* sums, const float* logits, const float* row_max, const int32_t* target,
+                              int64_t v0, int64_t rows, int64_t V) override {
+    cpu::cross_entropy_row_sums(sums, logits, row_max, target, v0, rows, V);
+  }
+  void cross_entropy_finish(float* loss, float* logits, const float* row_max, const float* sums,
+                            const int32_t* target, int64_t v0, int64_t rows, int64_t V,
+                            float grad_scale) override {
+    cpu::cross_entropy_finish(loss, logits, row_max, sums, target, v0, rows, V, grad_scale);
+  }
   void embedding_forward(float* out, const float* table, const int32_t* ids, int64_t N,
                          int64_t H) override {
     cpu::embedding_forward(out, table, ids, N, H);

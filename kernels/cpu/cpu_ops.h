@@ -465,9 +465,70 @@ void cross_entropy(T* loss, T* logits, const int32_t* target, int64_t rows, int6
   }
 }
 
+// Vocabulary-parallel cross-entropy (docs/model.md §10.1): each rank holds the logits of its
+// vocabulary columns [v0, v0 + V); the row maxima and the sums are reduced over the ranks
+// between the three steps.
+template <class T>
+void cross_entropy_row_max(T* row_max, const T* logits, int64_t rows, int64_t V) {
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* l = logits + r * V;
+    T mx = -std::numeric_limits<T>::infinity();
+    for (int64_t v = 0; v < V; ++v) mx = std::max(mx, l[v]);
+    row_max[r] = mx;
+  }
+}
+
+// sums[r, 0] = sum_v exp(logits[r, v] - row_max[r]); sums[r, 1] = the target's logit when this
+// rank holds its column, else 0.
+template <class T>
+void cross_entropy_row_sums(T* sums, const T* logits, const T* row_max, const int32_t* target, int64_t v0,
+                            int64_t rows, int64_t V) {
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* l = logits + r * V;
+    const T mx = row_max[r];
+    T sum = 0;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t v = 0; v < V; ++v) sum += vexp(l[v] - mx);
+    const int64_t y = int64_t(target[r]) - v0;
+    sums[2 * r] = sum;
+    sums[2 * r + 1] = target[r] >= 0 && y >= 0 && y < V ? l[y] : T(0);
+  }
+}
+
+// With the maxima and sums reduced over the ranks: loss[r] = max + log(sum) - target logit, and
+// logits overwritten by this rank's columns of (softmax - onehot) * grad_scale. Rows whose
+// target is -100 get loss 0 and a zero gradient.
+template <class T>
+void cross_entropy_finish(T* loss, T* logits, const T* row_max, const T* sums, const int32_t* target, int64_t v0,
+                          int64_t rows, int64_t V, T grad_scale) {
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < rows; ++r) {
+    T* l = logits + r * V;
+    if (target[r] < 0) {
+      loss[r] = 0;
+      std::fill(l, l + V, T(0));
+      continue;
+    }
+    const T lse = row_max[r] + std::log(sums[2 * r]);
+    loss[r] = lse - sums[2 * r + 1];
+#pragma omp simd
+    for (int64_t v = 0; v < V; ++v) l[v] = vexp(l[v] - lse) * grad_scale;
+    const int64_t y = int64_t(target[r]) - v0;
+    if (y >= 0 && y < V) l[y] -= grad_scale;
+  }
+}
+
+// Rows with a negative id (a token another rank's vocabulary shard holds) are zero.
 template <class T>
 void embedding_forward(T* out, const T* table, const int32_t* ids, int64_t N, int64_t H) {
-  gather_rows(out, table, ids, N, H);
+#pragma omp parallel for schedule(static)
+  for (int64_t t = 0; t < N; ++t) {
+    T* o = out + t * H;
+    if (ids[t] < 0) std::fill(o, o + H, T(0));
+    else std::copy(table + int64_t(ids[t]) * H, table + int64_t(ids[t] + 1) * H, o);
+  }
 }
 
 template <class T>
@@ -479,6 +540,7 @@ void embedding_backward(T* dtable, const T* dout, const int32_t* ids, int64_t N,
   for (int64_t b = 0; b < blocks; ++b) {
     const int64_t c0 = b * kBlock, c1 = std::min(H, c0 + kBlock);
     for (int64_t t = 0; t < N; ++t) {
+      if (ids[t] < 0) continue;  // not in this rank's vocabulary shard
       T* d = dtable + int64_t(ids[t]) * H;
       const T* g = dout + t * H;
       for (int64_t c = c0; c < c1; ++c) d[c] += g[c];

@@ -9,11 +9,14 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <cmath>
 #include <fstream>
 #include <map>
 #include <sstream>
 #include <string>
 #include <vector>
+
+#include "engine/io/hdf5_file.h"
 
 namespace dstrain::testing {
 
@@ -84,6 +87,20 @@ inline std::string train_cmd(const std::string& dir, const std::string& name, in
          " --set steps_per_print=1 --set data.eval_interval=0 --set monitor.expert_stats_interval=0"
          " --set checkpoint.interval=4 --set checkpoint.dir=" + dir + "/" + name +
          " --set monitor.metrics_file=" + dir + "/" + name + ".jsonl " + extra;
+}
+
+// Worst |a - b| / max|a| over the weights of two checkpoints.
+inline double max_weight_difference(const std::string& a_path, const std::string& b_path) {
+  dstrain::io::H5File a(a_path, dstrain::io::H5File::Mode::kRead), b(b_path, dstrain::io::H5File::Mode::kRead);
+  double worst = 0;
+  for (const std::string& name : a.list("model")) {
+    const auto x = a.read_floats("model/" + name), y = b.read_floats("model/" + name);
+    double scale = 1e-30, d = 0;
+    for (size_t i = 0; i < x.size(); ++i) scale = std::max(scale, double(std::fabs(x[i])));
+    for (size_t i = 0; i < x.size(); ++i) d = std::max(d, double(std::fabs(x[i] - y[i])));
+    worst = std::max(worst, d / scale);
+  }
+  return worst;
 }
 
 }  // namespace dstrain::testing

@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <functional>
+#include <limits>
 #include <numeric>
 #include <random>
 #include <vector>
@@ -469,6 +470,63 @@ TEST_P(Kernels, EmbeddingRepeatedIdsAccumulate) {
       for (int64_t t = 0; t < N; ++t) want += ids[t] == v ? dout[t * H + c] : 0.0;
       EXPECT_NEAR(dtable[v * H + c], want, 1e-6);
     }
+}
+
+// The vocabulary-parallel cross-entropy over uneven column shards (the last one shorter, one
+// empty), with the cross-rank reductions done by hand, against the one-shard kernel.
+TEST_P(Kernels, VocabParallelCrossEntropyEqualsWholeRow) {
+  const int64_t rows = 5, V = 11;
+  const Vec logits = randn(rows * V, 33, 4.0);
+  const std::vector<int32_t> target = {3, -100, 10, 0, 7};
+  FVec whole = to_f(logits), want_loss(rows);
+  be->cross_entropy(want_loss.data(), whole.data(), target.data(), rows, V, 0.25f);
+  for (const std::vector<int64_t>& bounds : {std::vector<int64_t>{0, 4, 8, 11},
+                                             std::vector<int64_t>{0, 6, 11, 11}}) {
+    const size_t shards = bounds.size() - 1;
+    std::vector<FVec> part(shards);
+    FVec mx(rows, -std::numeric_limits<float>::infinity()), sums(2 * rows, 0.0f), loss(rows);
+    for (size_t s = 0; s < shards; ++s) {
+      const int64_t v0 = bounds[s], Vl = bounds[s + 1] - v0;
+      part[s].resize(rows * Vl);
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t v = 0; v < Vl; ++v) part[s][r * Vl + v] = float(logits[r * V + v0 + v]);
+      FVec m(rows);
+      be->cross_entropy_row_max(m.data(), part[s].data(), rows, Vl);
+      for (int64_t r = 0; r < rows; ++r) mx[r] = std::max(mx[r], m[r]);
+    }
+    for (size_t s = 0; s < shards; ++s) {
+      const int64_t v0 = bounds[s], Vl = bounds[s + 1] - v0;
+      FVec su(2 * rows);
+      be->cross_entropy_row_sums(su.data(), part[s].data(), mx.data(), target.data(), v0, rows, Vl);
+      for (int64_t i = 0; i < 2 * rows; ++i) sums[i] += su[i];
+    }
+    for (size_t s = 0; s < shards; ++s) {
+      const int64_t v0 = bounds[s], Vl = bounds[s + 1] - v0;
+      be->cross_entropy_finish(loss.data(), part[s].data(), mx.data(), sums.data(), target.data(), v0, rows, Vl,
+                               0.25f);
+      for (int64_t r = 0; r < rows; ++r) {
+        EXPECT_NEAR(loss[r], want_loss[r], 1e-5) << "row " << r;
+        for (int64_t v = 0; v < Vl; ++v)
+          EXPECT_NEAR(part[s][r * Vl + v], whole[r * V + v0 + v], 1e-7) << "row " << r << " column " << v0 + v;
+      }
+    }
+  }
+}
+
+TEST_P(Kernels, EmbeddingSkipsIdsOfOtherShards) {
+  const int64_t V = 3, H = 20, N = 4;
+  const std::vector<int32_t> ids = {1, -1, 2, -1};
+  const FVec table = to_f(randn(V * H, 34)), dout = to_f(randn(N * H, 35));
+  FVec out(N * H, 7.0f), dtable(V * H, 0.0f);
+  be->embedding_forward(out.data(), table.data(), ids.data(), N, H);
+  be->embedding_backward(dtable.data(), dout.data(), ids.data(), N, H, V);
+  for (int64_t t = 0; t < N; ++t)
+    for (int64_t c = 0; c < H; ++c) EXPECT_EQ(out[t * H + c], ids[t] < 0 ? 0.0f : table[ids[t] * H + c]);
+  for (int64_t c = 0; c < H; ++c) {
+    EXPECT_EQ(dtable[c], 0.0f);
+    EXPECT_EQ(dtable[1 * H + c], dout[c]);
+    EXPECT_EQ(dtable[2 * H + c], dout[2 * H + c]);
+  }
 }
 
 // One AdamW step computed by hand (PyTorch semantics: decoupled decay, bias correction).

@@ -152,7 +152,7 @@ TEST_P(ZeroCheckpoint, ShardedMomentsAreGatheredOverTheirOwnGroups) {
   const plan::ParallelPlan p = make(l.tp, l.pp, l.ep, 4, dir, 1);
   ShardedState s = sharded_state(p, true);
   EXPECT_EQ(s.zero->group(false).size(), p.degrees.dp);
-  EXPECT_EQ(s.zero->group(true).size(), p.degrees.edp());
+  EXPECT_EQ(s.zero->group(true).size(), p.degrees.edp_group());  // experts: every (edp, tp)
   runtime::Checkpointer ck(p, comm::ProcessGroup::world());
   runtime::TrainState st;
   st.step = 3;

@@ -120,6 +120,8 @@ TEST(Dataset, BadDataFiles) {
       {"big_vocab.h5", "tokens", "more than the model's vocab_size 256", {}},
       {"truncated.h5", "tokens", "truncated.h5", {}},
       {"good.h5", "tokens", "validation split", {"data.validation_fraction=0.0001"}},
+      {"tiny.txt", "text", "the text holds byte 121, but model.vocab_size is 100", {"model.vocab_size=100",
+                                                                                     "seq_length=4"}},
   };
   for (const Case& c : cases) {
     try {

@@ -119,8 +119,12 @@ std::vector<BadCase> cases() {
        base() + "scheduler:\n  type: WarmupDecayLR\n  params:\n    warmup_num_steps: 100\n"
                 "    total_num_steps: 10\n",
        {}, 1, {"scheduler.params.total_num_steps: 10 is fewer than scheduler.params.warmup_num_steps"}},
-      {"text_data_with_small_vocab", base(), {"model.vocab_size=128"}, 1,
-       {"data.format: text gives byte tokens 0..255 but model.vocab_size is 128"}},
+      {"sequence_parallel_with_an_odd_split", base(), {"parallel.tensor=2", "parallel.sequence_parallel=true",
+                                                      "seq_length=63"},
+       2, {"parallel.sequence_parallel: true, but seq_length 63 is not divisible by parallel.tensor 2"}},
+      {"vocabulary_too_small_for_tp", base(), {"parallel.tensor=4", "model.vocab_size=5"}, 4,
+       {"parallel.tensor: 4 splits model.vocab_size = 5 into blocks of 2 rows, leaving the last rank none; valid: "
+        "at most 3"}},
       {"set_without_value", base(), {"parallel.tensor"}, 1,
        {"--set parallel.tensor: expected key.path=value"}},
       {"set_through_a_value", base() + "seed: 5\n", {"seed.x=1"}, 1,

@@ -55,9 +55,9 @@ TEST(RankGrid, GroupsPartitionTheWorld) {
                                     : a == Axis::kData     ? c.dp
                                     : a == Axis::kPipeline ? c.pp
                                     : a == Axis::kExpert   ? c.ep
-                                                           : c.edp;
+                                                           : c.edp_rank(d);
           ASSERT_EQ(coord_on_axis, static_cast<int>(pos));
-          if (a != Axis::kTensor) { ASSERT_EQ(c.tp, first.tp); }
+          if (a != Axis::kTensor && a != Axis::kExpertData) { ASSERT_EQ(c.tp, first.tp); }
           if (a != Axis::kPipeline) { ASSERT_EQ(c.pp, first.pp); }
           if (a == Axis::kTensor || a == Axis::kPipeline) { ASSERT_EQ(c.dp, first.dp); }
           if (a == Axis::kExpert) { ASSERT_EQ(c.edp, first.edp); }
@@ -69,19 +69,23 @@ TEST(RankGrid, GroupsPartitionTheWorld) {
   }
 }
 
-// Expert groups are carved out of data-parallel groups: EP x expert-DP tiles each DP group.
+// Expert groups are carved out of data-parallel groups; the expert-data groups of an EP group's
+// members tile the whole stage (every tensor- and data-parallel rank of it): each rank of a stage
+// holds exactly one EP block of experts, shared with the other ranks of its expert-data group.
 TEST(RankGrid, ExpertGroupsLieInsideDataParallelGroups) {
   for (const Degrees& d : layouts(64)) {
     const RankGrid g(d);
     for (int r = 0; r < g.world_size(); ++r) {
       const auto dp = g.group_of(Axis::kData, r);
       const std::set<int> dp_set(dp.begin(), dp.end());
-      std::set<int> covered;
+      std::set<int> covered, stage;
+      for (int x = 0; x < g.world_size(); ++x)
+        if (g.coord(x).pp == g.coord(r).pp) stage.insert(x);
       for (int e : g.group_of(Axis::kExpert, r)) {
         ASSERT_TRUE(dp_set.count(e));
         for (int x : g.group_of(Axis::kExpertData, e)) covered.insert(x);
       }
-      ASSERT_EQ(covered, dp_set) << describe(d);
+      ASSERT_EQ(covered, stage) << describe(d);
     }
   }
 }
@@ -101,7 +105,7 @@ TEST(RankGrid, Tp2Pp2Dp2Example) {
   EXPECT_EQ(g.group_of(Axis::kData, 5), (std::vector<int>{5, 7}));
   EXPECT_EQ(g.group_of(Axis::kPipeline, 3), (std::vector<int>{3, 7}));
   EXPECT_EQ(g.group_of(Axis::kExpert, 4), (std::vector<int>{4, 6}));
-  EXPECT_EQ(g.group_of(Axis::kExpertData, 4), (std::vector<int>{4}));
+  EXPECT_EQ(g.group_of(Axis::kExpertData, 4), (std::vector<int>{4, 5}));
 }
 
 }  // namespace

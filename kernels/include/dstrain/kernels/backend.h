@@ -120,7 +120,19 @@ class Backend {
   virtual void cross_entropy(float* loss, float* logits, const int32_t* target, int64_t rows,
                              int64_t V, float grad_scale) = 0;
 
-  // Embedding: out[t] = table[ids[t]]; backward dtable[ids[t]] += dout[t].
+  // The same loss computed vocabulary-parallel (docs/model.md §10.1): `logits` [rows, V] holds
+  // this rank's columns, global ids [v0, v0 + V). Between the steps the caller reduces over the
+  // ranks: row_max [rows] by maximum, then sums [rows, 2] (sum of exp(logit - max), the target's
+  // logit or 0) by sum. finish writes loss [rows] and this rank's columns of the gradient.
+  virtual void cross_entropy_row_max(float* row_max, const float* logits, int64_t rows, int64_t V) = 0;
+  virtual void cross_entropy_row_sums(float* sums, const float* logits, const float* row_max,
+                                      const int32_t* target, int64_t v0, int64_t rows, int64_t V) = 0;
+  virtual void cross_entropy_finish(float* loss, float* logits, const float* row_max, const float* sums,
+                                    const int32_t* target, int64_t v0, int64_t rows, int64_t V,
+                                    float grad_scale) = 0;
+
+  // Embedding: out[t] = table[ids[t]]; backward dtable[ids[t]] += dout[t]. A negative id (a
+  // row another rank's vocabulary shard holds) gives a zero row and no gradient.
   virtual void embedding_forward(float* out, const float* table, const int32_t* ids, int64_t N,
                                  int64_t H) = 0;
   virtual void embedding_backward(float* dtable, const float* dout, const int32_t* ids, int64_t N,
