@@ -160,9 +160,11 @@ DeepSeekModel::DeepSeekModel(const config::ModelConfig& cfg, kernels::Backend& b
   part_ = token_part(N, tp_, coll.tp_rank());
   rows_ = sp_ ? part_.count : N;
   ones_.assign(N, 1.0f);
-  if (sp_) full_.resize(3 * N * H_);
-  env_ = LayerEnv{&cfg_, &be_, &coll_, &params, &scratch_, ones_.data(), &progress_, tp_, coll.tp_rank(), sp_,
-                  {full_.data(), full_.data() + N * H_, full_.data() + 2 * N * H_}};
+  env_ = LayerEnv{&cfg_, &be_, &coll_, &params, &scratch_, ones_.data(), &progress_, tp_, coll.tp_rank(), sp_, {}};
+  if (sp_) {  // the layers' three shared [N, H] buffers
+    full_.resize(3 * N * H_);
+    for (int i = 0; i < 3; ++i) env_.full[i] = full_.data() + i * N * H_;
+  }
   mtp_env_ = env_;
   mtp_env_.sp = false;
   embed_.bind(params, "model.embed_tokens.weight");
