@@ -20,6 +20,7 @@ enum class OptimizerType { kAdamW, kAdam };
 enum class SchedulerType { kWarmupLR, kWarmupDecayLR, kWarmupCosineLR };
 enum class WarmupType { kLog, kLinear };
 enum class DataFormat { kAuto, kText, kTokens };
+enum class PipelineScheduleKind { kGpipe, kOneFOneB, kInterleaved, kZbH1 };
 
 template <class E>
 struct EnumNames;  // static const std::vector<std::pair<E, std::string_view>> list;
@@ -44,6 +45,9 @@ DSTRAIN_ENUM_NAMES(SchedulerType, {SchedulerType::kWarmupLR, "WarmupLR"},
 DSTRAIN_ENUM_NAMES(WarmupType, {WarmupType::kLog, "log"}, {WarmupType::kLinear, "linear"});
 DSTRAIN_ENUM_NAMES(DataFormat, {DataFormat::kAuto, "auto"}, {DataFormat::kText, "text"},
                    {DataFormat::kTokens, "tokens"});
+DSTRAIN_ENUM_NAMES(PipelineScheduleKind, {PipelineScheduleKind::kGpipe, "gpipe"},
+                   {PipelineScheduleKind::kOneFOneB, "1f1b"}, {PipelineScheduleKind::kInterleaved, "interleaved"},
+                   {PipelineScheduleKind::kZbH1, "zb-h1"});
 
 #undef DSTRAIN_ENUM_NAMES
 

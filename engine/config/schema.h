@@ -128,6 +128,8 @@ void describe(V& v, ParallelConfig& c) {
   v.field("stage_layers", c.stage_layers, at_least(1));
   v.field("comm_timeout_s", c.comm_timeout_s, real_range(0.1, 1e7));
   v.field("sequence_parallel", c.sequence_parallel);
+  v.field("pipeline_schedule", c.pipeline_schedule);
+  v.field("virtual_stages", c.virtual_stages, at_least(1));
 }
 
 template <class V>

@@ -100,6 +100,8 @@ struct ParallelConfig {
   std::vector<int64_t> stage_layers;  // decoder layers per pipeline stage; empty: uniform
   double comm_timeout_s = 600;        // watchdog deadline of every collective
   bool sequence_parallel = false;     // Megatron's: norms and residuals split by tokens over TP
+  PipelineScheduleKind pipeline_schedule = PipelineScheduleKind::kOneFOneB;
+  int64_t virtual_stages = 1;         // model chunks per pipeline rank (interleaved schedule)
 };
 
 struct Fp16Config {  // DeepSpeed `fp16` with its defaults

@@ -150,6 +150,22 @@ void validate_parallel(const TrainConfig& cfg) {
             fmt::format("{} pipeline stages but the model has only {} layers "
                         "(model.num_hidden_layers); valid: 1 to {}",
                         p.pipeline, m.num_hidden_layers, m.num_hidden_layers));
+  if (p.virtual_stages > 1 && p.pipeline_schedule != PipelineScheduleKind::kInterleaved)
+    fail_at(cfg, "parallel.virtual_stages",
+            fmt::format("{} model chunks per pipeline rank, but parallel.pipeline_schedule is {}; valid: 1, or set "
+                        "parallel.pipeline_schedule: interleaved",
+                        p.virtual_stages, to_string(p.pipeline_schedule)));
+  if (p.virtual_stages > 1 && p.pipeline < 2)
+    fail_at(cfg, "parallel.virtual_stages",
+            fmt::format("{} model chunks per rank with one pipeline stage: interleaving needs parallel.pipeline >= "
+                        "2; valid: 1",
+                        p.virtual_stages));
+  if (p.pipeline * p.virtual_stages > m.num_hidden_layers)
+    fail_at(cfg, "parallel.virtual_stages",
+            fmt::format("{} pipeline stages x {} chunks = {} virtual stages but the model has only {} layers "
+                        "(model.num_hidden_layers); valid: at most {} chunks",
+                        p.pipeline, p.virtual_stages, p.pipeline * p.virtual_stages, m.num_hidden_layers,
+                        m.num_hidden_layers / p.pipeline));
   if (p.expert > 1 && !m.n_routed_experts)
     fail_at(cfg, "parallel.expert",
             fmt::format("{}, but the model has no routed experts (model.n_routed_experts is null); "
@@ -166,11 +182,13 @@ void validate_parallel(const TrainConfig& cfg) {
                         "data-parallel ranks; valid: a divisor of {}: {}",
                         p.expert, p.data.value, p.data.value, divisors_of(p.data.value)));
   if (!p.stage_layers.empty()) {
-    if (static_cast<int64_t>(p.stage_layers.size()) != p.pipeline)
+    if (static_cast<int64_t>(p.stage_layers.size()) != p.pipeline * p.virtual_stages)
       fail_at(cfg, "parallel.stage_layers",
-              fmt::format("{} entries for {} pipeline stages (parallel.pipeline); valid: one "
-                          "layer count per stage",
-                          p.stage_layers.size(), p.pipeline));
+              fmt::format("{} entries for {} pipeline stages{}; valid: one layer count per stage",
+                          p.stage_layers.size(), p.pipeline * p.virtual_stages,
+                          p.virtual_stages > 1 ? fmt::format(" (parallel.pipeline {} x parallel.virtual_stages {})",
+                                                             p.pipeline, p.virtual_stages)
+                                               : std::string(" (parallel.pipeline)")));
     const int64_t sum = std::accumulate(p.stage_layers.begin(), p.stage_layers.end(), int64_t{0});
     if (sum != m.num_hidden_layers)
       fail_at(cfg, "parallel.stage_layers",

@@ -150,7 +150,8 @@ struct DeepSeekModel::Mtp {
 // ---- model -----------------------------------------------------------------------------------
 
 DeepSeekModel::DeepSeekModel(const config::ModelConfig& cfg, kernels::Backend& be, Collectives& coll,
-                             ParamStore& params, int64_t B, int64_t S, bool sequence_parallel)
+                             ParamStore& params, int64_t B, int64_t S, bool sequence_parallel,
+                             const StageSpec& stage)
     : cfg_(cfg), be_(be), coll_(coll), rope_(make_rope_tables(cfg, S)), B_(B), S_(S), H_(cfg.hidden_size),
       V_(cfg.vocab_size), L_(cfg.num_hidden_layers), tp_(coll.tp_size()), sp_(sequence_parallel && coll.tp_size() > 1) {
   const int64_t N = B * S;
@@ -167,29 +168,50 @@ DeepSeekModel::DeepSeekModel(const config::ModelConfig& cfg, kernels::Backend& b
   }
   mtp_env_ = env_;
   mtp_env_.sp = false;
-  embed_.bind(params, "model.embed_tokens.weight");
-  norm_.bind(params, "model.norm.weight");
-  lm_head_.bind(params, "lm_head.weight");
+  first_ = stage.first_layer, end_ = stage.end_layer < 0 ? L_ : stage.end_layer;
+  has_embed_ = stage.embedding, has_head_ = stage.head;
+  DS_CHECK(0 <= first_ && first_ <= end_ && end_ <= L_, "stage layers [{}, {}) of {}", first_, end_, L_);
+  if (has_embed_) {
+    embed_.bind(params, "model.embed_tokens.weight");
+  } else if (has_head_ && cfg.num_nextn_predict_layers > 0) {
+    DS_CHECK(stage.embed_w && stage.embed_g, "the last stage's MTP modules need the embedding's mirror");
+    embed_.w = stage.embed_w, embed_.g = stage.embed_g;
+  }
+  if (has_head_) {
+    norm_.bind(params, "model.norm.weight");
+    lm_head_.bind(params, "lm_head.weight");
+  }
   int64_t scratch = 0;
-  for (int64_t i = 0; i < L_; ++i) {
+  for (int64_t i = first_; i < end_; ++i) {
     layers_.push_back(std::make_unique<DecoderLayer>(env_, i, B, S, &rope_));
     scratch = std::max(scratch, layers_.back()->scratch_floats(N));
   }
-  for (int64_t k = 1; k <= cfg.num_nextn_predict_layers; ++k) {
+  for (int64_t k = 1; has_head_ && k <= cfg.num_nextn_predict_layers; ++k) {
     DS_CHECK(S - k >= 1, "MTP depth {} needs seq_length > {}", k, k);
     mtp_.push_back(std::make_unique<Mtp>(mtp_env_, k, B, S, Vl_, &rope_));
     scratch = std::max({scratch, mtp_.back()->layer->scratch_floats(N), 2 * N * H_ + 64});
   }
   scratch_.reserve(scratch);
   ids_.resize(N), local_ids_.resize(N), targets_.resize(N);
-  hidden_.assign(L_ + 1, std::vector<float>(rows_ * H_));
-  z_.resize(rows_ * H_), rstd_f_.resize(rows_), logits_.resize(N * Vl_), loss_rows_.resize(N);
-  if (sp_) z_full_.resize(N * H_);
+  hidden_.assign(size_t(end_ - first_ + 1), std::vector<float>(rows_ * H_));
+  if (has_head_) {
+    z_.resize(rows_ * H_), rstd_f_.resize(rows_), logits_.resize(N * Vl_), loss_rows_.resize(N);
+    if (sp_) z_full_.resize(N * H_);
+  }
   if (tp_ > 1) row_max_.resize(N), row_sums_.resize(2 * N);
   dz_.resize(N * H_), dh_.resize(rows_ * H_), tmp1_.resize(N * H_), tmp2_.resize(N * H_), norm_dw_.resize(H_);
 }
 
 DeepSeekModel::~DeepSeekModel() = default;
+
+std::vector<int64_t> DeepSeekModel::moe_layer_ids() const {
+  std::vector<int64_t> out;
+  for (int64_t i = first_; i < end_; ++i)
+    if (cfg_.is_moe_layer(i)) out.push_back(i);
+  for (int64_t k = 1; k <= int64_t(mtp_.size()); ++k)
+    if (cfg_.is_moe_layer(L_ + k - 1)) out.push_back(L_ + k - 1);
+  return out;
+}
 
 std::vector<MoeLayer*> DeepSeekModel::moe_layers() {
   std::vector<MoeLayer*> out;
@@ -211,7 +233,7 @@ int64_t DeepSeekModel::saved_activation_bytes() const {
 
 int64_t DeepSeekModel::residual_region_bytes() const {
   // Per layer: the hidden state, the two normed inputs, the residual sum (rows x H each).
-  return int64_t(sizeof(float)) * rows_ * H_ * (int64_t(hidden_.size()) + 3 * L_ + 1);
+  return int64_t(sizeof(float)) * rows_ * H_ * (int64_t(hidden_.size()) + 3 * (end_ - first_) + (has_head_ ? 1 : 0));
 }
 
 int64_t DeepSeekModel::workspace_bytes() const {
@@ -257,7 +279,7 @@ double DeepSeekModel::head_loss(float* logits, const float* z, const int32_t* ta
   return sum * grad_scale;
 }
 
-Losses DeepSeekModel::forward(const int32_t* tokens, const LossScale& scale) {
+Losses DeepSeekModel::forward_stage(const int32_t* tokens, const float* h_in, const LossScale& scale) {
   const int64_t N = B_ * S_;
   for (int64_t b = 0; b < B_; ++b)
     for (int64_t t = 0; t < S_; ++t) {
@@ -266,20 +288,26 @@ Losses DeepSeekModel::forward(const int32_t* tokens, const LossScale& scale) {
     }
   map_ids(local_ids_.data(), ids_.data(), N);
   for (auto* moe : moe_layers()) moe->stats().aux_loss = 0.0;
-  if (sp_) {  // the lookup's sum over the ranks, scattered by token parts
+  if (!has_embed_) {
+    DS_CHECK(h_in, "a pipeline stage after the first needs the previous stage's output");
+    std::copy(h_in, h_in + rows_ * H_, hidden_[0].begin());
+  } else if (sp_) {  // the lookup's sum over the ranks, scattered by token parts
     be_.embedding_forward(tmp1_.data(), embed_.w, local_ids_.data(), N, H_);
     coll_.tp_reduce_scatter_rows(hidden_[0].data(), tmp1_.data(), rows_, H_);
   } else {
     embed(hidden_[0].data(), local_ids_.data(), N);
   }
-  for (int64_t i = 0; i < L_; ++i)
-    layers_[i]->forward(hidden_[i + 1].data(), hidden_[i].data(), B_, S_, scale);
-  be_.rmsnorm_forward(z_.data(), rstd_f_.data(), hidden_[L_].data(), norm_.w, rows_, H_, float(cfg_.rms_norm_eps));
-  const float* z = z_.data();
-  if (sp_) coll_.tp_all_gather_rows(z_full_.data(), z_.data(), rows_, H_), z = z_full_.data();
+  for (size_t j = 0; j < layers_.size(); ++j)
+    layers_[j]->forward(hidden_[j + 1].data(), hidden_[j].data(), B_, S_, scale);
   Losses out;
-  out.ce = head_loss(logits_.data(), z, targets_.data(), N, 1.0 / scale.tokens);
-  if (!mtp_.empty()) mtp_forward(tokens, scale, out);
+  if (has_head_) {
+    be_.rmsnorm_forward(z_.data(), rstd_f_.data(), hidden_.back().data(), norm_.w, rows_, H_,
+                        float(cfg_.rms_norm_eps));
+    const float* z = z_.data();
+    if (sp_) coll_.tp_all_gather_rows(z_full_.data(), z_.data(), rows_, H_), z = z_full_.data();
+    out.ce = head_loss(logits_.data(), z, targets_.data(), N, 1.0 / scale.tokens);
+    if (!mtp_.empty()) mtp_forward(tokens, scale, out);
+  }
   for (auto* moe : moe_layers()) out.aux += moe->stats().aux_loss;
   return out;
 }
@@ -314,31 +342,37 @@ void DeepSeekModel::mtp_forward(const int32_t* tokens, const LossScale& scale, L
   }
 }
 
-void DeepSeekModel::backward() {
+void DeepSeekModel::backward_stage(const float* dh_out) {
   const int64_t N = B_ * S_;
-  const float* z = sp_ ? z_full_.data() : z_.data();
-  // Head: dz = dlogits W_lm, this rank's vocabulary columns' part, summed over the ranks;
-  // dW_lm += dlogits^T z (this rank's rows, complete). MTP adds its gradient of h^0 = z.
-  linear_backward(be_, dz_.data(), lm_head_.g, logits_.data(), z, lm_head_.w, N, Vl_, H_);
-  coll_.tp_all_reduce(dz_.data(), N * H_);
-  progress_.poll();
-  if (!mtp_.empty()) mtp_backward(dz_.data());
-  const float* dz = dz_.data() + (sp_ ? part_.first * H_ : 0);  // this rank's rows of the complete gradient
-  if (sp_) {  // the final norm's weight gradient from this rank's tokens, summed over the ranks
-    std::fill(norm_dw_.begin(), norm_dw_.end(), 0.0f);
-    be_.rmsnorm_backward(dh_.data(), norm_dw_.data(), dz, hidden_[L_].data(), norm_.w, rstd_f_.data(), rows_, H_);
-    coll_.tp_all_reduce(norm_dw_.data(), H_);
-    be_.add(norm_.g, norm_dw_.data(), H_);
+  if (has_head_) {
+    const float* z = sp_ ? z_full_.data() : z_.data();
+    // Head: dz = dlogits W_lm, this rank's vocabulary columns' part, summed over the ranks;
+    // dW_lm += dlogits^T z (this rank's rows, complete). MTP adds its gradient of h^0 = z.
+    linear_backward(be_, dz_.data(), lm_head_.g, logits_.data(), z, lm_head_.w, N, Vl_, H_);
+    coll_.tp_all_reduce(dz_.data(), N * H_);
+    progress_.poll();
+    if (!mtp_.empty()) mtp_backward(dz_.data());
+    const float* dz = dz_.data() + (sp_ ? part_.first * H_ : 0);  // this rank's rows of the complete gradient
+    if (sp_) {  // the final norm's weight gradient from this rank's tokens, summed over the ranks
+      std::fill(norm_dw_.begin(), norm_dw_.end(), 0.0f);
+      be_.rmsnorm_backward(dh_.data(), norm_dw_.data(), dz, hidden_.back().data(), norm_.w, rstd_f_.data(), rows_, H_);
+      coll_.tp_all_reduce(norm_dw_.data(), H_);
+      be_.add(norm_.g, norm_dw_.data(), H_);
+    } else {
+      be_.rmsnorm_backward(dh_.data(), norm_.g, dz, hidden_.back().data(), norm_.w, rstd_f_.data(), rows_, H_);
+    }
+    // The head and the MTP modules (which share lm_head) are final together.
+    const int64_t D = int64_t(mtp_.size());
+    for (int64_t l = L_ + D; l >= L_; --l) progress_.grads_final(l);
   } else {
-    be_.rmsnorm_backward(dh_.data(), norm_.g, dz, hidden_[L_].data(), norm_.w, rstd_f_.data(), rows_, H_);
+    DS_CHECK(dh_out, "a pipeline stage before the last needs the next stage's input gradient");
+    std::copy(dh_out, dh_out + rows_ * H_, dh_.begin());
   }
-  // The head and the MTP modules (which share lm_head) are final together.
-  const int64_t D = int64_t(mtp_.size());
-  for (int64_t l = L_ + D; l >= L_; --l) progress_.grads_final(l);
-  for (int64_t i = L_ - 1; i >= 0; --i) {
-    layers_[i]->backward(dh_.data(), hidden_[i].data(), B_, S_, tmp1_.data(), tmp2_.data());
-    progress_.grads_final(i);
+  for (int64_t j = int64_t(layers_.size()) - 1; j >= 0; --j) {
+    layers_[size_t(j)]->backward(dh_.data(), hidden_[size_t(j)].data(), B_, S_, tmp1_.data(), tmp2_.data());
+    progress_.grads_final(first_ + j);
   }
+  if (!has_embed_) return;
   const float* dh0 = dh_.data();
   if (sp_) coll_.tp_all_gather_rows(tmp1_.data(), dh_.data(), rows_, H_), dh0 = tmp1_.data();
   be_.embedding_backward(embed_.g, dh0, local_ids_.data(), N, H_, Vl_);

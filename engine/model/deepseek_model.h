@@ -49,6 +49,18 @@ class DecoderLayer {
   std::vector<float> a_, rstd1_, h_mid_, u_, rstd2_, dw_;
 };
 
+// The part of the model one pipeline stage runs (docs/design.md §6.6): decoder layers
+// [first_layer, end_layer), the embedding on the first stage, the final norm, lm_head and the MTP
+// modules on the last. A last stage with MTP modules but without the embedding reads the
+// embedding from `embed_w` and adds its gradient to `embed_g` (a mirror of the first stage's
+// table, kept in sync by the pipeline runtime, as Megatron's embedding group does).
+struct StageSpec {
+  int64_t first_layer = 0, end_layer = -1;  // -1: num_hidden_layers
+  bool embedding = true, head = true;
+  float* embed_w = nullptr;
+  float* embed_g = nullptr;
+};
+
 struct Losses {
   double ce = 0, aux = 0, mtp = 0;
   double total() const { return ce + aux + mtp; }
@@ -58,16 +70,30 @@ class DeepSeekModel {
  public:
   // B x S tokens per forward (the micro-batch). Tensor parallelism comes from `coll`
   // (tp_size() ranks); `sequence_parallel` splits the norm and residual regions by tokens.
+  // `stage`: the part of the model this instance runs (default: all of it).
   DeepSeekModel(const config::ModelConfig& cfg, kernels::Backend& be, Collectives& coll,
-                ParamStore& params, int64_t B, int64_t S, bool sequence_parallel = false);
+                ParamStore& params, int64_t B, int64_t S, bool sequence_parallel = false,
+                const StageSpec& stage = {});
   ~DeepSeekModel();
 
   // tokens [B, S+1]: inputs T[:, :S], targets T[:, 1:] (-100 ignored). Keeps what backward needs.
-  Losses forward(const int32_t* tokens, const LossScale& scale);
+  Losses forward(const int32_t* tokens, const LossScale& scale) { return forward_stage(tokens, nullptr, scale); }
+  // A pipeline stage's forward: from the embedding on the first stage, else from `h_in`
+  // [boundary_rows(), H] (the previous stage's output()). The losses are those of this stage:
+  // CE and MTP on the last stage, the balance loss of its MoE layers.
+  Losses forward_stage(const int32_t* tokens, const float* h_in, const LossScale& scale);
+  const float* output() const { return hidden_.back().data(); }
+  int64_t boundary_rows() const { return rows_; }  // token rows crossing a stage boundary on this rank
+  // A pipeline stage's backward from `dh_out` (dL/d output(); null on the last stage), leaving
+  // dL/dh_in in input_grad() (not on the first stage).
+  void backward_stage(const float* dh_out);
+  const float* input_grad() const { return dh_.data(); }
+  bool first_stage() const { return has_embed_; }
+  bool last_stage() const { return has_head_; }
   // Accumulates this micro-batch's gradients into the parameter store, telling `observer` (if
   // set) as each layer's gradients become final — layers numbered as plan::ParamInfo::layer
   // (docs/design.md §5.4), in the order backward_order() lists — and polling it between kernels.
-  void backward();
+  void backward() { backward_stage(nullptr); }
   void set_backward_observer(BackwardObserver* observer) { progress_.observer = observer; }
   // The layers in the order backward() finishes them: the head (final norm and LM head, which
   // the MTP modules share) and the MTP modules together first, then the decoder layers from
@@ -80,10 +106,12 @@ class DeepSeekModel {
   const std::vector<float>& logits() const { return kept_logits_; }
 
   // The hidden state entering decoder layer i (i = L: the last layer's output), this rank's rows.
-  const std::vector<float>& hidden_state(int64_t i) const { return hidden_.at(size_t(i)); }
+  const std::vector<float>& hidden_state(int64_t i) const { return hidden_.at(size_t(i - first_)); }
 
-  // MoE layers in order (main model, then MTP), for load statistics and the bias update.
+  // MoE layers in order (main model, then MTP), for load statistics and the bias update, and
+  // their layer numbers (MTP module k: num_hidden_layers + k - 1).
   std::vector<MoeLayer*> moe_layers();
+  std::vector<int64_t> moe_layer_ids() const;
 
   // Bytes of activations kept between forward and backward, and of backward temporaries.
   int64_t saved_activation_bytes() const;
@@ -109,6 +137,8 @@ class DeepSeekModel {
   std::vector<float> ones_;
   RopeTables rope_;
   int64_t B_, S_, H_, V_, L_;
+  int64_t first_ = 0, end_ = 0;  // this instance's decoder layers
+  bool has_embed_ = true, has_head_ = true;
   int tp_ = 1;
   bool sp_ = false;
   TokenPart part_;        // with sequence parallelism, this rank's token rows
@@ -118,7 +148,7 @@ class DeepSeekModel {
   std::vector<std::unique_ptr<DecoderLayer>> layers_;
   std::vector<std::unique_ptr<Mtp>> mtp_;
   std::vector<int32_t> ids_, local_ids_, targets_;
-  std::vector<std::vector<float>> hidden_;  // h_0 ... h_L, [rows, H] each
+  std::vector<std::vector<float>> hidden_;  // h_first ... h_end, [rows, H] each
   std::vector<float> z_, z_full_, rstd_f_, logits_, loss_rows_, row_max_, row_sums_, dz_, dh_, tmp1_, tmp2_,
       full_, norm_dw_, kept_logits_;
   bool keep_logits_ = false;

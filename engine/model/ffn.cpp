@@ -188,6 +188,45 @@ void MoeLayer::forward(float* out_full, const float* u_full, const float* u_part
   be.moe_combine(out_full + part.first * H_, Yp_.data(), w_.data(), pos_.data(), n, k_, H_);
 }
 
+namespace {
+
+// The experts' GEMMs of one kind, launched as one grouped call.
+struct Group {
+  std::vector<float*> C;
+  std::vector<const float*> A, B;
+  std::vector<int64_t> M, N, K;
+  void add(float* c, const float* a, const float* b, int64_t m, int64_t n, int64_t k) {
+    C.push_back(c), A.push_back(a), B.push_back(b), M.push_back(m), N.push_back(n), K.push_back(k);
+  }
+};
+
+// The experts' weight gradients dW_e += dY_e^T X_e (A: rows of dY in `dy` [a_len], B: rows of X
+// in `x` [b_len]) now, or — under a WeightGradDeferral — later, from copies of dy and x.
+void run_weight_grads(kernels::Backend& be, Group g, const float* dy, int64_t a_len, const float* x, int64_t b_len) {
+  if (g.C.empty()) return;
+  WeightGradDeferral* d = WeightGradDeferral::active();
+  if (!d) {
+    be.gemm_grouped(g.C.data(), g.A.data(), g.B.data(), g.M.data(), g.N.data(), g.K.data(), int64_t(g.C.size()),
+                    true, false, 1.0f, 1.0f);
+    return;
+  }
+  auto dyc = d->keep(dy, a_len), xc = d->keep(x, b_len);
+  for (auto& a : g.A) a = dyc->data() + (a - dy);
+  for (auto& b : g.B) b = xc->data() + (b - x);
+  d->push([&be, g = std::move(g), dyc, xc]() mutable {
+    be.gemm_grouped(g.C.data(), g.A.data(), g.B.data(), g.M.data(), g.N.data(), g.K.data(), int64_t(g.C.size()),
+                    true, false, 1.0f, 1.0f);
+  });
+}
+
+thread_local WeightGradDeferral* g_active_deferral = nullptr;
+
+}  // namespace
+
+WeightGradDeferral* WeightGradDeferral::active() { return g_active_deferral; }
+WeightGradDeferral::Scope::Scope(WeightGradDeferral* d) : prev_(g_active_deferral) { g_active_deferral = d; }
+WeightGradDeferral::Scope::~Scope() { g_active_deferral = prev_; }
+
 void MoeLayer::backward(float* du_full, const float* dout_full, const float* u_full, const float* u_part,
                         TokenPart part, int64_t B, int64_t S) {
   kernels::Backend& be = *env_.be;
@@ -200,14 +239,6 @@ void MoeLayer::backward(float* du_full, const float* dout_full, const float* u_f
   float* dMp = scratch.take(rows * I_);
   float* dGUp = scratch.take(rows * 2 * I_);
   float* dXp = dYp;  // dYp is dead once dMp exists; same size [rows, H]
-  struct Group {
-    std::vector<float*> C;
-    std::vector<const float*> A, B;
-    std::vector<int64_t> M, N, K;
-    void add(float* c, const float* a, const float* b, int64_t m, int64_t n, int64_t k) {
-      C.push_back(c), A.push_back(a), B.push_back(b), M.push_back(m), N.push_back(n), K.push_back(k);
-    }
-  };
   Group dM, dWd;
   for (int64_t e = 0; e < E_; ++e) {
     if (!gate_up_[e] || counts_[e] == 0) continue;
@@ -218,8 +249,7 @@ void MoeLayer::backward(float* du_full, const float* dout_full, const float* u_f
   be.gemm_grouped(dM.C.data(), dM.A.data(), dM.B.data(), dM.M.data(), dM.N.data(), dM.K.data(),
                   int64_t(dM.C.size()), false, false, 1.0f, 0.0f);
   env_.poll();
-  be.gemm_grouped(dWd.C.data(), dWd.A.data(), dWd.B.data(), dWd.M.data(), dWd.N.data(),
-                  dWd.K.data(), int64_t(dWd.C.size()), true, false, 1.0f, 1.0f);
+  run_weight_grads(be, dWd, dYp, rows * H_, Mp_.data(), rows * I_);
   env_.poll();
   be.swiglu_backward(dGUp, dMp, GUp_.data(), rows, I_);
   Group dX, dWgu;
@@ -232,8 +262,7 @@ void MoeLayer::backward(float* du_full, const float* dout_full, const float* u_f
   be.gemm_grouped(dX.C.data(), dX.A.data(), dX.B.data(), dX.M.data(), dX.N.data(), dX.K.data(),
                   int64_t(dX.C.size()), false, false, 1.0f, 0.0f);
   env_.poll();
-  be.gemm_grouped(dWgu.C.data(), dWgu.A.data(), dWgu.B.data(), dWgu.M.data(), dWgu.N.data(),
-                  dWgu.K.data(), int64_t(dWgu.C.size()), true, false, 1.0f, 1.0f);
+  run_weight_grads(be, dWgu, dGUp, rows * 2 * I_, Xp_.data(), rows * H_);
   env_.poll();
   if (shared_) shared_->backward(du_full, dout_full, u_full, N, 0.0f);
   else be.fill(du_full, 0.0f, N * H_);
@@ -246,6 +275,7 @@ void MoeLayer::backward(float* du_full, const float* dout_full, const float* u_f
   } else {  // the router is replicated: its gradient from this rank's tokens, summed over the ranks
     float* dgate = scratch.take(E_ * H_);
     be.fill(dgate, 0.0f, E_ * H_);
+    const WeightGradDeferral::Scope now(nullptr);  // reduced at once: never deferred
     linear_backward(be, du_part, dgate, dlogits, u_part, gate_.w, n, E_, H_, 1.0f);
     env_.coll->tp_all_reduce(dgate, E_ * H_);
     be.add(gate_.g, dgate, E_ * H_);

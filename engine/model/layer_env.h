@@ -4,6 +4,8 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -44,13 +46,54 @@ class BackwardObserver {
   virtual void poll() = 0;
 };
 
-// Shared by the model and its layers; `observer` may change between backward passes.
+// Zero-bubble pipeline schedules (docs/design.md §6.6) split a backward pass into B, the input
+// gradients, and W, the weight gradients, run later. While a deferral is active (Scope, on this
+// thread), linear_backward and the experts' grouped weight GEMMs queue their weight-gradient
+// GEMMs here — with copies of their inputs, which B's buffers do not outlive — and the
+// "gradients final" notices queue behind them; run() is W. Every parameter's gradient still
+// receives its micro-batches' terms in micro-batch order, as without the split.
+class WeightGradDeferral {
+ public:
+  static WeightGradDeferral* active();
+  class Scope {  // makes `d` (null: none) the active deferral until destroyed
+   public:
+    explicit Scope(WeightGradDeferral* d);
+    ~Scope();
+    Scope(const Scope&) = delete;
+    Scope& operator=(const Scope&) = delete;
+
+   private:
+    WeightGradDeferral* prev_;
+  };
+  void push(std::function<void()> op) { ops_.push_back(std::move(op)); }
+  // A copy of n floats that lives until run() has used it.
+  std::shared_ptr<std::vector<float>> keep(const float* p, int64_t n) {
+    return std::make_shared<std::vector<float>>(p, p + n);
+  }
+  void run() {
+    for (auto& op : ops_) op();
+    ops_.clear();
+  }
+  bool empty() const { return ops_.empty(); }
+
+ private:
+  std::vector<std::function<void()>> ops_;
+};
+
+// Shared by the model and its layers; `observer` may change between backward passes (a
+// deferred notice reads it when W runs).
 struct Progress {
   BackwardObserver* observer = nullptr;
   void poll() const {
     if (observer) observer->poll();
   }
   void grads_final(int64_t layer) const {
+    if (WeightGradDeferral* d = WeightGradDeferral::active()) {
+      d->push([this, layer] {
+        if (observer) observer->grads_final(layer);
+      });
+      return;
+    }
     if (observer) observer->grads_final(layer);
   }
 };
@@ -106,11 +149,16 @@ inline void linear_forward(kernels::Backend& be, float* y, const float* x, const
                            int64_t rows, int64_t out, int64_t in, float beta = 0.0f) {
   be.gemm(y, x, W, rows, out, in, false, true, 1.0f, beta);
 }
-// dx (= or +=) dy W;  dW += dy^T x.
+// dx (= or +=) dy W;  dW += dy^T x (deferred to W while a WeightGradDeferral is active).
 inline void linear_backward(kernels::Backend& be, float* dx, float* dW, const float* dy,
                             const float* x, const float* W, int64_t rows, int64_t out, int64_t in,
                             float dx_beta = 0.0f) {
   if (dx) be.gemm(dx, dy, W, rows, in, out, false, false, 1.0f, dx_beta);
+  if (WeightGradDeferral* d = WeightGradDeferral::active()) {
+    auto dyc = d->keep(dy, rows * out), xc = d->keep(x, rows * in);
+    d->push([&be, dW, dyc, xc, rows, out, in] { be.gemm(dW, dyc->data(), xc->data(), out, in, rows, true, false, 1.0f, 1.0f); });
+    return;
+  }
   be.gemm(dW, dy, x, out, in, rows, true, false, 1.0f, 1.0f);
 }
 // Bias: y[r] += b;  db += sum_r dy[r]  (as ones^T dy).

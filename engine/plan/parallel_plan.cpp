@@ -65,6 +65,24 @@ ParallelPlan make_plan(const config::TrainConfig& cfg, int world_size) {
   resolved.gradient_accumulation_steps = plan.batch.accumulation;
 
   const config::ModelConfig& m = cfg.model;
+  const config::ParallelConfig& par = cfg.parallel;
+  if (const std::string why = schedule_refusal(par.pipeline_schedule, plan.degrees.pp, int(plan.batch.accumulation),
+                                               int(par.virtual_stages));
+      !why.empty())
+    config::fail_at(cfg, "parallel.pipeline_schedule",
+                    fmt::format("{}: {}; valid: train_batch_size = micro-batch x gradient_accumulation_steps x data "
+                                "ranks with such an accumulation, or another schedule (gpipe, 1f1b, zb-h1)",
+                                config::to_string(par.pipeline_schedule), why));
+  // Generated and simulated here for the report and the memory check when there is a pipeline
+  // (the executor generates its own); not for absurd micro-batch counts, which later checks refuse.
+  const int64_t ops = int64_t(plan.degrees.pp) * plan.batch.accumulation * par.virtual_stages;
+  if (plan.degrees.pp > 1 && ops <= (int64_t(1) << 20)) {
+    plan.schedule = make_schedule(par.pipeline_schedule, plan.degrees.pp, int(plan.batch.accumulation),
+                                  int(par.virtual_stages));
+    const Simulation sim = simulate(plan.schedule);
+    DS_CHECK(sim.error.empty(), "the {} schedule is invalid: {}", config::to_string(par.pipeline_schedule), sim.error);
+    plan.schedule_stats = sim.stats;
+  }
   plan.stages = assign_stages(m, cfg.parallel);
   // The registry has one entry per tensor: refuse a model whose table would not fit before
   // building it (DeepSeek-V3 has about 47,000 entries).
@@ -79,10 +97,10 @@ ParallelPlan make_plan(const config::TrainConfig& cfg, int world_size) {
   plan.params = build_param_table(m);
   plan.counts = count_params(m, plan.params);
   plan.flops = flops_per_token(m, cfg.seq_length);
-  plan.stage_loads.assign(plan.stages.size(), StageLoad{});
+  plan.stage_loads.assign(size_t(plan.degrees.pp), StageLoad{});
   plan.param_stage.reserve(plan.params.size());
   for (const ParamInfo& p : plan.params) {
-    const int stage = stage_of_layer(plan.stages, p.layer);
+    const int stage = stage_of_layer(plan.stages, p.layer) % plan.degrees.pp;  // the pipeline rank
     plan.param_stage.push_back(stage);
     // Every rank of a stage holds the same amount: measure it at tp = 0, ep = 0, with expert
     // counts divided evenly (E % ep == 0 is validated).

@@ -11,6 +11,7 @@
 #include "engine/plan/memory.h"
 #include "engine/plan/model_math.h"
 #include "engine/plan/param_table.h"
+#include "engine/plan/pipeline_schedule.h"
 #include "engine/plan/rank_grid.h"
 #include "engine/plan/stage_assignment.h"
 
@@ -30,14 +31,39 @@ struct ParallelPlan {
   Degrees degrees;
   RankGrid grid{Degrees{}};
   BatchPlan batch;
-  std::vector<StageRange> stages;
-  std::vector<ParamInfo> params;  // stage of params[i] is param_stage[i]
+  std::vector<StageRange> stages;  // per virtual stage (p·v; v = parallel.virtual_stages)
+  std::vector<ParamInfo> params;   // params[i] is held by pipeline rank param_stage[i]
   std::vector<int> param_stage;
-  std::vector<StageLoad> stage_loads;
+  std::vector<StageLoad> stage_loads;  // per pipeline rank
   ParamCounts counts;
   FlopsPerToken flops;
+  // The pipeline schedule of a step (docs/design.md §6.6): gradient_accumulation_steps
+  // micro-batches over p ranks and v chunks, and its simulation at unit costs (F = B = W). Empty
+  // without pipeline parallelism (and for more than 2^20 ops).
+  PipelineSchedule schedule;
+  ScheduleStats schedule_stats;
+  // Micro-batch chunks pipeline rank `pp` holds activations for at once (the simulated peak; the
+  // whole step's without a simulation).
+  int in_flight(int pp) const {
+    if (size_t(pp) < schedule_stats.peak_in_flight.size()) return schedule_stats.peak_in_flight[size_t(pp)];
+    return degrees.pp > 1 ? int(batch.accumulation) * chunks() : 1;
+  }
 
   int stage_of_rank(int rank) const { return grid.coord(rank).pp; }
+  int chunks() const { return int(config.parallel.virtual_stages); }
+  // The virtual stages pipeline rank `pp` holds, in chunk order: pp, pp + p, …
+  std::vector<int> virtual_stages_of(int pp) const {
+    std::vector<int> out;
+    for (int c = 0; c < chunks(); ++c) out.push_back(c * degrees.pp + pp);
+    return out;
+  }
+  // Decoder layers on pipeline rank `pp`, MTP modules included.
+  int64_t layers_of(int pp) const {
+    int64_t n = 0;
+    for (int s : virtual_stages_of(pp))
+      n += stages[size_t(s)].num_layers() + (stages[size_t(s)].has_head ? config.model.num_nextn_predict_layers : 0);
+    return n;
+  }
   ShardSpec shard(size_t param_index, int rank) const;
   MemoryEstimate memory(int stage, int zero_stage, config::Precision precision) const;
 };

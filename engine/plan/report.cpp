@@ -62,6 +62,7 @@ void groups_section(std::ostringstream& o, const ParallelPlan& p, const ReportOp
 
 void stages_section(std::ostringstream& o, const ParallelPlan& p) {
   o << "stages     (parameters held by each rank of the stage)\n";
+  const int pp = p.degrees.pp;
   for (size_t s = 0; s < p.stages.size(); ++s) {
     const StageRange& r = p.stages[s];
     std::string extra;
@@ -69,11 +70,52 @@ void stages_section(std::ostringstream& o, const ParallelPlan& p) {
     if (r.has_head) extra += p.config.model.num_nextn_predict_layers > 0
                                  ? " + final norm, lm_head, MTP"
                                  : " + final norm, lm_head";
+    if (p.chunks() > 1) {  // virtual stages: the rank's totals follow below
+      o << fmt::format("  stage {:<3} layers {}-{} ({}){}: pipeline rank {}, chunk {}\n", s, r.first_layer,
+                       r.end_layer - 1, r.num_layers(), extra, int(s) % pp, int(s) / pp);
+      continue;
+    }
     const StageLoad& load = p.stage_loads[s];
     o << fmt::format("  stage {:<3} layers {}-{} ({}){}: {} params per rank ({} dense, {} expert)\n",
                      s, r.first_layer, r.end_layer - 1, r.num_layers(), extra,
                      with_commas(load.params()), with_commas(load.dense_params),
                      with_commas(load.expert_params));
+  }
+  if (p.chunks() == 1) return;
+  for (int r = 0; r < pp; ++r) {
+    const StageLoad& load = p.stage_loads[size_t(r)];
+    o << fmt::format("  rank {:<4} {} params per rank ({} dense, {} expert)\n", r, with_commas(load.params()),
+                     with_commas(load.dense_params), with_commas(load.expert_params));
+  }
+}
+
+// The schedule of each pipeline rank, its bubble at unit costs and the activations it keeps.
+void pipeline_section(std::ostringstream& o, const ParallelPlan& p) {
+  if (p.degrees.pp == 1) return;
+  const PipelineSchedule& s = p.schedule;
+  const config::TrainConfig& c = p.config;
+  if (s.ranks.empty()) {
+    o << fmt::format("pipeline   {}: {} micro-batches per step: too many to simulate here\n",
+                     config::to_string(c.parallel.pipeline_schedule), p.batch.accumulation);
+    return;
+  }
+  o << fmt::format("pipeline   {}: {} stages x {} chunk{}, {} micro-batches per step; bubble {:.1f}% of the step at unit "
+                   "costs (F = B = W: a backward is twice a forward)\n",
+                   config::to_string(s.kind), s.stages, s.chunks, s.chunks == 1 ? "" : "s", s.micro,
+                   100.0 * p.schedule_stats.bubble);
+  const std::string text = schedule_text(s);
+  size_t at = 0;
+  const bool sp = c.parallel.sequence_parallel && p.degrees.tp > 1;
+  for (int r = 0; r < s.stages; ++r) {
+    const size_t end = text.find('\n', at);
+    const int peak = p.in_flight(r);
+    const double per = activation_bytes(c.model, p.layers_of(r), p.batch.micro, c.seq_length, p.degrees.tp, sp) /
+                       double(s.chunks);
+    o << text.substr(at, end - at)
+      << fmt::format("\n           up to {} micro-batch{} in flight: activations {}\n", peak,
+                     s.chunks > 1 ? (peak == 1 ? " chunk" : " chunks") : (peak == 1 ? "" : "es"),
+                     human_bytes(per * peak));
+    at = end + 1;
   }
 }
 
@@ -100,14 +142,15 @@ void memory_section(std::ostringstream& o, const ParallelPlan& p) {
   o << fmt::format("memory     per rank, weights + gradients + optimizer state (configured: "
                    "ZeRO-{}, {})\n",
                    zero, config::to_string(prec));
-  for (size_t s = 0; s < p.stages.size(); ++s) {
+  const size_t ranks = p.stage_loads.size();  // per pipeline rank (its chunks together)
+  for (size_t s = 0; s < ranks; ++s) {
     const MemoryEstimate e = p.memory(static_cast<int>(s), zero, prec);
     o << fmt::format("  stage {:<3} weights {}, gradients {}, optimizer {}: total {}\n", s,
                      human_bytes(e.weights), human_bytes(e.gradients), human_bytes(e.optimizer),
                      human_bytes(e.total()));
   }
   int worst = 0;
-  for (size_t s = 1; s < p.stages.size(); ++s)
+  for (size_t s = 1; s < ranks; ++s)
     if (p.memory(static_cast<int>(s), zero, prec).total() > p.memory(worst, zero, prec).total())
       worst = static_cast<int>(s);
   o << fmt::format("  by ZeRO stage and precision (stage {}, the largest):\n", worst);
@@ -126,8 +169,8 @@ void memory_section(std::ostringstream& o, const ParallelPlan& p) {
                    p.degrees.tp > 1 ? fmt::format(" (tensor parallel {}{})", p.degrees.tp,
                                                   sp ? ", sequence parallel" : ", norm and residual regions whole")
                                     : "");
-  for (size_t s = 0; s < p.stages.size(); ++s) {
-    const int64_t layers = p.stages[s].num_layers() + (p.stages[s].has_head ? c.model.num_nextn_predict_layers : 0);
+  for (size_t s = 0; s < ranks; ++s) {
+    const int64_t layers = p.layers_of(int(s));
     const double acts = activation_bytes(c.model, layers, p.batch.micro, c.seq_length, p.degrees.tp, sp);
     o << fmt::format("  stage {:<3} {} (one rank alone: {})\n", s, human_bytes(acts),
                      human_bytes(activation_bytes(c.model, layers, p.batch.micro, c.seq_length)));
@@ -143,6 +186,7 @@ std::string dry_run_report(const ParallelPlan& plan, const ReportOptions& opts) 
   batch_section(o, plan);
   groups_section(o, plan, opts);
   stages_section(o, plan);
+  pipeline_section(o, plan);
   flops_section(o, plan);
   memory_section(o, plan);
   return o.str();

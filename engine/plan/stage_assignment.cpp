@@ -6,7 +6,7 @@ namespace dstrain::plan {
 
 std::vector<StageRange> assign_stages(const config::ModelConfig& m,
                                       const config::ParallelConfig& p) {
-  const int64_t S = p.pipeline, L = m.num_hidden_layers;
+  const int64_t S = p.pipeline * p.virtual_stages, L = m.num_hidden_layers;
   DS_CHECK(S >= 1 && S <= L, "{} stages for {} layers", S, L);
   std::vector<int64_t> counts = p.stage_layers;
   if (counts.empty()) {

@@ -1,5 +1,7 @@
 // Decoder layers -> pipeline stages. Contiguous ranges; the embedding lives on the first
-// stage, the final norm, lm_head and any MTP modules on the last (docs/model.md §10.3).
+// stage, the final norm, lm_head and any MTP modules on the last (docs/model.md §10.3). With v
+// model chunks per pipeline rank (parallel.virtual_stages, the interleaved schedule) there are
+// p·v virtual stages; virtual stage s lives on pipeline rank s mod p (Megatron's interleaving).
 #pragma once
 
 #include <cstdint>
@@ -17,11 +19,12 @@ struct StageRange {
   int64_t num_layers() const { return end_layer - first_layer; }
 };
 
-// `parallel.stage_layers` when given; otherwise uniform, the remainder going to the earliest
-// stages (the last stage already carries the head and the loss).
+// One range per virtual stage: `parallel.stage_layers` when given (p·v counts); otherwise
+// uniform, the remainder going to the earliest stages (the last stage already carries the head
+// and the loss).
 std::vector<StageRange> assign_stages(const config::ModelConfig& m, const config::ParallelConfig& p);
 
-// The stage that holds ParamInfo::layer `layer` (-1: embedding, >= L: MTP or head).
+// The virtual stage that holds ParamInfo::layer `layer` (-1: embedding, >= L: MTP or head).
 int stage_of_layer(const std::vector<StageRange>& stages, int64_t layer);
 
 }  // namespace dstrain::plan

@@ -36,17 +36,26 @@ void dump_grads(const plan::ParallelPlan& plan, const RankGroups& groups, const 
   const config::ModelConfig& m = cfg.model;
   // The whole global batch in one forward per data-parallel rank (its share); no gradient
   // reduction — the local gradients are summed as they are gathered to rank 0 below.
-  const int64_t micro = B / dp;
-  const RankEngine engine = build_rank_engine(plan, groups, EngineOptions{threads, false, micro});
+  // Under pipeline parallelism the schedule runs it, as one micro-batch where the schedule
+  // allows (else the plan's micro-batches: the gradient is their sum).
+  const bool one = plan::schedule_refusal(cfg.parallel.pipeline_schedule, plan.degrees.pp, 1, plan.chunks()).empty();
+  const int64_t micro = one ? B / dp : plan.batch.micro, micros = one ? 1 : plan.batch.accumulation;
+  const RankEngine engine = build_rank_engine(plan, groups, EngineOptions{threads, false, micro, true, micros});
   model::ParamStore& params = *engine.params;
   Checkpointer checkpoints(plan, groups.world());  // checkpoint.resume: the model to dump
   checkpoints.resume(params, nullptr);
-  model::DeepSeekModel& net = *engine.model;
   const std::vector<int32_t> tokens = first_batch_tokens(cfg, B);
   const plan::Coord& me = groups.coord();
-  const int32_t* mine = tokens.data() + data::TokenDataset::position(0, B, me.dp, dp, 0, micro) * (S + 1);
-  const model::Losses local = net.forward(mine, {double(B * S), double(B)});
-  net.backward();
+  const model::Losses local =
+      engine.pipeline
+          ->run(
+              [&](int64_t m, int32_t* out) {
+                const int32_t* mine =
+                    tokens.data() + data::TokenDataset::position(0, B, me.dp, dp, m, micro) * (S + 1);
+                std::copy(mine, mine + micro * (S + 1), out);
+              },
+              {double(B * S), double(B)}, nullptr, {})
+          .loss;
 
   const auto world = groups.world().communicator("dump", {cfg.parallel.comm_timeout_s});
   const int rank = world->rank();

@@ -46,10 +46,10 @@ const comm::ProcessGroup& RankGroups::group(plan::Axis axis) const {
 
 void check_layout_trainable(const plan::ParallelPlan& plan) {
   const plan::Degrees& d = plan.degrees;
-  if (d.pp != 1 || d.ep != 1)
-    throw ConfigError(fmt::format("this build trains with tensor and data parallelism; the layout has pipeline {}, "
-                                  "expert {} (those runtimes are the next issues)",
-                                  d.pp, d.ep));
+  if (d.ep != 1)
+    throw ConfigError(fmt::format("this build trains with data, tensor and pipeline parallelism; the layout has "
+                                  "expert {} (expert parallelism is the next issue)",
+                                  d.ep));
   // Accepted by the config (and planned by --dry-run) but not implemented yet: refused rather
   // than silently ignored.
   const config::TrainConfig& c = plan.config;
@@ -69,10 +69,12 @@ void check_memory_fits(const plan::ParallelPlan& plan, const RankGroups& groups,
   const int stage = groups.coord().pp;
   const plan::MemoryEstimate state =
       plan.memory(stage, gradients ? int(c.zero_optimization.stage) : 0, c.precision());
-  const plan::StageRange& s = plan.stages.at(size_t(stage));
-  const int64_t layers = s.num_layers() + (s.has_head ? c.model.num_nextn_predict_layers : 0);
+  // A pipeline rank keeps the activations of every micro-batch chunk in flight (the schedule's peak).
+  const int64_t layers = plan.layers_of(stage);
+  const int in_flight = plan.in_flight(stage);
   const double acts = plan::activation_bytes(c.model, layers, micro_batch, c.seq_length, plan.degrees.tp,
-                                             c.parallel.sequence_parallel && plan.degrees.tp > 1);
+                                             c.parallel.sequence_parallel && plan.degrees.tp > 1) *
+                      in_flight / double(plan.chunks());
   const double weights_only = state.weights;
   const double need = (gradients ? state.total() : weights_only) + acts;
   const double available = double(host_memory_available());
@@ -128,8 +130,10 @@ RankEngine build_rank_engine(const plan::ParallelPlan& plan, const RankGroups& g
   const int64_t micro = options.micro_batch > 0 ? options.micro_batch : plan.batch.micro;
   e.collectives = parallel::make_tp_collectives(*e.tp, micro * cfg.seq_length * m.hidden_size);
   if (!options.model) return e;
-  e.model = std::make_unique<model::DeepSeekModel>(m, *e.backend, *e.collectives, *e.params, micro, cfg.seq_length,
-                                                   cfg.parallel.sequence_parallel);
+  e.pipeline = std::make_unique<PipelineRunner>(plan, groups, *e.backend, *e.collectives, *e.params, micro,
+                                                options.micro_batches > 0 ? options.micro_batches
+                                                                          : plan.batch.accumulation);
+  e.model = &e.pipeline->model();
   return e;
 }
 

@@ -16,6 +16,7 @@
 #include "engine/parallel/grad_sync.h"
 #include "engine/parallel/zero/zero_sharding.h"
 #include "engine/plan/parallel_plan.h"
+#include "engine/runtime/pipeline_runner.h"
 
 namespace dstrain::runtime {
 
@@ -63,6 +64,7 @@ struct EngineOptions {
   bool gradients = true;    // build the ZeRO partitions and the gradient reduction (training)
   int64_t micro_batch = 0;  // sequences per forward; 0: the plan's micro-batch
   bool model = true;        // build the model (its activations); false: parameters only
+  int64_t micro_batches = 0;  // micro-batches per step of the pipeline schedule; 0: the plan's
 };
 
 struct RankEngine {
@@ -70,7 +72,11 @@ struct RankEngine {
   std::unique_ptr<model::ParamStore> params;  // initialised from the seed
   std::unique_ptr<comm::Communicator> tp;  // the tensor-parallel group (on every build, after dp and edp)
   std::unique_ptr<model::Collectives> collectives;  // over `tp`
-  std::unique_ptr<model::DeepSeekModel> model;  // null when EngineOptions::model is false
+  // This rank's chunks of the model and the executor of the schedule; null when
+  // EngineOptions::model is false. `model`: its first instance (the whole model without
+  // pipeline parallelism).
+  std::unique_ptr<PipelineRunner> pipeline;
+  model::DeepSeekModel* model = nullptr;
   // The gradient groups: dense parameters reduce over dp, routed experts over edp.
   std::unique_ptr<comm::Communicator> dp, edp;
   std::unique_ptr<parallel::ZeroSharding> zero;

@@ -1,5 +1,6 @@
 #include "engine/runtime/trainer.h"
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdlib>
@@ -78,7 +79,10 @@ Trainer::Trainer(const plan::ParallelPlan& plan, RankGroups groups, int threads)
     adam_ = std::make_unique<AdamW>(cfg_.optimizer, params, *engine_.backend, zero.shard(false), zero.shard(true));
   else
     adam_ = std::make_unique<AdamW>(cfg_.optimizer, params, *engine_.backend);
-  tokens_.resize(plan_.batch.micro * (cfg_.seq_length + 1));
+  if (plan_.degrees.pp > 1)
+    pp_ = groups_.group(plan::Axis::kPipeline).communicator("pp", {cfg_.parallel.comm_timeout_s});
+  for (int64_t i = 0; i < cfg_.model.num_hidden_layers + cfg_.model.num_nextn_predict_layers; ++i)
+    if (cfg_.model.is_moe_layer(i)) moe_ids_.push_back(i);
   // Measured on every rank at once (they compete for the host's memory bandwidth and turbo):
   // the best rank's figure is the least disturbed one.
   peak_flops_ = cfg_.monitor.peak_tflops > 0
@@ -126,64 +130,103 @@ double Trainer::measure_peak_flops() {
 // pass), losses and expert loads.
 // Tensor parallelism: the losses come out complete on every tensor-parallel rank, the expert
 // loads per rank (each routes its part of the tokens), summed over the group here.
+// Pipeline parallelism: each stage has the losses and loads of its own layers (CE and MTP on
+// the last): summed over the pipeline group, every rank has the whole model's.
 void Trainer::reduce_losses(StepResult& r) {
-  if (engine_.tp->size() > 1) {
-    std::vector<int64_t> loads;
-    for (const auto& l : r.expert_loads) loads.insert(loads.end(), l.begin(), l.end());
-    if (!loads.empty()) engine_.tp->all_reduce(loads.data(), int64_t(loads.size()), comm::ReduceOp::kSum)->wait();
-    size_t at = 0;
-    for (auto& l : r.expert_loads)
-      for (auto& x : l) x = loads[at++];
+  std::vector<int64_t> loads;
+  for (const auto& l : r.expert_loads) loads.insert(loads.end(), l.begin(), l.end());
+  if (!loads.empty()) {
+    if (engine_.tp->size() > 1) engine_.tp->all_reduce(loads.data(), int64_t(loads.size()), comm::ReduceOp::kSum)->wait();
+    if (pp_) pp_->all_reduce(loads.data(), int64_t(loads.size()), comm::ReduceOp::kSum)->wait();
+  }
+  size_t at = 0;
+  for (auto& l : r.expert_loads)
+    for (auto& x : l) x = loads[at++];
+  if (pp_) {
+    double sums[3] = {r.loss.ce, r.loss.aux, r.loss.mtp};
+    pp_->all_reduce(sums, 3, comm::ReduceOp::kSum)->wait();
+    r.loss.ce = sums[0], r.loss.aux = sums[1], r.loss.mtp = sums[2];
   }
   if (dp_size_ == 1) return;
   std::vector<double> scalars = {r.loss.ce, r.loss.aux, r.loss.mtp};
   for (const auto& l : r.expert_loads) scalars.insert(scalars.end(), l.begin(), l.end());
   engine_.dp->all_reduce(scalars.data(), int64_t(scalars.size()), comm::ReduceOp::kSum)->wait();
   r.loss.ce = scalars[0], r.loss.aux = scalars[1], r.loss.mtp = scalars[2];
-  size_t at = 3;
+  at = 3;
   for (auto& l : r.expert_loads)
     for (auto& x : l) x = int64_t(std::llround(scalars[at++]));
+}
+
+// The expert loads of this step per MoE layer of the whole model (moe_ids_ order), this rank's
+// layers filled in, summed over the instances of the pipeline runner.
+std::vector<std::vector<int64_t>> Trainer::local_expert_loads() {
+  std::vector<std::vector<int64_t>> out(moe_ids_.size(), std::vector<int64_t>(size_t(cfg_.model.num_routed()), 0));
+  for (const auto& [id, loads] : engine_.pipeline->expert_loads()) {
+    const size_t i = size_t(std::find(moe_ids_.begin(), moe_ids_.end(), id) - moe_ids_.begin());
+    DS_CHECK(i < moe_ids_.size(), "MoE layer {} unknown", id);
+    for (size_t e = 0; e < loads.size() && e < out[i].size(); ++e) out[i][e] += loads[e];
+  }
+  return out;
+}
+
+// The measured bubble of the step, 1 - busy / span of the busiest pipeline rank (as the simulator
+// defines it), and the simulator's prediction for the same schedule with the op costs measured
+// in this step (each rank's mean F, B and W; communication taken as free).
+void Trainer::pipeline_bubble(StepResult& r, const PipelineStepResult& p) {
+  // Per rank: busy, span, F time, B time, W time, and their counts.
+  std::vector<double> mine(size_t(8 * plan_.degrees.pp), 0.0);
+  const size_t at = size_t(8 * groups_.coord().pp);
+  const double got[8] = {p.busy_s, p.span_s, p.forward_s, p.backward_s, p.weight_s, double(p.forwards),
+                         double(p.backwards), double(p.weights)};
+  std::copy(got, got + 8, mine.begin() + ptrdiff_t(at));
+  pp_->all_reduce(mine.data(), int64_t(mine.size()), comm::ReduceOp::kSum)->wait();
+  double busy = 0, span = 0, f = 0, b = 0, w = 0, nf = 0, nb = 0, nw = 0;
+  for (int q = 0; q < plan_.degrees.pp; ++q) {
+    const double* x = mine.data() + 8 * q;
+    busy = std::max(busy, x[0]), span = std::max(span, x[1]);
+    f += x[2], b += x[3], w += x[4], nf += x[5], nb += x[6], nw += x[7];
+  }
+  r.pp_bubble = span > 0 ? 1.0 - busy / span : 0.0;
+  plan::OpCosts costs;
+  costs.forward = nf > 0 ? f / nf : 1.0;
+  costs.backward_input = nb > 0 ? b / nb : 1.0;
+  costs.backward_weight = nw > 0 ? w / nw : 0.0;
+  if (nw == 0) costs.backward_input /= 2, costs.backward_weight = costs.backward_input;  // B = BI + W
+  r.pp_simulated_bubble = plan::simulate(engine_.pipeline->schedule(), costs).stats.bubble;
 }
 
 StepResult Trainer::compute_gradients(int64_t step) {
   StepResult r;
   const plan::BatchPlan& b = plan_.batch;
   const model::LossScale scale{double(b.global * cfg_.seq_length), double(b.global)};
-  model::DeepSeekModel& model = *engine_.model;
+  PipelineRunner& runner = *engine_.pipeline;
   parallel::GradSync* sync = engine_.grad_sync.get();
   if (sync && step + 1 == skip_sync_step_ && dp_rank_ == dp_size_ - 1) sync = nullptr;  // injected fault
   engine_.params->zero_grads();
-  auto moes = model.moe_layers();
-  for (auto* moe : moes) std::fill(moe->stats().loads.begin(), moe->stats().loads.end(), 0);
+  for (auto* moe : runner.all_moe_layers()) std::fill(moe->stats().loads.begin(), moe->stats().loads.end(), 0);
   const double tp_comm0 = engine_.collectives->seconds();
-  for (int64_t m = 0; m < b.accumulation; ++m) {
-    const int64_t first = data::TokenDataset::position(step, b.global, dp_rank_, dp_size_, m, b.micro);
-    dataset_->train_batch(tokens_.data(), first, b.micro);
-    auto t0 = Clock::now();
-    const model::Losses l = model.forward(tokens_.data(), scale);
-    r.forward_s += seconds_since(t0);
-    const bool last = m + 1 == b.accumulation;
-    if (last && sync) {  // the gradients become final in this backward pass
-      sync->begin();
-      model.set_backward_observer(sync);
-    }
-    t0 = Clock::now();
-    model.backward();
-    r.backward_s += seconds_since(t0);
-    model.set_backward_observer(nullptr);
-    r.loss.ce += l.ce, r.loss.aux += l.aux, r.loss.mtp += l.mtp;
-  }
-  if (sync) r.comm_wait_s = sync->finish();
+  if (sync) sync->begin();
+  const PipelineStepResult p = runner.run(
+      [&](int64_t m, int32_t* tokens) {
+        dataset_->train_batch(tokens, data::TokenDataset::position(step, b.global, dp_rank_, dp_size_, m, b.micro),
+                              b.micro);
+      },
+      scale, sync, [&] { return sync ? sync->finish() : 0.0; });
+  r.loss = p.loss;
+  r.forward_s = p.forward_s, r.backward_s = p.backward_s + p.weight_s, r.comm_wait_s = p.comm_wait_s;
+  r.pp_wait_s = p.wait_s, r.pp_busy_s = p.busy_s, r.pp_span_s = p.span_s;
   r.tp_comm_s = engine_.collectives->seconds() - tp_comm0;
-  for (auto* moe : moes) r.expert_loads.push_back(moe->stats().loads);
+  r.expert_loads = local_expert_loads();
   reduce_losses(r);
+  if (pp_ && cfg_.wall_clock_breakdown) pipeline_bubble(r, p);
   return r;
 }
 
 // The norm of the whole reduced gradient. The ranks of each gradient group share out the work:
 // each adds the squares of its partition of the buffer (at ZeRO-2 the only part it holds
 // reduced), and the sum over all ranks counts every gradient once — the parameters every
-// tensor-parallel rank holds whole counted on tensor-parallel rank 0 only.
+// tensor-parallel rank holds whole counted on tensor-parallel rank 0 only; each pipeline stage
+// holds its own parameters (the last stage's embedding mirror is not among them).
 double Trainer::global_grad_norm() {
   const parallel::ZeroSharding& z = *engine_.zero;
   const double sq = gradient_square_sum(*engine_.params, z.owned(false), z.owned(true), groups_.coord().tp == 0);
@@ -240,11 +283,12 @@ StepResult Trainer::train_step(int64_t step) {
   adam_->step(r.lr, step + 1, clip_factor(r.grad_norm, cfg_.gradient_clipping));  // clipping fused
   engine_.zero->gather_buffers(engine_.params->dense_params().data(), engine_.params->expert_params().data(),
                                cfg_.zero_optimization.allgather_bucket_size);
-  const auto moes = engine_.model->moe_layers();
-  for (size_t i = 0; i < moes.size(); ++i)
-    if (moes[i]->router_bias() && cfg_.model.bias_update_speed > 0)
-      model::update_router_bias(moes[i]->router_bias(), r.expert_loads[i].data(),
-                                int64_t(r.expert_loads[i].size()), float(cfg_.model.bias_update_speed));
+  for (const auto& [id, moe] : engine_.pipeline->moe_layers_by_id()) {  // this rank's MoE layers
+    const size_t i = size_t(std::find(moe_ids_.begin(), moe_ids_.end(), id) - moe_ids_.begin());
+    if (moe->router_bias() && cfg_.model.bias_update_speed > 0)
+      model::update_router_bias(moe->router_bias(), r.expert_loads.at(i).data(), int64_t(r.expert_loads[i].size()),
+                                float(cfg_.model.bias_update_speed));
+  }
   r.optimizer_s = seconds_since(t0);
   return r;
 }
@@ -255,21 +299,24 @@ double Trainer::validate() {
   const model::LossScale scale{double(iters * b.global * cfg_.seq_length), double(iters * b.global)};
   double ce = 0;
   for (int64_t i = 0; i < iters; ++i)
-    for (int64_t m = 0; m < b.accumulation; ++m) {
-      dataset_->validation_batch(tokens_.data(),
-                                 data::TokenDataset::position(i, b.global, dp_rank_, dp_size_, m, b.micro), b.micro);
-      ce += engine_.model->forward(tokens_.data(), scale).ce;
-    }
+    ce += engine_.pipeline
+              ->forward_only(b.accumulation,
+                             [&](int64_t m, int32_t* tokens) {
+                               dataset_->validation_batch(
+                                   tokens, data::TokenDataset::position(i, b.global, dp_rank_, dp_size_, m, b.micro),
+                                   b.micro);
+                             },
+                             scale)
+              .ce;
+  if (pp_) ce = comm::all_reduce_value(*pp_, ce, comm::ReduceOp::kSum);
   ce = comm::all_reduce_value(*engine_.dp, ce, comm::ReduceOp::kSum);
-  for (auto* moe : engine_.model->moe_layers()) std::fill(moe->stats().loads.begin(), moe->stats().loads.end(), 0);
+  for (auto* moe : engine_.pipeline->all_moe_layers())
+    std::fill(moe->stats().loads.begin(), moe->stats().loads.end(), 0);
   return ce;
 }
 
 void Trainer::log_expert_stats(int64_t step, const StepResult& r) {
-  std::vector<int64_t> layer_ids;  // decoder-layer index of each MoE layer (MTP ones last)
-  const config::ModelConfig& m = cfg_.model;
-  for (int64_t i = 0; i < m.num_hidden_layers + m.num_nextn_predict_layers; ++i)
-    if (m.is_moe_layer(i)) layer_ids.push_back(i);
+  const std::vector<int64_t>& layer_ids = moe_ids_;  // decoder-layer index of each MoE layer (MTP ones last)
   Scalars s;  // also to the metrics file and TensorBoard: experts/layer_L/{min,max,mean,cv,max_over_mean}
   for (size_t i = 0; i < r.expert_loads.size(); ++i) {
     const auto& loads = r.expert_loads[i];
@@ -309,6 +356,9 @@ void Trainer::log_step(int64_t step, const StepResult& r, double window_s, int64
     line += fmt::format(" | fwd {:.0f} ms bwd {:.0f} ms comm wait {:.1f} ms opt {:.0f} ms", r.forward_s * 1e3,
                         r.backward_s * 1e3, r.comm_wait_s * 1e3, r.optimizer_s * 1e3);
     if (plan_.degrees.tp > 1) line += fmt::format(" tp comm {:.1f} ms", r.tp_comm_s * 1e3);
+    if (plan_.degrees.pp > 1)
+      line += fmt::format(" pp wait {:.0f} ms bubble {:.1f}% (simulated {:.1f}%)", r.pp_wait_s * 1e3,
+                          100.0 * r.pp_bubble, 100.0 * r.pp_simulated_bubble);
   }
   spdlog::info("{}", line);
   Scalars s = {{"loss", r.loss.ce}, {"lr", r.lr}, {"grad_norm", r.grad_norm}, {"tokens_per_sec", tps},
@@ -319,6 +369,10 @@ void Trainer::log_step(int64_t step, const StepResult& r, double window_s, int64
     for (const auto& kv : Scalars{{"forward_ms", r.forward_s * 1e3}, {"backward_ms", r.backward_s * 1e3},
                                   {"comm_wait_ms", r.comm_wait_s * 1e3}, {"optimizer_ms", r.optimizer_s * 1e3},
                                   {"tp_comm_ms", r.tp_comm_s * 1e3}})
+      s.push_back(kv);
+  if (cfg_.wall_clock_breakdown && plan_.degrees.pp > 1)
+    for (const auto& kv : Scalars{{"pp_wait_ms", r.pp_wait_s * 1e3}, {"pp_bubble", r.pp_bubble},
+                                  {"pp_simulated_bubble", r.pp_simulated_bubble}})
       s.push_back(kv);
   metrics_.write(step + 1, s);
   tensorboard_.write(step + 1, s);
@@ -358,17 +412,25 @@ TrainSummary Trainer::run() {
                            : "");
     const model::DeepSeekModel& net = *engine_.model;
     const bool sp = cfg_.parallel.sequence_parallel && deg.tp > 1;
-    spdlog::info("activations per rank: {} kept for backward per micro-batch of {} x {} tokens, of which the norm "
-                 "and residual regions {}{}; workspace {}",
-                 human_bytes(double(net.saved_activation_bytes())), plan_.batch.micro, cfg_.seq_length,
+    spdlog::info("activations per rank: {} kept for backward per micro-batch of {} x {} tokens{}, of which the norm "
+                 "and residual regions {}{}; workspace {}{}",
+                 human_bytes(double(engine_.pipeline->saved_activation_bytes_per_micro())), plan_.batch.micro,
+                 cfg_.seq_length, plan_.chunks() > 1 ? " (its chunks together)" : "",
                  human_bytes(double(net.residual_region_bytes())),
                  deg.tp == 1 ? "" : sp ? fmt::format(" (1/{}: sequence parallel)", deg.tp) : " (whole on every tensor-parallel rank)",
-                 human_bytes(double(net.workspace_bytes())));
+                 human_bytes(double(net.workspace_bytes())),
+                 deg.pp > 1 ? fmt::format("; {} schedule, up to {} micro-batch{} in flight on rank 0",
+                                          config::to_string(cfg_.parallel.pipeline_schedule),
+                                          plan_.in_flight(0), plan_.chunks() > 1 ? " chunks" : "es")
+                            : "");
     std::string layout;
+    if (deg.pp > 1) layout += fmt::format(" x {} pipeline stages", deg.pp);
     if (deg.tp > 1) layout += fmt::format(" x {} tensor-parallel", deg.tp);
     if (dp_size_ > 1) layout += fmt::format(" x {} data-parallel", dp_size_);
-    spdlog::info("model {} parameters on {}{}{}; MFU against {:.3f} TFLOP/s per rank ({})",
-                 with_commas(params.num_params()), engine_.backend->name(), layout, deg.world() > 1 ? " ranks" : "",
+    spdlog::info("model {} parameters{} on {}{}{}; MFU against {:.3f} TFLOP/s per rank ({})",
+                 with_commas(plan_.counts.total + plan_.counts.mtp_total),
+                 deg.world() > 1 ? fmt::format(" ({} on rank 0)", with_commas(params.num_params())) : "",
+                 engine_.backend->name(), layout, deg.world() > 1 ? " ranks" : "",
                  peak_flops_ / 1e12, cfg_.monitor.peak_tflops > 0 ? "monitor.peak_tflops" : "measured fp32 GEMM peak");
   }
   if (cfg_.scheduler && cfg_.scheduler->params.warmup_num_steps > cfg_.train_steps && rank_ == 0)
@@ -393,6 +455,11 @@ TrainSummary Trainer::run() {
   for (int64_t step = start_step_; step < cfg_.train_steps; ++step) {
     last = train_step(step);
     ++window_steps;
+    if (step == start_step_ && rank_ == 0 && plan_.degrees.pp > 1)
+      spdlog::info("pipeline: rank 0 built {} model instance{} for the micro-batches it holds at once (the "
+                   "schedule's peak in flight: {}); activations {}",
+                   engine_.pipeline->instances(), engine_.pipeline->instances() == 1 ? "" : "s", plan_.in_flight(0),
+                   human_bytes(double(engine_.pipeline->saved_activation_bytes_held())));
     if (!last.diverged.empty()) {
       // The state after `step` steps is finite and untouched: keep it, unless it is saved already.
       std::string kept = saved_step_ >= 0 ? fmt::format("the last finite state is {} (step {})", saved_path_, saved_step_)

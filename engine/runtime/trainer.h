@@ -35,6 +35,10 @@ struct StepResult {
   double forward_s = 0, backward_s = 0, optimizer_s = 0;
   double comm_wait_s = 0;  // waiting for the gradient reduction after the backward pass
   double tp_comm_s = 0;    // inside the tensor-parallel collectives (forward and backward)
+  // Pipeline: waiting for activations and gradients; this rank's compute; the step's span to the
+  // end of its last compute op (the measured bubble is 1 - busy / span on the busiest rank).
+  double pp_wait_s = 0, pp_busy_s = 0, pp_span_s = 0;
+  double pp_bubble = 0, pp_simulated_bubble = 0;  // with wall_clock_breakdown
   std::vector<std::vector<int64_t>> expert_loads;  // per MoE layer, this step
   // Set when the loss or the gradient norm is not finite: what went wrong. The weights, the
   // optimizer state and the router biases were then left as they were before the step.
@@ -80,6 +84,8 @@ class Trainer {
   double measure_peak_flops();
   std::string divergence(int64_t step, const StepResult& r);
   void reduce_losses(StepResult& r);
+  std::vector<std::vector<int64_t>> local_expert_loads();
+  void pipeline_bubble(StepResult& r, const PipelineStepResult& p);
   double global_grad_norm();
   void log_step(int64_t step, const StepResult& r, double window_s, int64_t window_steps,
                 double elapsed_s, const std::optional<double>& val);
@@ -96,7 +102,8 @@ class Trainer {
   LrSchedule schedule_;
   MetricsFile metrics_;
   TensorBoardWriter tensorboard_;
-  std::vector<int32_t> tokens_;
+  std::unique_ptr<comm::Communicator> pp_;  // the pipeline group (null without pipeline parallelism)
+  std::vector<int64_t> moe_ids_;  // the layer number of every MoE layer of the model, in order
   double peak_flops_ = 0;
   int rank_ = 0;      // world rank
   int dp_rank_ = 0;   // data-parallel coordinate: which slice of every global batch

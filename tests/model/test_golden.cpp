@@ -75,6 +75,76 @@ TEST_P(Golden, LogitsLossesAndEveryGradientMatchHuggingFace) {
   EXPECT_EQ(compared, int(f.list("grads").size())) << "gradients in the golden file not compared";
 }
 
+
+// The same batch through two pipeline stages in one process (layer 0 and the embedding on the
+// first; layer 1, the head and the MTP module — with its mirror of the embedding — on the last):
+// the first stage's output is the last stage's input, the last stage's input gradient the first
+// stage's output gradient, the mirror's gradient added to the embedding's, as the pipeline
+// runtime does. Run twice: with whole backward passes, and with the weight gradients deferred
+// and run afterwards (zero-bubble's B / W split). Losses and every gradient match Hugging Face.
+TEST_P(Golden, TwoPipelineStagesMatchHuggingFace) {
+  const std::string path = "tests/golden/" + GetParam() + ".h5";
+  io::H5File f(path, io::H5File::Mode::kRead);
+  config::TrainConfig cfg = config::load_config_text(f.attr_string("dstrain_config"), path);
+  cfg.parallel.pipeline = 2;
+  const plan::ParallelPlan plan = plan::make_plan(cfg, 2);
+  const config::ModelConfig& m = cfg.model;
+  ASSERT_EQ(plan.stages.size(), 2u);
+  const std::vector<int32_t> tokens = f.read_ints("tokens");
+  const int64_t B = f.shape("tokens")[0], S = f.shape("tokens")[1] - 1;
+  auto be = kernels::make_cpu_backend(2);
+  model::LocalCollectives coll;
+  for (const bool split : {false, true}) {
+    std::vector<std::unique_ptr<model::ParamStore>> stores;
+    for (int s = 0; s < 2; ++s) {
+      stores.push_back(std::make_unique<model::ParamStore>(plan.params, plan.param_stage, m.num_routed(),
+                                                           model::ShardCoords{s}));
+      for (const std::string& name : stores.back()->names())
+        stores.back()->load_full(name, f.read_floats("weights/" + name).data());
+    }
+    const std::string embed = "model.embed_tokens.weight";
+    const int64_t n_embed = stores[0]->view(embed).numel;
+    std::vector<float> mirror_w(stores[0]->param(embed), stores[0]->param(embed) + n_embed), mirror_g(n_embed, 0.0f);
+    std::vector<std::unique_ptr<model::DeepSeekModel>> stage;
+    for (int s = 0; s < 2; ++s) {
+      const plan::StageRange& r = plan.stages[size_t(s)];
+      model::StageSpec spec{r.first_layer, r.end_layer, r.has_embedding, r.has_head, nullptr, nullptr};
+      if (r.has_head && !r.has_embedding) spec.embed_w = mirror_w.data(), spec.embed_g = mirror_g.data();
+      stage.push_back(std::make_unique<model::DeepSeekModel>(m, *be, coll, *stores[size_t(s)], B, S, false, spec));
+    }
+    const model::LossScale scale{double(B * S), double(B)};
+    const model::Losses first = stage[0]->forward_stage(tokens.data(), nullptr, scale);
+    const model::Losses last = stage[1]->forward_stage(tokens.data(), stage[0]->output(), scale);
+    model::WeightGradDeferral deferred[2];
+    {
+      const model::WeightGradDeferral::Scope d(split ? &deferred[1] : nullptr);
+      stage[1]->backward_stage(nullptr);
+    }
+    {
+      const model::WeightGradDeferral::Scope d(split ? &deferred[0] : nullptr);
+      stage[0]->backward_stage(stage[1]->input_grad());
+    }
+    EXPECT_EQ(split, !deferred[0].empty() && !deferred[1].empty());
+    for (auto& d : deferred) d.run();
+    be->add(stores[0]->grad(embed), mirror_g.data(), n_embed);
+
+    EXPECT_EQ(first.ce, 0.0);
+    EXPECT_NEAR(last.ce, f.attr_double("ce_loss"), kTolerance * f.attr_double("ce_loss"));
+    EXPECT_NEAR(first.aux + last.aux, f.attr_double("aux_loss"), kTolerance * std::max(1e-3, f.attr_double("aux_loss")));
+    EXPECT_NEAR(last.mtp, f.attr_double("mtp_loss"), kTolerance * std::max(1e-3, f.attr_double("mtp_loss")));
+    int compared = 0;
+    for (const auto& store : stores)
+      for (const std::string& name : store->names()) {
+        if (store->view(name).buffer) continue;
+        const Worst w = compare(store->grad(name), f.read_floats("grads/" + name));
+        EXPECT_LE(w.rel, kTolerance) << (split ? "B/W split: " : "") << "grad " << name << ": worst element "
+                                     << w.index << ": " << w.got << " vs " << w.want;
+        ++compared;
+      }
+    EXPECT_EQ(compared, int(f.list("grads").size())) << "gradients in the golden file not compared";
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Variants, Golden, ::testing::Values("tiny_v3", "tiny_v2", "tiny_v3_yarn"));
 
 }  // namespace
