@@ -204,6 +204,13 @@ DeepSeekModel::DeepSeekModel(const config::ModelConfig& cfg, kernels::Backend& b
 
 DeepSeekModel::~DeepSeekModel() = default;
 
+void DeepSeekModel::mark_workspace_volatile(WeightGradDeferral& d) const {
+  d.add_volatile(scratch_.data(), scratch_.capacity());
+  for (const std::vector<float>* v : {&dz_, &dh_, &tmp1_, &tmp2_, &full_}) d.add_volatile(v->data(), int64_t(v->size()));
+  // An MTP module's gradient buffer is its decoder layer's running output gradient.
+  for (const auto& m : mtp_) d.add_volatile(m->dh.data(), int64_t(m->dh.size()));
+}
+
 std::vector<int64_t> DeepSeekModel::moe_layer_ids() const {
   std::vector<int64_t> out;
   for (int64_t i = first_; i < end_; ++i)

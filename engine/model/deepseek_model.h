@@ -88,6 +88,9 @@ class DeepSeekModel {
   // dL/dh_in in input_grad() (not on the first stage).
   void backward_stage(const float* dh_out);
   const float* input_grad() const { return dh_.data(); }
+  // Registers the buffers a backward pass overwrites as it goes (its workspace) with a deferral,
+  // so that the weight-gradient GEMMs it queues copy what they read from them.
+  void mark_workspace_volatile(WeightGradDeferral& d) const;
   bool first_stage() const { return has_embed_; }
   bool last_stage() const { return has_head_; }
   // Accumulates this micro-batch's gradients into the parameter store, telling `observer` (if

@@ -211,8 +211,8 @@ void run_weight_grads(kernels::Backend& be, Group g, const float* dy, int64_t a_
     return;
   }
   auto dyc = d->keep(dy, a_len), xc = d->keep(x, b_len);
-  for (auto& a : g.A) a = dyc->data() + (a - dy);
-  for (auto& b : g.B) b = xc->data() + (b - x);
+  for (auto& a : g.A) a = dyc.data + (a - dy);
+  for (auto& b : g.B) b = xc.data + (b - x);
   d->push([&be, g = std::move(g), dyc, xc]() mutable {
     be.gemm_grouped(g.C.data(), g.A.data(), g.B.data(), g.M.data(), g.N.data(), g.K.data(), int64_t(g.C.size()),
                     true, false, 1.0f, 1.0f);

@@ -29,6 +29,7 @@ class Scratch {
     return p;
   }
   int64_t capacity() const { return int64_t(buf_.size()); }
+  const float* data() const { return buf_.data(); }
 
  private:
   std::vector<float> buf_;
@@ -49,9 +50,11 @@ class BackwardObserver {
 // Zero-bubble pipeline schedules (docs/design.md §6.6) split a backward pass into B, the input
 // gradients, and W, the weight gradients, run later. While a deferral is active (Scope, on this
 // thread), linear_backward and the experts' grouped weight GEMMs queue their weight-gradient
-// GEMMs here — with copies of their inputs, which B's buffers do not outlive — and the
-// "gradients final" notices queue behind them; run() is W. Every parameter's gradient still
-// receives its micro-batches' terms in micro-batch order, as without the split.
+// GEMMs here, and the "gradients final" notices queue behind them; run() is W. Every
+// parameter's gradient still receives its micro-batches' terms in micro-batch order, as without
+// the split. A GEMM input inside one of the volatile ranges (the model instance's workspace,
+// which later kernels of B overwrite) is copied; any other input is a saved activation of the
+// instance, which stays as it is until the instance is released after W, and is read in place.
 class WeightGradDeferral {
  public:
   static WeightGradDeferral* active();
@@ -66,10 +69,27 @@ class WeightGradDeferral {
     WeightGradDeferral* prev_;
   };
   void push(std::function<void()> op) { ops_.push_back(std::move(op)); }
-  // A copy of n floats that lives until run() has used it.
-  std::shared_ptr<std::vector<float>> keep(const float* p, int64_t n) {
-    return std::make_shared<std::vector<float>>(p, p + n);
+  // [begin, end) ranges of floats that B overwrites after it has queued a GEMM reading them.
+  void add_volatile(const float* begin, int64_t n) {
+    if (n > 0) volatile_.push_back({begin, begin + n});
   }
+  // n floats at p as W will read them: p itself, or a copy (kept alive with the queued GEMM)
+  // when they lie in a volatile range.
+  struct Kept {
+    std::shared_ptr<std::vector<float>> copy;
+    const float* data = nullptr;
+  };
+  Kept keep(const float* p, int64_t n) {
+    for (const auto& [b, e] : volatile_)
+      if (p < e && p + n > b) {
+        Kept k{std::make_shared<std::vector<float>>(p, p + n), nullptr};
+        k.data = k.copy->data();
+        copied_ += n;
+        return k;
+      }
+    return {nullptr, p};
+  }
+  int64_t copied_floats() const { return copied_; }
   void run() {
     for (auto& op : ops_) op();
     ops_.clear();
@@ -78,6 +98,8 @@ class WeightGradDeferral {
 
  private:
   std::vector<std::function<void()>> ops_;
+  std::vector<std::pair<const float*, const float*>> volatile_;
+  int64_t copied_ = 0;
 };
 
 // Shared by the model and its layers; `observer` may change between backward passes (a
@@ -156,7 +178,7 @@ inline void linear_backward(kernels::Backend& be, float* dx, float* dW, const fl
   if (dx) be.gemm(dx, dy, W, rows, in, out, false, false, 1.0f, dx_beta);
   if (WeightGradDeferral* d = WeightGradDeferral::active()) {
     auto dyc = d->keep(dy, rows * out), xc = d->keep(x, rows * in);
-    d->push([&be, dW, dyc, xc, rows, out, in] { be.gemm(dW, dyc->data(), xc->data(), out, in, rows, true, false, 1.0f, 1.0f); });
+    d->push([&be, dW, dyc, xc, rows, out, in] { be.gemm(dW, dyc.data, xc.data, out, in, rows, true, false, 1.0f, 1.0f); });
     return;
   }
   be.gemm(dW, dy, x, out, in, rows, true, false, 1.0f, 1.0f);

@@ -80,6 +80,7 @@ int PipelineRunner::acquire(int chunk) {
                                                            cfg.parallel.sequence_parallel, ch.spec));
   ch.pool.back()->set_backward_observer(this);
   ch.deferred.push_back(std::make_unique<model::WeightGradDeferral>());
+  ch.pool.back()->mark_workspace_volatile(*ch.deferred.back());
   return int(ch.pool.size()) - 1;
 }
 

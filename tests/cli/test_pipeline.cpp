@@ -42,6 +42,7 @@ TEST(Pipeline, EveryScheduleAndLayoutMatchesOneRank) {
       {4, "pp4_interleaved", "one8", eight + " --set parallel.pipeline=4" + interleaved},
       {4, "pp4_zbh1", "one", pp4 + schedule("zb-h1")},
       {4, "pp2_dp2_zero2_zbh1", "one", pp2 + schedule("zb-h1") + " --set zero_optimization.stage=2"},
+      {4, "pp2_tp2_sp_zbh1", "one", pp2 + schedule("zb-h1") + " --set parallel.tensor=2 --set parallel.sequence_parallel=true"},
       {8, "dp2_tp2_pp2_zero1_sp", "one",
        pp2 + " --set parallel.tensor=2 --set parallel.sequence_parallel=true --set zero_optimization.stage=1"},
   };
