@@ -5,6 +5,8 @@
 //   crash_during_save:N  the process aborts halfway through writing its N-th checkpoint
 //   slow_save:N          every checkpoint save takes N seconds longer (rank 0 waits before the
 //                        file is closed), as a large checkpoint on a slow disk would
+//   ep_bad_counts:N      in its N-th MoE-layer forward, the last expert-parallel rank announces
+//                        one token row more than it routes, as a rank with a bug would
 // An unknown kind or a malformed number is an error naming the variable, so a test cannot pass
 // by injecting nothing.
 #pragma once
@@ -14,7 +16,7 @@
 
 namespace dstrain {
 
-enum class Fault { kSkipGradSync, kCrashDuringSave, kSlowSave };
+enum class Fault { kSkipGradSync, kCrashDuringSave, kSlowSave, kEpBadCounts };
 
 // N of `fault` in DSTRAIN_FAULT_INJECT, or 0 when it is not injected. The variable is parsed
 // once, at the first call; throws ConfigError if it is malformed.

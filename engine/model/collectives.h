@@ -8,6 +8,8 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <memory>
+#include <vector>
 
 namespace dstrain::model {
 
@@ -28,6 +30,30 @@ class Collectives {
   virtual void tp_reduce_scatter_rows(float* part, float* full, int64_t rows, int64_t width) = 0;
   // Seconds spent inside the calls so far (the step-time breakdown; 0 where nothing crosses ranks).
   virtual double seconds() const { return 0.0; }
+
+  // Expert parallelism (docs/model.md §10.2): the ranks of the expert-parallel group hold
+  // different routed experts and exchange token rows. A call in flight; wait() completes it.
+  class Pending {
+   public:
+    virtual ~Pending() = default;
+    virtual void wait() = 0;
+  };
+  virtual int ep_rank() const { return 0; }
+  virtual int ep_size() const { return 1; }
+  // Sum over the expert-parallel group, in place (the token counts every rank routes).
+  virtual void ep_all_reduce(int64_t*, int64_t) {}
+  // Rank r sends in_counts[q] floats (consecutive in `in`) to each rank q and receives
+  // out_counts[q] floats from it (consecutive in `out`), non-blocking.
+  virtual std::unique_ptr<Pending> ep_all_to_all_v(float* out, const std::vector<int64_t>& out_counts,
+                                                   const float* in, const std::vector<int64_t>& in_counts) {
+    std::copy(in, in + (in_counts.empty() ? 0 : in_counts[0]), out);
+    (void)out_counts;
+    return nullptr;
+  }
+  // Seconds spent waiting for the expert-parallel exchanges (exposed, not hidden by compute),
+  // and the bytes this rank sent in them (counts included), so far.
+  virtual double ep_wait_seconds() const { return 0.0; }
+  virtual double ep_bytes_sent() const { return 0.0; }
 };
 
 class LocalCollectives final : public Collectives {

@@ -2,6 +2,8 @@
 
 #include <fmt/format.h>
 
+#include "engine/common/fault_inject.h"
+
 namespace dstrain::model {
 
 SwiGluMlp::SwiGluMlp(const LayerEnv& env, const std::string& prefix, int64_t width,
@@ -72,6 +74,10 @@ MoeLayer::MoeLayer(const LayerEnv& env, const std::string& prefix, int64_t B, in
   idx_.resize(N * k_), pos_.resize(N * k_), src_.resize(N * k_);
   counts_.assign(E_, 0), offsets_.assign(E_ + 1, 0);
   stats_.loads.assign(E_, 0);
+  ep_ = env.coll->ep_size();
+  DS_CHECK(E_ % ep_ == 0, "{} experts over {} expert-parallel ranks", E_, ep_);
+  El_ = E_ / ep_, e0_ = env.coll->ep_rank() * El_;
+  bad_counts_at_ = fault_at(Fault::kEpBadCounts);
 }
 
 int64_t MoeLayer::saved_floats() const {
@@ -159,33 +165,80 @@ void MoeLayer::forward(float* out_full, const float* u_full, const float* u_part
   route(u_part, n);
   balance_loss(part, B, S, scale);
   be.gather_rows(Xp_.data(), u_part, src_.data(), rows, H_);
-  std::vector<float*> C;
-  std::vector<const float*> A, Bw;
-  std::vector<int64_t> M, Nn, K;
-  for (int64_t e = 0; e < E_; ++e) {
-    if (!gate_up_[e] || counts_[e] == 0) continue;
-    C.push_back(GUp_.data() + offsets_[e] * 2 * I_);
-    A.push_back(Xp_.data() + offsets_[e] * H_);
-    Bw.push_back(gate_up_[e].w);
-    M.push_back(counts_[e]), Nn.push_back(2 * I_), K.push_back(H_);
+  if (ep_ == 1) {
+    experts_forward(Xp_.data(), GUp_.data(), Mp_.data(), Yp_.data(), counts_.data(), offsets_.data(), 0, E_, rows);
+    if (shared_) shared_->forward(out_full, u_full, N);
+    else be.fill(out_full, 0.0f, N * H_);
+    be.moe_combine(out_full + part.first * H_, Yp_.data(), w_.data(), pos_.data(), n, k_, H_);
+    return;
   }
-  be.gemm_grouped(C.data(), A.data(), Bw.data(), M.data(), Nn.data(), K.data(), int64_t(C.size()),
-                  false, true, 1.0f, 0.0f);
-  be.swiglu_forward(Mp_.data(), GUp_.data(), rows, I_);
-  size_t i = 0;
-  for (int64_t e = 0; e < E_; ++e) {
-    if (!gate_up_[e] || counts_[e] == 0) continue;
-    C[i] = Yp_.data() + offsets_[e] * H_;
-    A[i] = Mp_.data() + offsets_[e] * I_;
-    Bw[i] = down_[e].w;
-    Nn[i] = H_, K[i] = I_;
-    ++i;
-  }
-  be.gemm_grouped(C.data(), A.data(), Bw.data(), M.data(), Nn.data(), K.data(), int64_t(C.size()),
-                  false, true, 1.0f, 0.0f);
-  if (shared_) shared_->forward(out_full, u_full, N);
+  // Expert parallelism: the rows go to the ranks that own their experts (the rows sorted by
+  // expert are already grouped by owner), run there grouped by local expert, and come back.
+  plan_exchange(rows);
+  const int64_t recv = recv_total_;
+  Xr_.resize(size_t(recv * H_)), Xe_.resize(Xr_.size()), Yr_.resize(Xr_.size()), Ye_.resize(Xr_.size());
+  GUe_.resize(size_t(recv * 2 * I_)), Me_.resize(size_t(recv * I_));
+  auto dispatch = env_.coll->ep_all_to_all_v(Xr_.data(), scaled(recv_rows_, H_), Xp_.data(), scaled(send_rows_, H_));
+  if (shared_) shared_->forward(out_full, u_full, N);  // while the rows travel
   else be.fill(out_full, 0.0f, N * H_);
+  if (dispatch) dispatch->wait();
+  be.gather_rows(Xe_.data(), Xr_.data(), to_source_.data(), recv, H_);
+  experts_forward(Xe_.data(), GUe_.data(), Me_.data(), Ye_.data(), ecounts_.data(), eoffsets_.data(), e0_, El_, recv);
+  be.gather_rows(Yr_.data(), Ye_.data(), to_expert_.data(), recv, H_);
+  auto combine = env_.coll->ep_all_to_all_v(Yp_.data(), scaled(send_rows_, H_), Yr_.data(), scaled(recv_rows_, H_));
+  if (combine) combine->wait();
   be.moe_combine(out_full + part.first * H_, Yp_.data(), w_.data(), pos_.data(), n, k_, H_);
+}
+
+std::vector<int64_t> MoeLayer::scaled(const std::vector<int64_t>& rows, int64_t width) {
+  std::vector<int64_t> out(rows.size());
+  for (size_t i = 0; i < rows.size(); ++i) out[i] = rows[i] * width;
+  return out;
+}
+
+// The exchange of this forward (and its backward): every rank's tokens per expert, summed over
+// the expert-parallel group (one int64 all-reduce of [ranks x experts] counts plus each rank's
+// row total, which every rank checks against the counts); the rows this rank sends to each rank
+// and receives from it; and the order of the received rows — by source rank, each source's
+// sorted by expert — against the order grouped by local expert that the GEMMs run in.
+void MoeLayer::plan_exchange(int64_t rows) {
+  const int P = ep_, me = env_.coll->ep_rank();
+  std::vector<int64_t> table(size_t(P * (E_ + 1)), 0);  // [P, E] counts, then [P] row totals
+  std::copy(counts_.begin(), counts_.end(), table.begin() + me * E_);
+  table[size_t(P * E_ + me)] = rows;
+  if (bad_counts_at_ > 0 && ++forwards_ == bad_counts_at_ && me == P - 1) ++table[size_t(me * E_)];  // injected fault
+  env_.coll->ep_all_reduce(table.data(), int64_t(table.size()));
+  for (int q = 0; q < P; ++q) {
+    int64_t sum = 0;
+    for (int64_t e = 0; e < E_; ++e) sum += table[size_t(q * E_ + e)];
+    if (sum != table[size_t(P * E_ + q)])
+      throw Error(fmt::format("expert-parallel group ep: rank {} of {} announced {} token rows for its experts' owners "
+                              "but routes {}: the ranks disagree on the counts of the dispatch, so no rank sends",
+                              q, P, sum, table[size_t(P * E_ + q)]));
+  }
+  send_rows_.assign(size_t(P), 0), recv_rows_.assign(size_t(P), 0);
+  for (int q = 0; q < P; ++q)
+    for (int64_t e = q * El_; e < (q + 1) * El_; ++e) send_rows_[size_t(q)] += counts_[size_t(e)];
+  ecounts_.assign(size_t(El_), 0);
+  for (int q = 0; q < P; ++q)
+    for (int64_t le = 0; le < El_; ++le) {
+      const int64_t c = table[size_t(q * E_ + e0_ + le)];
+      recv_rows_[size_t(q)] += c;
+      ecounts_[size_t(le)] += c;
+    }
+  eoffsets_.assign(size_t(El_ + 1), 0);
+  for (int64_t le = 0; le < El_; ++le) eoffsets_[size_t(le + 1)] = eoffsets_[size_t(le)] + ecounts_[size_t(le)];
+  recv_total_ = eoffsets_.back();
+  to_source_.resize(size_t(recv_total_)), to_expert_.resize(size_t(recv_total_));
+  std::vector<int64_t> cursor(eoffsets_.begin(), eoffsets_.end() - 1);
+  int64_t at = 0;  // row in the received (source-major) order
+  for (int q = 0; q < P; ++q)
+    for (int64_t le = 0; le < El_; ++le)
+      for (int64_t i = 0; i < table[size_t(q * E_ + e0_ + le)]; ++i, ++at) {
+        const int64_t row = cursor[size_t(le)]++;
+        to_source_[size_t(row)] = int32_t(at);
+        to_expert_[size_t(at)] = int32_t(row);
+      }
 }
 
 namespace {
@@ -227,6 +280,61 @@ WeightGradDeferral* WeightGradDeferral::active() { return g_active_deferral; }
 WeightGradDeferral::Scope::Scope(WeightGradDeferral* d) : prev_(g_active_deferral) { g_active_deferral = d; }
 WeightGradDeferral::Scope::~Scope() { g_active_deferral = prev_; }
 
+// Experts [e_first, e_first + ne) on rows X grouped by expert (cnt[e - e_first] rows from
+// off[e - e_first]): GU = X W_gu^T, M = swiglu(GU), Y = M W_d^T, as grouped GEMMs. Experts this
+// rank does not hold (no parameters) are skipped.
+void MoeLayer::experts_forward(const float* X, float* GU, float* M, float* Y, const int64_t* cnt, const int64_t* off,
+                               int64_t e_first, int64_t ne, int64_t rows) {
+  kernels::Backend& be = *env_.be;
+  Group g1, g2;
+  for (int64_t i = 0; i < ne; ++i) {
+    const int64_t e = e_first + i, o = off[i], c = cnt[i];
+    if (!gate_up_[size_t(e)] || c == 0) continue;
+    g1.add(GU + o * 2 * I_, X + o * H_, gate_up_[size_t(e)].w, c, 2 * I_, H_);
+    g2.add(Y + o * H_, M + o * I_, down_[size_t(e)].w, c, H_, I_);
+  }
+  if (g1.C.empty()) return;
+  be.gemm_grouped(g1.C.data(), g1.A.data(), g1.B.data(), g1.M.data(), g1.N.data(), g1.K.data(), int64_t(g1.C.size()),
+                  false, true, 1.0f, 0.0f);
+  be.swiglu_forward(M, GU, rows, I_);
+  be.gemm_grouped(g2.C.data(), g2.A.data(), g2.B.data(), g2.M.data(), g2.N.data(), g2.K.data(), int64_t(g2.C.size()),
+                  false, true, 1.0f, 0.0f);
+}
+
+// Backward of experts_forward: dX from dY, the weight gradients accumulated (or queued under a
+// WeightGradDeferral). dM [rows, I] and dGU [rows, 2I] are work buffers; dX may be dY.
+void MoeLayer::experts_backward(float* dX, const float* dY, const float* X, const float* GU, const float* M,
+                                float* dM, float* dGU, const int64_t* cnt, const int64_t* off, int64_t e_first,
+                                int64_t ne, int64_t rows) {
+  kernels::Backend& be = *env_.be;
+  Group gdM, gdWd;
+  for (int64_t i = 0; i < ne; ++i) {
+    const int64_t e = e_first + i, o = off[i], c = cnt[i];
+    if (!gate_up_[size_t(e)] || c == 0) continue;
+    gdM.add(dM + o * I_, dY + o * H_, down_[size_t(e)].w, c, I_, H_);      // dM = dY W_d
+    gdWd.add(down_[size_t(e)].g, dY + o * H_, M + o * I_, H_, I_, c);      // dW_d += dY^T M
+  }
+  if (gdM.C.empty()) return;
+  be.gemm_grouped(gdM.C.data(), gdM.A.data(), gdM.B.data(), gdM.M.data(), gdM.N.data(), gdM.K.data(),
+                  int64_t(gdM.C.size()), false, false, 1.0f, 0.0f);
+  env_.poll();
+  run_weight_grads(be, gdWd, dY, rows * H_, M, rows * I_);
+  env_.poll();
+  be.swiglu_backward(dGU, dM, GU, rows, I_);
+  Group gdX, gdWgu;
+  for (int64_t i = 0; i < ne; ++i) {
+    const int64_t e = e_first + i, o = off[i], c = cnt[i];
+    if (!gate_up_[size_t(e)] || c == 0) continue;
+    gdX.add(dX + o * H_, dGU + o * 2 * I_, gate_up_[size_t(e)].w, c, H_, 2 * I_);  // dX = dGU W_gu
+    gdWgu.add(gate_up_[size_t(e)].g, dGU + o * 2 * I_, X + o * H_, 2 * I_, H_, c);  // dW_gu += dGU^T X
+  }
+  be.gemm_grouped(gdX.C.data(), gdX.A.data(), gdX.B.data(), gdX.M.data(), gdX.N.data(), gdX.K.data(),
+                  int64_t(gdX.C.size()), false, false, 1.0f, 0.0f);
+  env_.poll();
+  run_weight_grads(be, gdWgu, dGU, rows * 2 * I_, X, rows * H_);
+  env_.poll();
+}
+
 void MoeLayer::backward(float* du_full, const float* dout_full, const float* u_full, const float* u_part,
                         TokenPart part, int64_t B, int64_t S) {
   kernels::Backend& be = *env_.be;
@@ -236,36 +344,33 @@ void MoeLayer::backward(float* du_full, const float* dout_full, const float* u_f
   float* dYp = scratch.take(rows * H_);
   float* dw = scratch.take(n * k_);
   be.moe_combine_backward(dYp, dw, dout_full + part.first * H_, Yp_.data(), w_.data(), pos_.data(), n, k_, H_);
-  float* dMp = scratch.take(rows * I_);
-  float* dGUp = scratch.take(rows * 2 * I_);
-  float* dXp = dYp;  // dYp is dead once dMp exists; same size [rows, H]
-  Group dM, dWd;
-  for (int64_t e = 0; e < E_; ++e) {
-    if (!gate_up_[e] || counts_[e] == 0) continue;
-    const int64_t o = offsets_[e], c = counts_[e];
-    dM.add(dMp + o * I_, dYp + o * H_, down_[e].w, c, I_, H_);             // dMp = dYp W_d
-    dWd.add(down_[e].g, dYp + o * H_, Mp_.data() + o * I_, H_, I_, c);     // dW_d += dYp^T Mp
+  float* dXp = dYp;  // dYp is dead once the experts' dM exists; same size [rows, H]
+  if (ep_ == 1) {
+    float* dMp = scratch.take(rows * I_);
+    float* dGUp = scratch.take(rows * 2 * I_);
+    if (rows > 0 && counts_.size() > 0)
+      experts_backward(dXp, dYp, Xp_.data(), GUp_.data(), Mp_.data(), dMp, dGUp, counts_.data(), offsets_.data(), 0,
+                       E_, rows);
+    if (shared_) shared_->backward(du_full, dout_full, u_full, N, 0.0f);
+    else be.fill(du_full, 0.0f, N * H_);
+  } else {
+    // The output gradients go to the experts' owners (the forward's exchange in reverse), the
+    // input gradients come back. The received-side buffers are this instance's, so that a
+    // zero-bubble W queue can read them in place.
+    const int64_t recv = recv_total_;
+    dYr_.resize(size_t(recv * H_)), dYe_.resize(dYr_.size()), dXe_.resize(dYr_.size()), dXr_.resize(dYr_.size());
+    dMe_.resize(size_t(recv * I_)), dGUe_.resize(size_t(recv * 2 * I_));
+    auto out = env_.coll->ep_all_to_all_v(dYr_.data(), scaled(recv_rows_, H_), dYp, scaled(send_rows_, H_));
+    if (shared_) shared_->backward(du_full, dout_full, u_full, N, 0.0f);  // while the gradients travel
+    else be.fill(du_full, 0.0f, N * H_);
+    if (out) out->wait();
+    be.gather_rows(dYe_.data(), dYr_.data(), to_source_.data(), recv, H_);
+    experts_backward(dXe_.data(), dYe_.data(), Xe_.data(), GUe_.data(), Me_.data(), dMe_.data(), dGUe_.data(),
+                     ecounts_.data(), eoffsets_.data(), e0_, El_, recv);
+    be.gather_rows(dXr_.data(), dXe_.data(), to_expert_.data(), recv, H_);
+    auto back = env_.coll->ep_all_to_all_v(dXp, scaled(send_rows_, H_), dXr_.data(), scaled(recv_rows_, H_));
+    if (back) back->wait();
   }
-  be.gemm_grouped(dM.C.data(), dM.A.data(), dM.B.data(), dM.M.data(), dM.N.data(), dM.K.data(),
-                  int64_t(dM.C.size()), false, false, 1.0f, 0.0f);
-  env_.poll();
-  run_weight_grads(be, dWd, dYp, rows * H_, Mp_.data(), rows * I_);
-  env_.poll();
-  be.swiglu_backward(dGUp, dMp, GUp_.data(), rows, I_);
-  Group dX, dWgu;
-  for (int64_t e = 0; e < E_; ++e) {
-    if (!gate_up_[e] || counts_[e] == 0) continue;
-    const int64_t o = offsets_[e], c = counts_[e];
-    dX.add(dXp + o * H_, dGUp + o * 2 * I_, gate_up_[e].w, c, H_, 2 * I_);   // dXp = dGUp W_gu
-    dWgu.add(gate_up_[e].g, dGUp + o * 2 * I_, Xp_.data() + o * H_, 2 * I_, H_, c);
-  }
-  be.gemm_grouped(dX.C.data(), dX.A.data(), dX.B.data(), dX.M.data(), dX.N.data(), dX.K.data(),
-                  int64_t(dX.C.size()), false, false, 1.0f, 0.0f);
-  env_.poll();
-  run_weight_grads(be, dWgu, dGUp, rows * 2 * I_, Xp_.data(), rows * H_);
-  env_.poll();
-  if (shared_) shared_->backward(du_full, dout_full, u_full, N, 0.0f);
-  else be.fill(du_full, 0.0f, N * H_);
   float* du_part = du_full + part.first * H_;
   be.moe_dispatch_backward(du_part, dXp, pos_.data(), n, k_, H_);
   float* dlogits = scratch.take(n * E_);

@@ -42,6 +42,11 @@ struct LossScale {
   double sequences = 1;  // sequences of the global batch (the balance loss is their mean)
 };
 
+// Expert parallelism: the ranks of the expert-parallel group own contiguous blocks of E / EP
+// experts. Each rank routes its own tokens; the counts per expert are summed over the group,
+// the token rows go to their experts' owners with an all-to-all-v, run there grouped by local
+// expert, and come back the same way (dropless: every row, whatever the imbalance); the shared
+// experts compute while the rows travel. Backward mirrors it.
 // Under tensor parallelism the routed experts are not split (expert-TP = 1): each rank routes
 // the tokens of its TokenPart and runs them through its experts, and the shared experts are
 // column- then row-parallel over all tokens. Both leave this rank's parts of sums over the
@@ -72,6 +77,12 @@ class MoeLayer {
  private:
   void route(const float* u, int64_t n);
   void balance_loss(TokenPart part, int64_t B, int64_t S, const LossScale& scale);
+  void plan_exchange(int64_t rows);
+  void experts_forward(const float* X, float* GU, float* M, float* Y, const int64_t* cnt, const int64_t* off,
+                       int64_t e_first, int64_t ne, int64_t rows);
+  void experts_backward(float* dX, const float* dY, const float* X, const float* GU, const float* M, float* dM,
+                        float* dGU, const int64_t* cnt, const int64_t* off, int64_t e_first, int64_t ne, int64_t rows);
+  static std::vector<int64_t> scaled(const std::vector<int64_t>& rows, int64_t width);
 
   LayerEnv env_;
   kernels::RouterParams rp_;
@@ -85,6 +96,15 @@ class MoeLayer {
   std::vector<int32_t> idx_, pos_, src_;
   std::vector<int64_t> counts_, offsets_;
   MoeStats stats_;
+  // Expert parallelism (ep_ > 1): this rank owns experts [e0_, e0_ + El_); the last forward's
+  // exchange (rows to and from each rank, the received rows per local expert, the permutations
+  // between the received order and the grouped one) and the owner side's saved activations.
+  int ep_ = 1;
+  int64_t El_ = 0, e0_ = 0, recv_total_ = 0;
+  std::vector<int64_t> send_rows_, recv_rows_, ecounts_, eoffsets_;
+  std::vector<int32_t> to_source_, to_expert_;
+  std::vector<float> Xr_, Xe_, GUe_, Me_, Ye_, Yr_, dYr_, dYe_, dMe_, dGUe_, dXe_, dXr_;
+  int64_t bad_counts_at_ = 0, forwards_ = 0;  // fault injection (Fault::kEpBadCounts)
 };
 
 // b_i += gamma * sign(mean(load) - load_i) (docs/model.md §5.3), after each optimizer step, with

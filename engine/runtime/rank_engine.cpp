@@ -45,11 +45,6 @@ const comm::ProcessGroup& RankGroups::group(plan::Axis axis) const {
 }
 
 void check_layout_trainable(const plan::ParallelPlan& plan) {
-  const plan::Degrees& d = plan.degrees;
-  if (d.ep != 1)
-    throw ConfigError(fmt::format("this build trains with data, tensor and pipeline parallelism; the layout has "
-                                  "expert {} (expert parallelism is the next issue)",
-                                  d.ep));
   // Accepted by the config (and planned by --dry-run) but not implemented yet: refused rather
   // than silently ignored.
   const config::TrainConfig& c = plan.config;
@@ -127,8 +122,9 @@ RankEngine build_rank_engine(const plan::ParallelPlan& plan, const RankGroups& g
     }
   }
   e.tp = groups.group(plan::Axis::kTensor).communicator("tp", comm::CommOptions{cfg.parallel.comm_timeout_s});
+  e.ep = groups.group(plan::Axis::kExpert).communicator("ep", comm::CommOptions{cfg.parallel.comm_timeout_s});
   const int64_t micro = options.micro_batch > 0 ? options.micro_batch : plan.batch.micro;
-  e.collectives = parallel::make_tp_collectives(*e.tp, micro * cfg.seq_length * m.hidden_size);
+  e.collectives = parallel::make_tp_collectives(*e.tp, micro * cfg.seq_length * m.hidden_size, e.ep.get());
   if (!options.model) return e;
   e.pipeline = std::make_unique<PipelineRunner>(plan, groups, *e.backend, *e.collectives, *e.params, micro,
                                                 options.micro_batches > 0 ? options.micro_batches

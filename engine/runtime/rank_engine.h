@@ -71,6 +71,7 @@ struct RankEngine {
   std::unique_ptr<kernels::Backend> backend;
   std::unique_ptr<model::ParamStore> params;  // initialised from the seed
   std::unique_ptr<comm::Communicator> tp;  // the tensor-parallel group (on every build, after dp and edp)
+  std::unique_ptr<comm::Communicator> ep;  // the expert-parallel group (the MoE layers' token exchanges)
   std::unique_ptr<model::Collectives> collectives;  // over `tp`
   // This rank's chunks of the model and the executor of the schedule; null when
   // EngineOptions::model is false. `model`: its first instance (the whole model without

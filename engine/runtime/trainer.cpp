@@ -204,7 +204,8 @@ StepResult Trainer::compute_gradients(int64_t step) {
   if (sync && step + 1 == skip_sync_step_ && dp_rank_ == dp_size_ - 1) sync = nullptr;  // injected fault
   engine_.params->zero_grads();
   for (auto* moe : runner.all_moe_layers()) std::fill(moe->stats().loads.begin(), moe->stats().loads.end(), 0);
-  const double tp_comm0 = engine_.collectives->seconds();
+  const double tp_comm0 = engine_.collectives->seconds(), ep_wait0 = engine_.collectives->ep_wait_seconds(),
+               ep_bytes0 = engine_.collectives->ep_bytes_sent();
   if (sync) sync->begin();
   const PipelineStepResult p = runner.run(
       [&](int64_t m, int32_t* tokens) {
@@ -216,6 +217,8 @@ StepResult Trainer::compute_gradients(int64_t step) {
   r.forward_s = p.forward_s, r.backward_s = p.backward_s + p.weight_s, r.comm_wait_s = p.comm_wait_s;
   r.pp_wait_s = p.wait_s, r.pp_busy_s = p.busy_s, r.pp_span_s = p.span_s;
   r.tp_comm_s = engine_.collectives->seconds() - tp_comm0;
+  r.ep_wait_s = engine_.collectives->ep_wait_seconds() - ep_wait0;
+  r.ep_bytes = engine_.collectives->ep_bytes_sent() - ep_bytes0;
   r.expert_loads = local_expert_loads();
   reduce_losses(r);
   if (pp_ && cfg_.wall_clock_breakdown) pipeline_bubble(r, p);
@@ -326,13 +329,30 @@ void Trainer::log_expert_stats(int64_t step, const StepResult& r) {
     for (int64_t x : loads) var += (double(x) - mean) * (double(x) - mean) / double(loads.size());
     const double cv = mean > 0 ? std::sqrt(var) / mean : 0.0, peak = mean > 0 ? double(hi) / mean : 0.0;
     const int64_t layer = i < layer_ids.size() ? layer_ids[i] : int64_t(i);
+    // Per expert-parallel rank: the tokens its block of experts ran (what makes ranks wait).
+    const int ep = plan_.degrees.ep;
+    std::string per_rank;
+    double rank_peak = 0;
+    if (ep > 1 && !loads.empty()) {
+      const size_t block = loads.size() / size_t(ep);
+      std::vector<int64_t> ranks(size_t(ep), 0);
+      for (size_t e = 0; e < loads.size(); ++e) ranks[e / block] += loads[e];
+      double rank_mean = 0;
+      for (int64_t x : ranks) rank_mean += double(x) / double(ep);
+      for (size_t q = 0; q < ranks.size(); ++q) per_rank += (q ? " " : "") + std::to_string(ranks[q]);
+      rank_peak = rank_mean > 0 ? double(*std::max_element(ranks.begin(), ranks.end())) / rank_mean : 0.0;
+      per_rank = fmt::format("; per expert-parallel rank {} (max/mean {:.2f})", per_rank, rank_peak);
+    }
+    std::string each;
+    for (size_t e = 0; e < loads.size() && loads.size() <= 64; ++e) each += (e ? " " : "") + std::to_string(loads[e]);
     spdlog::info("step {} experts, layer {}: tokens per expert min {} max {} mean {:.1f} CV {:.3f} "
-                 "(max/mean {:.2f})",
-                 step + 1, layer, lo, hi, mean, cv, peak);
+                 "(max/mean {:.2f}){} [{}]",
+                 step + 1, layer, lo, hi, mean, cv, peak, per_rank, each);
     const std::string key = fmt::format("experts/layer_{}/", layer);
     for (const auto& kv : Scalars{{key + "min", double(lo)}, {key + "max", double(hi)}, {key + "mean", mean},
                                   {key + "cv", cv}, {key + "max_over_mean", peak}})
       s.push_back(kv);
+    if (ep > 1) s.push_back({key + "ep_rank_max_over_mean", rank_peak});
   }
   metrics_.write(step + 1, s);
   tensorboard_.write(step + 1, s);
@@ -356,6 +376,8 @@ void Trainer::log_step(int64_t step, const StepResult& r, double window_s, int64
     line += fmt::format(" | fwd {:.0f} ms bwd {:.0f} ms comm wait {:.1f} ms opt {:.0f} ms", r.forward_s * 1e3,
                         r.backward_s * 1e3, r.comm_wait_s * 1e3, r.optimizer_s * 1e3);
     if (plan_.degrees.tp > 1) line += fmt::format(" tp comm {:.1f} ms", r.tp_comm_s * 1e3);
+    if (plan_.degrees.ep > 1)
+      line += fmt::format(" ep wait {:.1f} ms ({} sent)", r.ep_wait_s * 1e3, human_bytes(r.ep_bytes));
     if (plan_.degrees.pp > 1)
       line += fmt::format(" pp wait {:.0f} ms bubble {:.1f}% (simulated {:.1f}%)", r.pp_wait_s * 1e3,
                           100.0 * r.pp_bubble, 100.0 * r.pp_simulated_bubble);
@@ -370,6 +392,8 @@ void Trainer::log_step(int64_t step, const StepResult& r, double window_s, int64
                                   {"comm_wait_ms", r.comm_wait_s * 1e3}, {"optimizer_ms", r.optimizer_s * 1e3},
                                   {"tp_comm_ms", r.tp_comm_s * 1e3}})
       s.push_back(kv);
+  if (cfg_.wall_clock_breakdown && plan_.degrees.ep > 1)
+    for (const auto& kv : Scalars{{"ep_wait_ms", r.ep_wait_s * 1e3}, {"ep_bytes", r.ep_bytes}}) s.push_back(kv);
   if (cfg_.wall_clock_breakdown && plan_.degrees.pp > 1)
     for (const auto& kv : Scalars{{"pp_wait_ms", r.pp_wait_s * 1e3}, {"pp_bubble", r.pp_bubble},
                                   {"pp_simulated_bubble", r.pp_simulated_bubble}})
@@ -453,7 +477,13 @@ TrainSummary Trainer::run() {
                  "with --set checkpoint.resume=none)",
                  start_step_, cfg_.train_steps);
   for (int64_t step = start_step_; step < cfg_.train_steps; ++step) {
-    last = train_step(step);
+    try {
+      last = train_step(step);
+    } catch (const AgreedError&) {
+      throw;
+    } catch (const Error& e) {  // e.g. expert-parallel ranks disagreeing on their exchange
+      throw Error(fmt::format("step {}: {}", step + 1, e.what()));
+    }
     ++window_steps;
     if (step == start_step_ && rank_ == 0 && plan_.degrees.pp > 1)
       spdlog::info("pipeline: rank 0 built {} model instance{} for the micro-batches it holds at once (the "

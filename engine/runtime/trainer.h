@@ -39,6 +39,9 @@ struct StepResult {
   // end of its last compute op (the measured bubble is 1 - busy / span on the busiest rank).
   double pp_wait_s = 0, pp_busy_s = 0, pp_span_s = 0;
   double pp_bubble = 0, pp_simulated_bubble = 0;  // with wall_clock_breakdown
+  // Expert parallelism: waiting for the token exchanges (what compute did not hide) and the
+  // bytes this rank sent in them.
+  double ep_wait_s = 0, ep_bytes = 0;
   std::vector<std::vector<int64_t>> expert_loads;  // per MoE layer, this step
   // Set when the loss or the gradient norm is not finite: what went wrong. The weights, the
   // optimizer state and the router biases were then left as they were before the step.

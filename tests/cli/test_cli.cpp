@@ -130,16 +130,6 @@ TEST(Cli, TrainsTheTinyPreset) {
   EXPECT_NE(r.out.find("done: trained 4 steps (0 -> 4) in"), std::string::npos) << r.out;
 }
 
-TEST(Cli, TrainingWithExpertParallelismSaysWhatIsMissing) {
-  const Result r = run(mpirun(2) + kDstrain + " configs/tiny.yaml --set train_steps=2 --set parallel.expert=2");
-  EXPECT_NE(r.rc, 0);
-  const auto errors = lines_with(r.err, "dstrain: error:");
-  ASSERT_EQ(errors.size(), 1u) << r.err;
-  EXPECT_NE(errors[0].find("this build trains with data, tensor and pipeline parallelism; the layout has expert 2"),
-            std::string::npos)
-      << errors[0];
-}
-
 // docs/model.md §12's exchange format, from the shipped small preset on its first global batch.
 TEST(Cli, DumpGradsWritesWeightsGradientsTokensAndLosses) {
   const std::string path = ::testing::TempDir() + "/grads.h5";
