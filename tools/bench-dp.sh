@@ -5,17 +5,9 @@
 # the per-step breakdown, the time spent waiting for the gradient reduction after backward, and
 # the share of that communication hidden behind the backward pass (1 - wait with overlap / wait
 # without). Usage: tools/bench-dp.sh [build-dir]   (about 3 minutes)
-set -euo pipefail
-cd "$(dirname "$0")/.."
-BIN=${1:-build}/bin/dstrain
-OUT=$(mktemp -d)
-trap 'rm -rf "$OUT"' EXIT
-common=(configs/small.yaml --set train_steps=60 --set steps_per_print=20 --set data.eval_interval=0
-        --set checkpoint.interval=0 --set checkpoint.dir="$OUT/ck" --set checkpoint.resume=none
-        --set wall_clock_breakdown=true --set monitor.metrics_file="$OUT/m.jsonl"
-        --set monitor.tensorboard="$OUT/tb" --set monitor.expert_stats_interval=0)
+source "$(dirname "$0")/bench-common.sh"
+common+=(--set monitor.tensorboard="$OUT/tb")
 
-calc() { awk "BEGIN { print $1 }"; }
 
 # The last log line's figures: tok/s fwd bwd wait opt
 figures() {

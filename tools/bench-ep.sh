@@ -5,15 +5,8 @@
 # exchanges, the time per step it waits for them (what the shared experts' compute did not
 # hide), and the memory per rank the run prints at start.
 # Usage: tools/bench-ep.sh [build-dir]   (about 1 minute)
-set -euo pipefail
-cd "$(dirname "$0")/.."
-BIN=${1:-build}/bin/dstrain
-OUT=$(mktemp -d)
-trap 'rm -rf "$OUT"' EXIT
-common=(configs/small.yaml --set train_steps=60 --set steps_per_print=20 --set data.eval_interval=0
-        --set checkpoint.interval=0 --set checkpoint.dir="$OUT/ck" --set checkpoint.resume=none
-        --set wall_clock_breakdown=true --set monitor.metrics_file="$OUT/m.jsonl"
-        --set monitor.expert_stats_interval=0 --set zero_optimization.stage=2)
+source "$(dirname "$0")/bench-common.sh"
+common+=(--set zero_optimization.stage=2)
 run() {
   rm -f "$OUT/m.jsonl"
   OMP_NUM_THREADS=1 mpirun --allow-run-as-root -np 2 --bind-to core "$BIN" "${common[@]}" --threads 1 "$@" >"$OUT/log" 2>&1

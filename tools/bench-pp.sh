@@ -6,17 +6,9 @@
 # gradients, and the bubble measured in steps 21-60 (1 - busy / span of the busiest rank) next to
 # the simulator's prediction for the same schedule with the op costs measured in each step.
 # Usage: tools/bench-pp.sh [build-dir]   (about 3 minutes)
-set -euo pipefail
-cd "$(dirname "$0")/.."
-BIN=${1:-build}/bin/dstrain
-OUT=$(mktemp -d)
-trap 'rm -rf "$OUT"' EXIT
-common=(configs/small.yaml --set train_steps=60 --set steps_per_print=20 --set data.eval_interval=0
-        --set checkpoint.interval=0 --set checkpoint.dir="$OUT/ck" --set checkpoint.resume=none
-        --set wall_clock_breakdown=true --set monitor.metrics_file="$OUT/m.jsonl"
-        --set monitor.expert_stats_interval=0 --set train_batch_size=8 --set train_micro_batch_size_per_gpu=1)
+source "$(dirname "$0")/bench-common.sh"
+common+=(--set train_batch_size=8 --set train_micro_batch_size_per_gpu=1)
 
-calc() { awk "BEGIN { print $1 }"; }
 mean() {  # mean of a metric over steps 21-60 of the metrics file
   grep -o "\"step\":[0-9]*\|\"$1\":[-0-9.e]*" "$OUT/m.jsonl" |
     awk -F: -v k="\"$1\"" '$1 == "\"step\"" { s = $2 } $1 == k && s > 20 { t += $2; n++ } END { printf "%.1f", n ? 100 * t / n : 0 }'

@@ -5,17 +5,8 @@
 # breakdown, the time per step inside the tensor-parallel collectives (including waiting for
 # the other rank), and the per-rank memory the run prints at start.
 # Usage: tools/bench-tp.sh [build-dir]   (about 3 minutes)
-set -euo pipefail
-cd "$(dirname "$0")/.."
-BIN=${1:-build}/bin/dstrain
-OUT=$(mktemp -d)
-trap 'rm -rf "$OUT"' EXIT
-common=(configs/small.yaml --set train_steps=60 --set steps_per_print=20 --set data.eval_interval=0
-        --set checkpoint.interval=0 --set checkpoint.dir="$OUT/ck" --set checkpoint.resume=none
-        --set wall_clock_breakdown=true --set monitor.metrics_file="$OUT/m.jsonl"
-        --set monitor.expert_stats_interval=0)
+source "$(dirname "$0")/bench-common.sh"
 
-calc() { awk "BEGIN { print $1 }"; }
 
 # tok/s fwd bwd opt tp_comm | memory line | activations line
 figures() {

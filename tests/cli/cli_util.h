@@ -103,4 +103,47 @@ inline double max_weight_difference(const std::string& a_path, const std::string
   return worst;
 }
 
+// Run `name` (its metrics and checkpoints in `dir`, as train_cmd writes them) followed the run
+// `ref` for `steps` steps: every step's loss to 1e-5 relative, the final weights to 1e-4.
+inline void expect_same_curve(const std::string& dir, const std::string& ref, const std::string& name, int steps) {
+  const auto want = losses(dir + "/" + ref + ".jsonl"), got = losses(dir + "/" + name + ".jsonl");
+  ASSERT_EQ(want.size(), size_t(steps)) << ref;
+  ASSERT_EQ(got.size(), size_t(steps)) << name;
+  for (const auto& [step, loss] : want) EXPECT_NEAR(got.at(step), loss, 1e-5 * loss) << name << " step " << step;
+  char last[32];
+  std::snprintf(last, sizeof last, "/step_%08d.h5", steps);
+  EXPECT_LT(max_weight_difference(dir + "/" + ref + last, dir + "/" + name + last), 1e-4) << name;
+}
+
+// A run `name` resumed at step `from` (its output `r`) continued the curve `ref` to step `to`.
+inline void expect_resumed_curve(const std::string& dir, const std::string& name, const Result& r,
+                                 const std::map<int, double>& ref, int from, int to) {
+  ASSERT_EQ(r.rc, 0) << name << r.err;
+  EXPECT_NE(r.out.find("at step " + std::to_string(from)), std::string::npos) << r.out;
+  const auto got = losses(dir + "/" + name + ".jsonl");
+  for (int step = from + 1; step <= to; ++step)
+    EXPECT_NEAR(got.at(step), ref.at(step), 1e-5 * ref.at(step)) << name << " step " << step;
+}
+
+// Two --dump-grads files agree (the second from another layout): the losses to 1e-6, the same
+// tokens and tensors, every weight exactly, every gradient to 1e-5 of the tensor's largest
+// magnitude. `what` names the layout in failure messages.
+inline void expect_same_dump(const std::string& want_path, const std::string& got_path, const std::string& what) {
+  dstrain::io::H5File a(want_path, dstrain::io::H5File::Mode::kRead), b(got_path, dstrain::io::H5File::Mode::kRead);
+  for (const char* loss : {"ce_loss", "aux_loss", "mtp_loss"})
+    EXPECT_NEAR(b.attr_double(loss), a.attr_double(loss), 1e-6 * a.attr_double(loss)) << loss << what;
+  EXPECT_EQ(b.read_ints("tokens"), a.read_ints("tokens")) << what;
+  ASSERT_EQ(b.list("weights"), a.list("weights")) << what;
+  ASSERT_EQ(b.list("grads"), a.list("grads")) << what;
+  for (const std::string& name : a.list("weights"))
+    EXPECT_EQ(b.read_floats("weights/" + name), a.read_floats("weights/" + name)) << name << what;
+  for (const std::string& name : a.list("grads")) {
+    const auto x = a.read_floats("grads/" + name), y = b.read_floats("grads/" + name);
+    double scale = 1e-30, d = 0;
+    for (size_t i = 0; i < x.size(); ++i) scale = std::max(scale, double(std::fabs(x[i])));
+    for (size_t i = 0; i < x.size(); ++i) d = std::max(d, double(std::fabs(x[i] - y[i])));
+    EXPECT_LE(d / scale, 1e-5) << name << what;
+  }
+}
+
 }  // namespace dstrain::testing

@@ -28,13 +28,7 @@ struct Case {
 
 void expect_same_run(const std::string& dir, const Case& c, const Result& r) {
   ASSERT_EQ(r.rc, 0) << c.name << r.err;
-  const auto want = losses(dir + "/" + c.ref + ".jsonl"), got = losses(dir + "/" + c.name + ".jsonl");
-  ASSERT_EQ(want.size(), 10u) << c.ref;
-  ASSERT_EQ(got.size(), 10u) << c.name;
-  for (const auto& [step, loss] : want) EXPECT_NEAR(got.at(step), loss, 1e-5 * loss) << c.name << " step " << step;
-  EXPECT_LT(max_weight_difference(dir + "/" + c.ref + "/step_00000010.h5", dir + "/" + c.name + "/step_00000010.h5"),
-            1e-4)
-      << c.name;
+  expect_same_curve(dir, c.ref, c.name, 10);
 }
 
 // EP 2, EP 4, EP 2 x TP 2 (sequence parallel), EP 2 x DP 2 at ZeRO-2, EP 2 x PP 2 (zero-bubble,
@@ -93,20 +87,7 @@ TEST(ExpertParallel, DumpGradsMatchesOneRank) {
     const std::string path = dir + "/layout" + std::to_string(n++) + ".h5";
     const Result r = run(mpirun(np) + base + path + extra);
     ASSERT_EQ(r.rc, 0) << r.err;
-    dstrain::io::H5File a(dir + "/one.h5", dstrain::io::H5File::Mode::kRead);
-    dstrain::io::H5File b(path, dstrain::io::H5File::Mode::kRead);
-    for (const char* loss : {"ce_loss", "aux_loss", "mtp_loss"})
-      EXPECT_NEAR(b.attr_double(loss), a.attr_double(loss), 1e-6 * a.attr_double(loss)) << loss << extra;
-    ASSERT_EQ(b.list("grads"), a.list("grads"));
-    for (const std::string& name : a.list("weights"))
-      EXPECT_EQ(b.read_floats("weights/" + name), a.read_floats("weights/" + name)) << name;
-    for (const std::string& name : a.list("grads")) {
-      const auto x = a.read_floats("grads/" + name), y = b.read_floats("grads/" + name);
-      double scale = 1e-30, d = 0;
-      for (size_t i = 0; i < x.size(); ++i) scale = std::max(scale, double(std::fabs(x[i])));
-      for (size_t i = 0; i < x.size(); ++i) d = std::max(d, double(std::fabs(x[i] - y[i])));
-      EXPECT_LE(d / scale, 1e-5) << name << extra;
-    }
+    expect_same_dump(dir + "/one.h5", path, extra);
   }
 }
 
@@ -123,11 +104,7 @@ TEST(ExpertParallel, CheckpointsMoveBetweenExpertDegrees) {
   for (const Case& c : cases) {
     const Result r = run((c.np > 1 ? mpirun(c.np) : "") +
                          train_cmd(dir, c.name, 8, "--resume " + dir + "/" + c.ref + kBatch + c.extra));
-    ASSERT_EQ(r.rc, 0) << c.name << r.err;
-    EXPECT_NE(r.out.find("at step 4"), std::string::npos) << r.out;
-    const auto got = losses(dir + "/" + c.name + ".jsonl");
-    for (int step = 5; step <= 8; ++step)
-      EXPECT_NEAR(got.at(step), ref.at(step), 1e-5 * ref.at(step)) << c.name << " step " << step;
+    expect_resumed_curve(dir, c.name, r, ref, 4, 8);
   }
 }
 
