@@ -90,8 +90,8 @@ class PipelineRunner final : public model::BackwardObserver {
     std::vector<int> free;
   };
   struct Pending {
-    std::unique_ptr<comm::Work> work;
-    std::vector<float> buf;
+    std::vector<float> buf;            // declared first: destroyed after the transfer is waited for
+    std::unique_ptr<comm::Work> work;  // (a Work's destructor waits for it)
   };
   int acquire(int chunk);
   void release(int chunk, int slot);
