@@ -166,11 +166,12 @@ void PipelineRunner::post_receives(size_t from) {
   posted_ = std::max(posted_, i);
 }
 
-void PipelineRunner::wait_receive(int micro, int chunk, bool grad, double& wait_s) {
+const float* PipelineRunner::wait_receive(int micro, int chunk, bool grad, double& wait_s) {
   Pending& p = receives_.at({micro, chunk, grad});
   const auto t = Clock::now();
   p.work->wait();
   wait_s += seconds_since(t);
+  return p.buf.data();
 }
 
 void PipelineRunner::reap_sends(bool all) {
@@ -209,14 +210,10 @@ PipelineStepResult PipelineRunner::run(const Fetch& fetch, const model::LossScal
     switch (in.op) {
       case PipeOp::kRecvActivation:
       case PipeOp::kRecvGradient:
-        break;  // posted ahead (post_receives_before); waited for by the op that needs it
+        break;  // posted ahead (post_receives); waited for by the op that needs it
       case PipeOp::kForward: {
         post_receives(k + 1);
-        const float* h_in = nullptr;
-        if (!first_vs) {
-          wait_receive(in.micro, in.chunk, false, r.wait_s);
-          h_in = receives_.at({in.micro, in.chunk, false}).buf.data();
-        }
+        const float* h_in = first_vs ? nullptr : wait_receive(in.micro, in.chunk, false, r.wait_s);
         fetch(in.micro, tokens_.data());
         const int slot = acquire(in.chunk);
         active_[{in.micro, in.chunk}] = slot;
@@ -231,11 +228,7 @@ PipelineStepResult PipelineRunner::run(const Fetch& fetch, const model::LossScal
       case PipeOp::kBackward:
       case PipeOp::kBackwardInput: {
         post_receives(k + 1);
-        const float* dh = nullptr;
-        if (!last_vs) {
-          wait_receive(in.micro, in.chunk, true, r.wait_s);
-          dh = receives_.at({in.micro, in.chunk, true}).buf.data();
-        }
+        const float* dh = last_vs ? nullptr : wait_receive(in.micro, in.chunk, true, r.wait_s);
         const int slot = active_.at({in.micro, in.chunk});
         armed_ = in.micro == m - 1;
         const auto tc = Clock::now();

@@ -96,7 +96,8 @@ class PipelineRunner final : public model::BackwardObserver {
   int acquire(int chunk);
   void release(int chunk, int slot);
   void post_receives(size_t from);
-  void wait_receive(int micro, int chunk, bool grad, double& wait_s);
+  // Waits for a posted receive (the time added to wait_s); returns its buffer.
+  const float* wait_receive(int micro, int chunk, bool grad, double& wait_s);
   void reap_sends(bool all);
 
   const plan::ParallelPlan& plan_;
