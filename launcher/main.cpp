@@ -48,11 +48,27 @@ bool agree_on_failure(const std::optional<std::string>& error, int rank, int wor
   return true;
 }
 
+// This rank's share of the host's available memory: what train_micro_batch_size_per_gpu: auto
+// plans for when memory_budget_gib is null. The smallest share over all ranks, so that every rank
+// chooses the same micro-batch; a dry run with --world-size takes every rank to be on this host.
+double host_share(const launcher::Options& opts) {
+  MPI_Comm node;
+  MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node);
+  int local = 1;
+  MPI_Comm_size(node, &local);
+  MPI_Comm_free(&node);
+  if (opts.world_size) local = std::max(1, *opts.world_size);
+  double share = double(host_memory_available()) / double(local), least = 0;
+  MPI_Allreduce(&share, &least, 1, MPI_DOUBLE, MPI_MIN, MPI_COMM_WORLD);
+  return least;
+}
+
 std::optional<plan::ParallelPlan> load_plan(const launcher::Options& opts, int world,
                                             std::optional<std::string>& error) {
+  const double share = host_share(opts);
   try {
     const config::TrainConfig cfg = config::load_config_file(opts.config_path, opts.overrides);
-    return plan::make_plan(cfg, opts.world_size.value_or(world));
+    return plan::make_plan(cfg, opts.world_size.value_or(world), share);
   } catch (const Error& e) {
     error = e.what();
   }

@@ -21,6 +21,7 @@ enum class SchedulerType { kWarmupLR, kWarmupDecayLR, kWarmupCosineLR };
 enum class WarmupType { kLog, kLinear };
 enum class DataFormat { kAuto, kText, kTokens };
 enum class PipelineScheduleKind { kGpipe, kOneFOneB, kInterleaved, kZbH1 };
+enum class CheckpointGranularity { kFull, kSelective };
 
 template <class E>
 struct EnumNames;  // static const std::vector<std::pair<E, std::string_view>> list;
@@ -48,6 +49,8 @@ DSTRAIN_ENUM_NAMES(DataFormat, {DataFormat::kAuto, "auto"}, {DataFormat::kText, 
 DSTRAIN_ENUM_NAMES(PipelineScheduleKind, {PipelineScheduleKind::kGpipe, "gpipe"},
                    {PipelineScheduleKind::kOneFOneB, "1f1b"}, {PipelineScheduleKind::kInterleaved, "interleaved"},
                    {PipelineScheduleKind::kZbH1, "zb-h1"});
+DSTRAIN_ENUM_NAMES(CheckpointGranularity, {CheckpointGranularity::kFull, "full"},
+                   {CheckpointGranularity::kSelective, "selective"});
 
 #undef DSTRAIN_ENUM_NAMES
 

@@ -11,7 +11,11 @@ const std::string& key_meaning(const std::string& path) {
       {"train_batch_size",
        "sequences per optimizer step, all data-parallel ranks together (DeepSpeed)"},
       {"train_micro_batch_size_per_gpu",
-       "sequences per forward/backward on one data-parallel rank"},
+       "sequences per forward/backward on one data-parallel rank; auto: the largest that fits "
+       "memory_budget_gib, keeping train_batch_size"},
+      {"memory_budget_gib",
+       "memory per rank that train_micro_batch_size_per_gpu: auto may plan for (state + activations); null: "
+       "this host's available memory divided by the ranks on it"},
       {"gradient_accumulation_steps",
        "micro-batches accumulated per step (also the pipeline's micro-batch count)"},
       {"seq_length",
@@ -81,7 +85,12 @@ const std::string& key_meaning(const std::string& path) {
       {"scheduler.params.cos_min_ratio",
        "end of the cosine as a fraction of optimizer.params.lr"},
       {"activation_checkpointing.enabled",
-       "drop each decoder layer's activations after forward and recompute them in backward"},
+       "drop decoder layers' activations after forward and recompute them in backward"},
+      {"activation_checkpointing.granularity",
+       "full (keep each layer's input, run its forward again) or selective (recompute the normed inputs, "
+       "the attention core and the SwiGLU / expert activations only)"},
+      {"activation_checkpointing.num_layers",
+       "how many decoder layers of each pipeline stage (model chunk), from its first, recompute; null: all"},
       {"model.preset",
        "start the model from a built-in preset; keys given beside it override it"},
       {"model.model_type",

@@ -196,6 +196,8 @@ void describe(V& v, SchedulerConfig& c) {
 template <class V>
 void describe(V& v, ActivationCheckpointingConfig& c) {
   v.field("enabled", c.enabled);
+  v.field("granularity", c.granularity);
+  v.field("num_layers", c.num_layers, at_least(0));
 }
 
 template <class V>
@@ -229,8 +231,9 @@ void describe(V& v, MonitorConfig& c) {
 template <class V>
 void describe(V& v, TrainConfig& c) {
   v.field("train_batch_size", c.train_batch_size, at_least(1));
-  v.field("train_micro_batch_size_per_gpu", c.train_micro_batch_size_per_gpu, at_least(1));
+  v.field("train_micro_batch_size_per_gpu", c.train_micro_batch_size_per_gpu);
   v.field("gradient_accumulation_steps", c.gradient_accumulation_steps, at_least(1));
+  v.field("memory_budget_gib", c.memory_budget_gib, positive());
   v.field("seq_length", c.seq_length, at_least(1));
   v.field("train_steps", c.train_steps, at_least(1));
   v.field("seed", c.seed, at_least(0));

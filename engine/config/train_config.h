@@ -155,7 +155,11 @@ struct SchedulerConfig {
 };
 
 struct ActivationCheckpointingConfig {
-  bool enabled = false;  // recompute each decoder layer's forward right before its backward
+  bool enabled = false;
+  // full: keep each decoder layer's input only and run its forward again before its backward;
+  // selective: recompute only the memory-heavy, cheap parts (docs/design.md §6.7)
+  CheckpointGranularity granularity = CheckpointGranularity::kFull;
+  std::optional<int64_t> num_layers;  // decoder layers per pipeline stage (model chunk), from its first; null: all
 };
 
 struct DataConfig {
@@ -187,8 +191,11 @@ struct MonitorConfig {
 
 struct TrainConfig {
   std::optional<int64_t> train_batch_size;  // sequences per optimizer step, all ranks together
-  std::optional<int64_t> train_micro_batch_size_per_gpu;
+  // auto: the largest micro-batch whose state and activations fit memory_budget_gib (the plan's
+  // figures), train_batch_size kept (docs/design.md §7.4.2)
+  std::optional<AutoInt> train_micro_batch_size_per_gpu;
   std::optional<int64_t> gradient_accumulation_steps;
+  std::optional<double> memory_budget_gib;  // per rank; null: this host's available memory / its ranks
   int64_t seq_length = 256;
   int64_t train_steps = 1000;
   int64_t seed = 42;

@@ -166,6 +166,11 @@ void validate_parallel(const TrainConfig& cfg) {
                         "(model.num_hidden_layers); valid: at most {} chunks",
                         p.pipeline, p.virtual_stages, p.pipeline * p.virtual_stages, m.num_hidden_layers,
                         m.num_hidden_layers / p.pipeline));
+  if (const auto& ac = cfg.activation_checkpointing; ac.num_layers && *ac.num_layers > m.num_hidden_layers)
+    fail_at(cfg, "activation_checkpointing.num_layers",
+            fmt::format("{} recomputed layers per stage but the model has only {} (model.num_hidden_layers); valid: 0 "
+                        "to {}, or null for all",
+                        *ac.num_layers, m.num_hidden_layers, m.num_hidden_layers));
   if (p.expert > 1 && !m.n_routed_experts)
     fail_at(cfg, "parallel.expert",
             fmt::format("{}, but the model has no routed experts (model.n_routed_experts is null); "

@@ -11,10 +11,18 @@ namespace dstrain::model {
 
 // ---- decoder layer ---------------------------------------------------------------------------
 
+namespace {
+// The layer's buffers are taken from the store from here on (before its members are built).
+const LayerEnv& begin_layer(const LayerEnv& env, Recompute mode) {
+  env.acts->begin_layer(mode);
+  return env;
+}
+}  // namespace
+
 DecoderLayer::DecoderLayer(const LayerEnv& env, int64_t index, int64_t B, int64_t S,
-                           const RopeTables* rope)
-    : env_(env), H_(env.cfg->hidden_size), N_(B * S), eps_(float(env.cfg->rms_norm_eps)),
-      attn_(env, fmt::format("model.layers.{}.", index), B, S, rope) {
+                           const RopeTables* rope, Recompute recompute)
+    : env_(begin_layer(env, recompute)), index_(index), recompute_(recompute), H_(env.cfg->hidden_size), N_(B * S),
+      eps_(float(env.cfg->rms_norm_eps)), attn_(env, fmt::format("model.layers.{}.", index), B, S, rope) {
   const std::string prefix = fmt::format("model.layers.{}.", index);
   in_norm_.bind(*env.params, prefix + "input_layernorm.weight");
   post_norm_.bind(*env.params, prefix + "post_attention_layernorm.weight");
@@ -25,13 +33,10 @@ DecoderLayer::DecoderLayer(const LayerEnv& env, int64_t index, int64_t B, int64_
   part_ = token_part(N_, env.tp_size, env.tp_rank);
   DS_CHECK(!env.sp || part_.count * env.tp_size == N_, "sequence parallelism needs equal token parts");
   rows_ = env.sp ? part_.count : N_;
-  a_.resize(rows_ * H_), rstd1_.resize(rows_), h_mid_.resize(rows_ * H_), u_.resize(rows_ * H_);
-  rstd2_.resize(rows_), dw_.resize(H_);
-}
-
-int64_t DecoderLayer::saved_floats() const {
-  return int64_t(a_.size() + rstd1_.size() + h_mid_.size() + u_.size() + rstd2_.size()) +
-         attn_.saved_floats() + (moe_ ? moe_->saved_floats() : mlp_->saved_floats());
+  ActivationStore& st = *env.acts;
+  a_ = st.take(rows_ * H_, true), rstd1_ = st.take(rows_), h_mid_ = st.take(rows_ * H_);
+  u_ = st.take(rows_ * H_, true), rstd2_ = st.take(rows_);
+  dw_.resize(H_);
 }
 
 int64_t DecoderLayer::scratch_floats(int64_t N) const {
@@ -73,6 +78,8 @@ void DecoderLayer::forward(float* h_out, const float* h_in, int64_t B, int64_t S
                            const LossScale& scale) {
   kernels::Backend& be = *env_.be;
   const int64_t n = rows_;
+  scale_ = scale;
+  if (recompute_ != Recompute::kNone) env_.acts->set_holder(index_);
   be.rmsnorm_forward(a_.data(), rstd1_.data(), h_in, in_norm_.w, n, H_, eps_);
   float* attn = env_.sp ? env_.full[1] : h_mid_.data();
   attn_.forward(attn, gathered(a_.data(), env_.full[0]), B, S);
@@ -88,10 +95,33 @@ void DecoderLayer::forward(float* h_out, const float* h_in, int64_t B, int64_t S
   be.add(h_out, h_mid_.data(), n * H_);
 }
 
+// Rewrites what the layer did not keep, with the forward's kernels on the forward's inputs, so
+// that backward reads the very bits a keeping layer would (docs/design.md §6.7). Under full
+// recomputation the whole forward runs again (its collectives included, on every rank of the
+// group alike), its output going to `h_out`, a work buffer.
+void DecoderLayer::recompute(float* h_out, const float* h_in, int64_t B, int64_t S) {
+  kernels::Backend& be = *env_.be;
+  if (recompute_ == Recompute::kFull) {
+    if (moe_) moe_->set_recomputing(true);
+    forward(h_out, h_in, B, S, scale_);
+    if (moe_) moe_->set_recomputing(false);
+    return;
+  }
+  env_.acts->set_holder(index_);
+  be.rmsnorm_forward(a_.data(), rstd1_.data(), h_in, in_norm_.w, rows_, H_, eps_);
+  be.rmsnorm_forward(u_.data(), rstd2_.data(), h_mid_.data(), post_norm_.w, rows_, H_, eps_);
+  attn_.recompute_selective(B, S);
+  if (moe_) moe_->recompute_selective(u_.data() + (env_.sp ? 0 : part_.first * H_), N_);
+  else mlp_->recompute_selective(N_);
+}
+
 void DecoderLayer::backward(float* dh, const float* h_in, int64_t B, int64_t S, float* tmp1,
                             float* tmp2) {
   kernels::Backend& be = *env_.be;
   const int64_t n = rows_;
+  // The last recomputing layer of a forward finds its own values still there (nothing wrote the
+  // shared buffers since): no recomputation (docs/design.md §6.7).
+  if (recompute_ != Recompute::kNone && env_.acts->holder() != index_) recompute(tmp1, h_in, B, S);
   env_.scratch->reset();
   // Feed-forward block: the complete output gradient of all tokens, this rank's part of the
   // input gradient, summed over the ranks.
@@ -139,8 +169,8 @@ struct DeepSeekModel::Mtp {
     cat.resize(rows * 2 * H);
     logits.resize(rows * Vl);
   }
-  int64_t saved_floats() const {
-    int64_t total = layer->saved_floats();
+  int64_t saved_floats() const {  // besides its decoder layer's buffers (in the activation store)
+    int64_t total = 0;
     for (auto* v : {&e, &en, &rstd_e, &hprev, &hn, &rstd_h, &cat, &m, &h, &z, &rstd_z, &logits})
       total += int64_t(v->size());
     return total;
@@ -161,7 +191,7 @@ DeepSeekModel::DeepSeekModel(const config::ModelConfig& cfg, kernels::Backend& b
   part_ = token_part(N, tp_, coll.tp_rank());
   rows_ = sp_ ? part_.count : N;
   ones_.assign(N, 1.0f);
-  env_ = LayerEnv{&cfg_, &be_, &coll_, &params, &scratch_, ones_.data(), &progress_, tp_, coll.tp_rank(), sp_, {}};
+  env_ = LayerEnv{&cfg_, &be_, &coll_, &params, &scratch_, &acts_, ones_.data(), &progress_, tp_, coll.tp_rank(), sp_, {}};
   if (sp_) {  // the layers' three shared [N, H] buffers
     full_.resize(3 * N * H_);
     for (int i = 0; i < 3; ++i) env_.full[i] = full_.data() + i * N * H_;
@@ -182,8 +212,10 @@ DeepSeekModel::DeepSeekModel(const config::ModelConfig& cfg, kernels::Backend& b
     lm_head_.bind(params, "lm_head.weight");
   }
   int64_t scratch = 0;
+  const int64_t recomputed = stage.recompute_layers < 0 ? end_ - first_ : stage.recompute_layers;
   for (int64_t i = first_; i < end_; ++i) {
-    layers_.push_back(std::make_unique<DecoderLayer>(env_, i, B, S, &rope_));
+    const Recompute mode = i - first_ < recomputed ? stage.recompute : Recompute::kNone;
+    layers_.push_back(std::make_unique<DecoderLayer>(env_, i, B, S, &rope_, mode));
     scratch = std::max(scratch, layers_.back()->scratch_floats(N));
   }
   for (int64_t k = 1; has_head_ && k <= cfg.num_nextn_predict_layers; ++k) {
@@ -192,6 +224,7 @@ DeepSeekModel::DeepSeekModel(const config::ModelConfig& cfg, kernels::Backend& b
     scratch = std::max({scratch, mtp_.back()->layer->scratch_floats(N), 2 * N * H_ + 64});
   }
   scratch_.reserve(scratch);
+  acts_.finalize();
   ids_.resize(N), local_ids_.resize(N), targets_.resize(N);
   hidden_.assign(size_t(end_ - first_ + 1), std::vector<float>(rows_ * H_));
   if (has_head_) {
@@ -206,6 +239,7 @@ DeepSeekModel::~DeepSeekModel() = default;
 
 void DeepSeekModel::mark_workspace_volatile(WeightGradDeferral& d) const {
   d.add_volatile(scratch_.data(), scratch_.capacity());
+  acts_.mark_volatile(d);  // a recomputing layer's buffers are rewritten by the next one's backward
   for (const std::vector<float>* v : {&dz_, &dh_, &tmp1_, &tmp2_, &full_}) d.add_volatile(v->data(), int64_t(v->size()));
   // An MTP module's gradient buffer is its decoder layer's running output gradient.
   for (const auto& m : mtp_) d.add_volatile(m->dh.data(), int64_t(m->dh.size()));
@@ -233,20 +267,29 @@ int64_t DeepSeekModel::saved_activation_bytes() const {
   int64_t floats = int64_t(z_.size() + z_full_.size() + rstd_f_.size() + logits_.size()) +
                    int64_t(ids_.size() * 3);
   for (const auto& h : hidden_) floats += int64_t(h.size());
-  for (const auto& l : layers_) floats += l->saved_floats();
   for (const auto& m : mtp_) floats += m->saved_floats();
-  return floats * int64_t(sizeof(float));
+  return floats * int64_t(sizeof(float)) + acts_.kept_bytes() + acts_.recomputed_bytes();
 }
 
 int64_t DeepSeekModel::residual_region_bytes() const {
-  // Per layer: the hidden state, the two normed inputs, the residual sum (rows x H each).
-  return int64_t(sizeof(float)) * rows_ * H_ * (int64_t(hidden_.size()) + 3 * (end_ - first_) + (has_head_ ? 1 : 0));
+  // The hidden states, and per layer the two normed inputs and the residual sum (rows x H each)
+  // where the layer keeps them (a selective layer keeps the residual sum only).
+  int64_t per_layer = 0;
+  for (const auto& l : layers_)
+    per_layer += l->recompute() == Recompute::kNone ? 3 : l->recompute() == Recompute::kSelective ? 1 : 0;
+  return int64_t(sizeof(float)) * rows_ * H_ * (int64_t(hidden_.size()) + per_layer + (has_head_ ? 1 : 0));
 }
 
 int64_t DeepSeekModel::workspace_bytes() const {
-  return (scratch_.capacity() + int64_t(dz_.size() + dh_.size() + tmp1_.size() + tmp2_.size() + ones_.size() +
-                                        loss_rows_.size() + full_.size())) *
-         int64_t(sizeof(float));
+  int64_t floats = scratch_.capacity() + int64_t(dz_.size() + dh_.size() + tmp1_.size() + tmp2_.size() +
+                                                 ones_.size() + loss_rows_.size() + full_.size());
+  for (const auto& m : mtp_) floats += int64_t(m->dh.size());
+  int64_t bytes = floats * int64_t(sizeof(float));
+  for (const auto& l : layers_)
+    if (l->moe()) bytes += l->moe()->ep_backward_bytes();
+  for (const auto& m : mtp_)
+    if (m->layer->moe()) bytes += m->layer->moe()->ep_backward_bytes();
+  return bytes;
 }
 
 // Token ids as rows of this rank's vocabulary shard: id - v0 when in [v0, v0 + Vl), else -1.

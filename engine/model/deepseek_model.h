@@ -22,15 +22,18 @@ namespace dstrain::model {
 
 class DecoderLayer {
  public:
-  // With env.sp, the layer's input and output are the rows of this rank's token part.
-  DecoderLayer(const LayerEnv& env, int64_t index, int64_t B, int64_t S, const RopeTables* rope);
+  // With env.sp, the layer's input and output are the rows of this rank's token part. Its saved
+  // buffers come from env.acts, placed by `recompute` (engine/model/activations.h).
+  DecoderLayer(const LayerEnv& env, int64_t index, int64_t B, int64_t S, const RopeTables* rope,
+               Recompute recompute = Recompute::kNone);
   void forward(float* h_out, const float* h_in, int64_t B, int64_t S, const LossScale& scale);
-  // dh: in dL/dh_out, out dL/dh_in (this rank's rows). tmp1/tmp2: [N,H] work buffers.
+  // dh: in dL/dh_out, out dL/dh_in (this rank's rows). tmp1/tmp2: [N,H] work buffers. h_in: the
+  // forward's input, unchanged; a recomputing layer first rewrites what it did not keep.
   void backward(float* dh, const float* h_in, int64_t B, int64_t S, float* tmp1, float* tmp2);
 
   MoeLayer* moe() { return moe_.get(); }
   int64_t rows() const { return rows_; }  // token rows of the input and output on this rank
-  int64_t saved_floats() const;
+  Recompute recompute() const { return recompute_; }
   int64_t scratch_floats(int64_t N) const;
 
  private:
@@ -38,7 +41,12 @@ class DecoderLayer {
   void reduce_into(float* out, float* partial) const;
   void norm_backward(float* dx, const WeightRef& w, const float* dy, const float* x, const float* rstd);
 
+  void recompute(float* h_out, const float* h_in, int64_t B, int64_t S);
+
   LayerEnv env_;
+  int64_t index_;
+  Recompute recompute_;
+  LossScale scale_;  // the last forward's (a full recomputation repeats it)
   int64_t H_, N_, rows_;
   TokenPart part_;  // the tokens this rank routes (and holds, with sequence parallelism)
   float eps_;
@@ -46,7 +54,8 @@ class DecoderLayer {
   MlaAttention attn_;
   std::unique_ptr<SwiGluMlp> mlp_;
   std::unique_ptr<MoeLayer> moe_;
-  std::vector<float> a_, rstd1_, h_mid_, u_, rstd2_, dw_;
+  ActBuf a_, rstd1_, h_mid_, u_, rstd2_;  // the normed inputs a and u: selective
+  std::vector<float> dw_;
 };
 
 // The part of the model one pipeline stage runs (docs/design.md §6.6): decoder layers
@@ -54,11 +63,15 @@ class DecoderLayer {
 // modules on the last. A last stage with MTP modules but without the embedding reads the
 // embedding from `embed_w` and adds its gradient to `embed_g` (a mirror of the first stage's
 // table, kept in sync by the pipeline runtime, as Megatron's embedding group does).
+// `recompute` applies to the first `recompute_layers` decoder layers of the stage (-1: all of
+// them; the MTP modules' layers always keep their activations).
 struct StageSpec {
   int64_t first_layer = 0, end_layer = -1;  // -1: num_hidden_layers
   bool embedding = true, head = true;
   float* embed_w = nullptr;
   float* embed_g = nullptr;
+  Recompute recompute = Recompute::kNone;
+  int64_t recompute_layers = -1;
 };
 
 struct Losses {
@@ -116,8 +129,10 @@ class DeepSeekModel {
   std::vector<MoeLayer*> moe_layers();
   std::vector<int64_t> moe_layer_ids() const;
 
-  // Bytes of activations kept between forward and backward, and of backward temporaries.
+  // Bytes of activations kept between forward and backward (the recomputed layers' shared
+  // buffers included), and of backward temporaries.
   int64_t saved_activation_bytes() const;
+  const ActivationStore& activation_store() const { return acts_; }
   int64_t workspace_bytes() const;
   // Of the saved activations, the bytes of the norm and residual regions (the hidden states
   // between layers, the normed inputs, the residual sums): what sequence parallelism divides.
@@ -137,6 +152,7 @@ class DeepSeekModel {
   Progress progress_;
   LayerEnv env_, mtp_env_;  // the MTP modules' layers run without sequence parallelism
   Scratch scratch_;
+  ActivationStore acts_;
   std::vector<float> ones_;
   RopeTables rope_;
   int64_t B_, S_, H_, V_, L_;

@@ -14,9 +14,11 @@ SwiGluMlp::SwiGluMlp(const LayerEnv& env, const std::string& prefix, int64_t wid
   down_.bind(p, prefix + "down_proj.weight");
   DS_CHECK(p.param(prefix + "up_proj.weight") == gate_up_.w + w_ * H_,
            "{}gate_proj and up_proj must be adjacent in the flat buffer", prefix);
-  GU_.resize(max_tokens * 2 * w_);
-  M_.resize(max_tokens * w_);
+  GU_ = env.acts->take(max_tokens * 2 * w_);
+  M_ = env.acts->take(max_tokens * w_, true);
 }
+
+void SwiGluMlp::recompute_selective(int64_t N) { env_.be->swiglu_forward(M_.data(), GU_.data(), N, w_); }
 
 void SwiGluMlp::forward(float* out, const float* u, int64_t N) {
   kernels::Backend& be = *env_.be;
@@ -69,21 +71,44 @@ MoeLayer::MoeLayer(const LayerEnv& env, const std::string& prefix, int64_t B, in
     shared_ = std::make_unique<SwiGluMlp>(env, mlp + "shared_experts.",
                                           m.num_shared() * I_ / env.tp_size, N);
   N = token_part(B * S, env.tp_size, 0).count;  // the most tokens this rank routes
-  scores_.resize(N * E_), w_.resize(N * k_), dscores_.resize(N * E_);
-  Xp_.resize(N * k_ * H_), GUp_.resize(N * k_ * 2 * I_), Mp_.resize(N * k_ * I_), Yp_.resize(N * k_ * H_);
+  ActivationStore& st = *env.acts;
+  scores_ = st.take(N * E_), w_ = st.take(N * k_), dscores_ = st.take(N * E_);
+  // Under expert parallelism the dispatched rows are only sent: never read by backward.
+  Xp_ = st.take(N * k_ * H_, true), GUp_ = st.take(N * k_ * 2 * I_), Mp_ = st.take(N * k_ * I_, true);
+  Yp_ = st.take(N * k_ * H_);
   idx_.resize(N * k_), pos_.resize(N * k_), src_.resize(N * k_);
   counts_.assign(E_, 0), offsets_.assign(E_ + 1, 0);
   stats_.loads.assign(E_, 0);
   ep_ = env.coll->ep_size();
   DS_CHECK(E_ % ep_ == 0, "{} experts over {} expert-parallel ranks", E_, ep_);
   El_ = E_ / ep_, e0_ = env.coll->ep_rank() * El_;
+  if (ep_ > 1) {  // sized for balanced routing (as many rows received as sent); grown when a step needs more
+    Xr_ = st.take_dynamic(), Xe_ = st.take_dynamic(true), GUe_ = st.take_dynamic(), Me_ = st.take_dynamic(true);
+    Ye_ = st.take_dynamic(true), Yr_ = st.take_dynamic(true);
+    const size_t recv = size_t(N * k_);
+    for (std::vector<float>* v : {Xr_, Xe_, Ye_, Yr_, &dYr_, &dYe_, &dXe_, &dXr_}) v->reserve(std::max(v->capacity(), recv * H_));
+    GUe_->reserve(std::max(GUe_->capacity(), recv * 2 * I_)), dGUe_.reserve(recv * 2 * I_);
+    Me_->reserve(std::max(Me_->capacity(), recv * I_)), dMe_.reserve(recv * I_);
+  }
   bad_counts_at_ = fault_at(Fault::kEpBadCounts);
 }
 
-int64_t MoeLayer::saved_floats() const {
-  return int64_t(scores_.size() + w_.size() + dscores_.size() + Xp_.size() + GUp_.size() +
-                 Mp_.size() + Yp_.size() + idx_.size() + pos_.size() + src_.size()) +
-         (shared_ ? shared_->saved_floats() : 0);
+int64_t MoeLayer::ep_backward_bytes() const {
+  return int64_t(sizeof(float)) * int64_t(dYr_.capacity() + dYe_.capacity() + dXe_.capacity() + dXr_.capacity() +
+                                          dMe_.capacity() + dGUe_.capacity());
+}
+
+void MoeLayer::recompute_selective(const float* u_part, int64_t N) {
+  kernels::Backend& be = *env_.be;
+  if (shared_) shared_->recompute_selective(N);
+  if (ep_ == 1) {
+    const int64_t rows = token_part(N, env_.tp_size, env_.tp_rank).count * k_;
+    be.gather_rows(Xp_.data(), u_part, src_.data(), rows, H_);
+    be.swiglu_forward(Mp_.data(), GUp_.data(), rows, I_);
+  } else {
+    be.gather_rows(Xe_->data(), Xr_->data(), to_source_.data(), recv_total_, H_);
+    be.swiglu_forward(Me_->data(), GUe_->data(), recv_total_, I_);
+  }
 }
 
 int64_t MoeLayer::scratch_floats(int64_t N) const {
@@ -107,7 +132,8 @@ void MoeLayer::route(const float* u, int64_t N) {
       pos_[t * k_ + j] = int32_t(row);
       src_[row] = int32_t(t);
     }
-  for (int64_t e = 0; e < E_; ++e) stats_.loads[e] += counts_[e];
+  if (!recomputing_)
+    for (int64_t e = 0; e < E_; ++e) stats_.loads[e] += counts_[e];
 }
 
 // Sequence-wise (or batch-wise) balance loss, docs/model.md §5.2. Its gradient with respect to the
@@ -118,7 +144,7 @@ void MoeLayer::route(const float* u, int64_t N) {
 void MoeLayer::balance_loss(TokenPart part, int64_t B, int64_t S, const LossScale& scale) {
   const double alpha = env_.cfg->aux_loss_alpha;
   const int64_t n = part.count;
-  std::fill(dscores_.begin(), dscores_.begin() + n * E_, 0.0f);
+  std::fill(dscores_.data(), dscores_.data() + n * E_, 0.0f);
   if (alpha <= 0.0) return;
   const bool per_seq = env_.cfg->seq_aux;
   const int64_t groups = per_seq ? B : 1, T = per_seq ? S : B * S;
@@ -128,12 +154,14 @@ void MoeLayer::balance_loss(TokenPart part, int64_t B, int64_t S, const LossScal
   double* f = stats.data();
   double* P = stats.data() + groups * E_;
   const auto group_of = [&](int64_t i) { return per_seq ? (part.first + i) / S : 0; };
+  const float* scores = scores_.data();
+  float* dscores = dscores_.data();
   for (int64_t i = 0; i < n; ++i) {
     const int64_t g = group_of(i);
     for (int64_t j = 0; j < k_; ++j) f[g * E_ + idx_[i * k_ + j]] += double(E_) / double(k_ * T);
     double sum = 0;
-    for (int64_t e = 0; e < E_; ++e) sum += scores_[i * E_ + e];
-    for (int64_t e = 0; e < E_; ++e) P[g * E_ + e] += scores_[i * E_ + e] / sum / double(T);
+    for (int64_t e = 0; e < E_; ++e) sum += scores[i * E_ + e];
+    for (int64_t e = 0; e < E_; ++e) P[g * E_ + e] += scores[i * E_ + e] / sum / double(T);
   }
   if (env_.tp_size > 1) {  // every rank's tokens of each group
     std::vector<float> sum(stats.begin(), stats.end());
@@ -143,17 +171,17 @@ void MoeLayer::balance_loss(TokenPart part, int64_t B, int64_t S, const LossScal
   for (int64_t g = 0; g < groups; ++g) {
     double loss = 0;
     for (int64_t e = 0; e < E_; ++e) loss += f[g * E_ + e] * P[g * E_ + e];
-    stats_.aux_loss += alpha * group_weight * loss;
+    if (!recomputing_) stats_.aux_loss += alpha * group_weight * loss;
   }
   // dL/ds'_{t,e} = alpha w f_e / T, then through s' = s / sum(s).
   for (int64_t i = 0; i < n; ++i) {
     const double* fg = f + group_of(i) * E_;
-    const float* s = &scores_[i * E_];
+    const float* s = scores + i * E_;
     double sum = 0, dot = 0;
     for (int64_t e = 0; e < E_; ++e) sum += s[e];
     for (int64_t e = 0; e < E_; ++e) dot += alpha * group_weight * fg[e] / double(T) * s[e] / sum;
     for (int64_t e = 0; e < E_; ++e)
-      dscores_[i * E_ + e] = float((alpha * group_weight * fg[e] / double(T) - dot) / sum);
+      dscores[i * E_ + e] = float((alpha * group_weight * fg[e] / double(T) - dot) / sum);
   }
 }
 
@@ -176,16 +204,17 @@ void MoeLayer::forward(float* out_full, const float* u_full, const float* u_part
   // expert are already grouped by owner), run there grouped by local expert, and come back.
   plan_exchange(rows);
   const int64_t recv = recv_total_;
-  Xr_.resize(size_t(recv * H_)), Xe_.resize(Xr_.size()), Yr_.resize(Xr_.size()), Ye_.resize(Xr_.size());
-  GUe_.resize(size_t(recv * 2 * I_)), Me_.resize(size_t(recv * I_));
-  auto dispatch = env_.coll->ep_all_to_all_v(Xr_.data(), scaled(recv_rows_, H_), Xp_.data(), scaled(send_rows_, H_));
+  for (std::vector<float>* v : {Xr_, Xe_, Yr_, Ye_}) v->resize(size_t(recv * H_));
+  GUe_->resize(size_t(recv * 2 * I_)), Me_->resize(size_t(recv * I_));
+  auto dispatch = env_.coll->ep_all_to_all_v(Xr_->data(), scaled(recv_rows_, H_), Xp_.data(), scaled(send_rows_, H_));
   if (shared_) shared_->forward(out_full, u_full, N);  // while the rows travel
   else be.fill(out_full, 0.0f, N * H_);
   if (dispatch) dispatch->wait();
-  be.gather_rows(Xe_.data(), Xr_.data(), to_source_.data(), recv, H_);
-  experts_forward(Xe_.data(), GUe_.data(), Me_.data(), Ye_.data(), ecounts_.data(), eoffsets_.data(), e0_, El_, recv);
-  be.gather_rows(Yr_.data(), Ye_.data(), to_expert_.data(), recv, H_);
-  auto combine = env_.coll->ep_all_to_all_v(Yp_.data(), scaled(send_rows_, H_), Yr_.data(), scaled(recv_rows_, H_));
+  be.gather_rows(Xe_->data(), Xr_->data(), to_source_.data(), recv, H_);
+  experts_forward(Xe_->data(), GUe_->data(), Me_->data(), Ye_->data(), ecounts_.data(), eoffsets_.data(), e0_, El_,
+                  recv);
+  be.gather_rows(Yr_->data(), Ye_->data(), to_expert_.data(), recv, H_);
+  auto combine = env_.coll->ep_all_to_all_v(Yp_.data(), scaled(send_rows_, H_), Yr_->data(), scaled(recv_rows_, H_));
   if (combine) combine->wait();
   be.moe_combine(out_full + part.first * H_, Yp_.data(), w_.data(), pos_.data(), n, k_, H_);
 }
@@ -206,7 +235,7 @@ void MoeLayer::plan_exchange(int64_t rows) {
   std::vector<int64_t> table(size_t(P * (E_ + 1)), 0);  // [P, E] counts, then [P] row totals
   std::copy(counts_.begin(), counts_.end(), table.begin() + me * E_);
   table[size_t(P * E_ + me)] = rows;
-  if (bad_counts_at_ > 0 && ++forwards_ == bad_counts_at_ && me == P - 1) ++table[size_t(me * E_)];  // injected fault
+  if (bad_counts_at_ > 0 && !recomputing_ && ++forwards_ == bad_counts_at_ && me == P - 1) ++table[size_t(me * E_)];  // injected fault
   env_.coll->ep_all_reduce(table.data(), int64_t(table.size()));
   for (int q = 0; q < P; ++q) {
     int64_t sum = 0;
@@ -365,7 +394,7 @@ void MoeLayer::backward(float* du_full, const float* dout_full, const float* u_f
     else be.fill(du_full, 0.0f, N * H_);
     if (out) out->wait();
     be.gather_rows(dYe_.data(), dYr_.data(), to_source_.data(), recv, H_);
-    experts_backward(dXe_.data(), dYe_.data(), Xe_.data(), GUe_.data(), Me_.data(), dMe_.data(), dGUe_.data(),
+    experts_backward(dXe_.data(), dYe_.data(), Xe_->data(), GUe_->data(), Me_->data(), dMe_.data(), dGUe_.data(),
                      ecounts_.data(), eoffsets_.data(), e0_, El_, recv);
     be.gather_rows(dXr_.data(), dXe_.data(), to_expert_.data(), recv, H_);
     auto back = env_.coll->ep_all_to_all_v(dXp, scaled(send_rows_, H_), dXr_.data(), scaled(recv_rows_, H_));

@@ -19,14 +19,14 @@ class SwiGluMlp {
   void forward(float* out, const float* u, int64_t N);  // out [N,H] overwritten
   // du [N,H]: overwritten (beta 0) or accumulated (beta 1).
   void backward(float* du, const float* dout, const float* u, int64_t N, float beta);
-  int64_t saved_floats() const { return int64_t(GU_.size() + M_.size()); }
+  void recompute_selective(int64_t N);  // M = swiglu(GU) again
   int64_t scratch_floats(int64_t N) const { return N * (3 * w_ + H_) + 64; }
 
  private:
   LayerEnv env_;
   int64_t H_, w_;
   WeightRef gate_up_, down_;
-  std::vector<float> GU_, M_;
+  ActBuf GU_, M_;  // M: selective
 };
 
 // Everything a forward measures for training-time rules: the balance loss of this call and the
@@ -65,13 +65,18 @@ class MoeLayer {
   // complete gradient of the output, all tokens.
   void backward(float* du_full, const float* dout_full, const float* u_full, const float* u_part, TokenPart part,
                 int64_t B, int64_t S);
+  // Forward again under full recomputation: the same outputs and saved buffers, without adding
+  // to the balance loss, the expert loads or the fault counter a second time.
+  void set_recomputing(bool on) { recomputing_ = on; }
+  // Rewrites the selective set (dispatched rows, expert and shared-expert activations).
+  void recompute_selective(const float* u_part, int64_t N);
 
   MoeStats& stats() { return stats_; }
   float* router_bias() { return bias_; }  // null for deepseek_v2
   // The last forward's selection: expert ids [tokens routed here, k], for this rank's token part.
   const std::vector<int32_t>& selection() const { return idx_; }
   int64_t top_k() const { return k_; }
-  int64_t saved_floats() const;
+  int64_t ep_backward_bytes() const;  // the expert-parallel backward buffers (capacity)
   int64_t scratch_floats(int64_t N) const;
 
  private:
@@ -91,20 +96,25 @@ class MoeLayer {
   float* bias_ = nullptr;
   std::vector<WeightRef> gate_up_, down_;  // per expert
   std::unique_ptr<SwiGluMlp> shared_;
-  // Saved: router outputs, the dispatch plan and the experts' activations (rows sorted by expert).
-  std::vector<float> scores_, w_, dscores_, Xp_, GUp_, Mp_, Yp_;
+  // Saved: router outputs, the dispatch plan and the experts' activations (rows sorted by expert);
+  // the selective set: Xp (the dispatched rows) and Mp.
+  ActBuf scores_, w_, dscores_, Xp_, GUp_, Mp_, Yp_;
   std::vector<int32_t> idx_, pos_, src_;
   std::vector<int64_t> counts_, offsets_;
   MoeStats stats_;
   // Expert parallelism (ep_ > 1): this rank owns experts [e0_, e0_ + El_); the last forward's
   // exchange (rows to and from each rank, the received rows per local expert, the permutations
-  // between the received order and the grouped one) and the owner side's saved activations.
+  // between the received order and the grouped one) and the owner side's saved activations
+  // (from the activation store; Xe and Me selective, Ye and Yr forward-only), then the backward
+  // buffers.
   int ep_ = 1;
   int64_t El_ = 0, e0_ = 0, recv_total_ = 0;
   std::vector<int64_t> send_rows_, recv_rows_, ecounts_, eoffsets_;
   std::vector<int32_t> to_source_, to_expert_;
-  std::vector<float> Xr_, Xe_, GUe_, Me_, Ye_, Yr_, dYr_, dYe_, dMe_, dGUe_, dXe_, dXr_;
+  std::vector<float> *Xr_ = nullptr, *Xe_ = nullptr, *GUe_ = nullptr, *Me_ = nullptr, *Ye_ = nullptr, *Yr_ = nullptr;
+  std::vector<float> dYr_, dYe_, dMe_, dGUe_, dXe_, dXr_;
   int64_t bad_counts_at_ = 0, forwards_ = 0;  // fault injection (Fault::kEpBadCounts)
+  bool recomputing_ = false;
 };
 
 // b_i += gamma * sign(mean(load) - load_i) (docs/model.md §5.3), after each optimizer step, with

@@ -12,6 +12,7 @@
 #include "dstrain/kernels/backend.h"
 #include "engine/common/error.h"
 #include "engine/config/train_config.h"
+#include "engine/model/activations.h"
 #include "engine/model/collectives.h"
 #include "engine/model/param_store.h"
 
@@ -73,6 +74,8 @@ class WeightGradDeferral {
   void add_volatile(const float* begin, int64_t n) {
     if (n > 0) volatile_.push_back({begin, begin + n});
   }
+  // The same for a vector that may be resized (and moved) between now and a keep().
+  void add_volatile(const std::vector<float>* v) { volatile_vectors_.push_back(v); }
   // n floats at p as W will read them: p itself, or a copy (kept alive with the queued GEMM)
   // when they lie in a volatile range.
   struct Kept {
@@ -80,14 +83,15 @@ class WeightGradDeferral {
     const float* data = nullptr;
   };
   Kept keep(const float* p, int64_t n) {
-    for (const auto& [b, e] : volatile_)
-      if (p < e && p + n > b) {
-        Kept k{std::make_shared<std::vector<float>>(p, p + n), nullptr};
-        k.data = k.copy->data();
-        copied_ += n;
-        return k;
-      }
-    return {nullptr, p};
+    const auto overlaps = [&](const float* b, const float* e) { return p < e && p + n > b; };
+    bool copy = false;
+    for (const auto& [b, e] : volatile_) copy = copy || overlaps(b, e);
+    for (const std::vector<float>* v : volatile_vectors_) copy = copy || overlaps(v->data(), v->data() + v->size());
+    if (!copy) return {nullptr, p};
+    Kept k{std::make_shared<std::vector<float>>(p, p + n), nullptr};
+    k.data = k.copy->data();
+    copied_ += n;
+    return k;
   }
   int64_t copied_floats() const { return copied_; }
   void run() {
@@ -99,6 +103,7 @@ class WeightGradDeferral {
  private:
   std::vector<std::function<void()>> ops_;
   std::vector<std::pair<const float*, const float*>> volatile_;
+  std::vector<const std::vector<float>*> volatile_vectors_;
   int64_t copied_ = 0;
 };
 
@@ -139,6 +144,7 @@ struct LayerEnv {
   Collectives* coll = nullptr;
   ParamStore* params = nullptr;
   Scratch* scratch = nullptr;
+  ActivationStore* acts = nullptr;  // where the layers' saved buffers live
   const float* ones = nullptr;  // at least as many 1.0f as tokens (bias gradients)
   const Progress* progress = nullptr;
   int tp_size = 1, tp_rank = 0;

@@ -72,16 +72,20 @@ MlaAttention::MlaAttention(const LayerEnv& env, const std::string& prefix, int64
     o_bias_.bind(p, a + "o_proj.bias");
   }
   const int64_t N = B * S;
-  cq_.resize(N * rq_), rstd_q_.resize(lora_ ? N : 0), cqn_.resize(N * rq_);
-  ckv_.resize(N * rkv_), kpe_.resize(N * dr_), rstd_kv_.resize(N), ckvn_.resize(N * rkv_);
-  Q_.resize(N * nh_ * dqk_), K_.resize(N * nh_ * dqk_), V_.resize(N * nh_ * dv_);
-  O_.resize(N * nh_ * dv_), lse_.resize(N * nh_);
+  ActivationStore& st = *env.acts;
+  cq_ = st.take(N * rq_), rstd_q_ = st.take(lora_ ? N : 0), cqn_ = st.take(N * rq_, true);
+  ckv_ = st.take(N * rkv_), kpe_ = st.take(N * dr_), rstd_kv_ = st.take(N), ckvn_ = st.take(N * rkv_, true);
+  Q_ = st.take(N * nh_ * dqk_), K_ = st.take(N * nh_ * dqk_), V_ = st.take(N * nh_ * dv_);
+  O_ = st.take(N * nh_ * dv_, true), lse_ = st.take(N * nh_, true);
 }
 
-int64_t MlaAttention::saved_floats() const {
-  return int64_t(cq_.size() + rstd_q_.size() + cqn_.size() + ckv_.size() + kpe_.size() +
-                 rstd_kv_.size() + ckvn_.size() + Q_.size() + K_.size() + V_.size() + O_.size() +
-                 lse_.size());
+void MlaAttention::recompute_selective(int64_t B, int64_t S) {
+  kernels::Backend& be = *env_.be;
+  const int64_t N = B * S;
+  if (lora_) be.rmsnorm_forward(cqn_.data(), rstd_q_.data(), cq_.data(), q_a_norm_.w, N, rq_, 1e-6f);
+  be.rmsnorm_forward(ckvn_.data(), rstd_kv_.data(), ckv_.data(), kv_a_norm_.w, N, rkv_, 1e-6f);
+  be.attention_forward(O_.data(), lse_.data(), Q_.data(), K_.data(), V_.data(), B, S, nh_, dqk_, dv_,
+                       rope_->attention_scale);
 }
 
 int64_t MlaAttention::scratch_floats(int64_t N) const {

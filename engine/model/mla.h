@@ -28,8 +28,10 @@ class MlaAttention {
   // da [N,H] (overwritten, complete: summed over the tensor-parallel ranks) from dout [N,H] (the
   // complete gradient of the layer's output, all tokens); accumulates parameter gradients.
   void backward(float* da, const float* dout, const float* a, int64_t B, int64_t S);
+  // Rewrites the selective set (the normed latents, the attention core's output and
+  // log-sum-exp) from the kept buffers, as forward computed them.
+  void recompute_selective(int64_t B, int64_t S);
 
-  int64_t saved_floats() const;
   int64_t scratch_floats(int64_t N) const;  // forward and backward temporaries
 
  private:
@@ -39,8 +41,9 @@ class MlaAttention {
   bool lora_;
   WeightRef q_a_, q_a_norm_, q_b_, q_, kv_a_, kv_a_norm_, kv_b_, o_;
   WeightRef q_a_bias_, kv_a_bias_, o_bias_;  // only with attention_bias
-  // Saved for backward (per token): cq, rstd_q, cqn | ckv, kpe, rstd_kv, ckvn | Q, K, V, O | lse.
-  std::vector<float> cq_, rstd_q_, cqn_, ckv_, kpe_, rstd_kv_, ckvn_, Q_, K_, V_, O_, lse_;
+  // Saved for backward (per token): cq, rstd_q, cqn | ckv, kpe, rstd_kv, ckvn | Q, K, V, O | lse;
+  // the selective set: cqn, ckvn, O, lse.
+  ActBuf cq_, rstd_q_, cqn_, ckv_, kpe_, rstd_kv_, ckvn_, Q_, K_, V_, O_, lse_;
 };
 
 }  // namespace dstrain::model

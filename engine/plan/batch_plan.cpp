@@ -2,13 +2,17 @@
 
 #include <fmt/format.h>
 
+#include "engine/common/error.h"
 #include "engine/config/load_config.h"
 
 namespace dstrain::plan {
 
 BatchPlan resolve_batch(const config::TrainConfig& cfg, int64_t dp) {
   const auto& tb = cfg.train_batch_size;
-  const auto& mb = cfg.train_micro_batch_size_per_gpu;
+  DS_CHECK(!cfg.train_micro_batch_size_per_gpu || !cfg.train_micro_batch_size_per_gpu->is_auto(),
+           "train_micro_batch_size_per_gpu: auto is resolved by make_plan");
+  std::optional<int64_t> mb;
+  if (cfg.train_micro_batch_size_per_gpu) mb = cfg.train_micro_batch_size_per_gpu->value;
   const auto& ga = cfg.gradient_accumulation_steps;
   BatchPlan b;
   b.dp = dp;

@@ -1,6 +1,9 @@
 #include "engine/plan/memory.h"
 
 #include <algorithm>
+#include <vector>
+
+#include "engine/plan/param_table.h"
 
 namespace dstrain::plan {
 
@@ -21,20 +24,112 @@ MemoryEstimate estimate_memory(int64_t dense, int64_t expert, int64_t dp, int64_
   return m;
 }
 
-double activation_bytes(const config::ModelConfig& m, int64_t layers, int64_t micro_batch, int64_t seq_length,
-                        int tp, bool sequence_parallel) {
-  const double H = double(m.hidden_size), heads = double(m.num_attention_heads), t = double(tp);
-  // Split by heads over the tensor-parallel ranks: queries, keys, values, outputs.
-  const double attn_heads = 3.0 * heads * double(m.qk_head_dim() + m.v_head_dim) / t;
-  // Replicated: the low-rank latents every rank keeps whole.
-  const double attn_latent = double(m.q_lora_rank.value_or(0)) + double(m.kv_lora_rank + m.qk_rope_head_dim);
-  // Split either way: dense and shared widths by columns, the routed experts by tokens.
-  const double moe_width = double(m.num_experts_per_tok + m.num_shared()) * double(m.moe_intermediate_size);
-  const double ffn = 3.0 * (m.num_routed() > 0 ? moe_width : double(m.intermediate_size)) / t;
-  // The norm and residual regions: split by tokens with sequence parallelism.
-  const double residual = (4.0 * double(layers) + double(layers + 1)) * H / (sequence_parallel ? t : 1.0);
-  const double per_token = double(layers) * (attn_heads + attn_latent + ffn) + residual + 2.0 * double(m.vocab_size) / t;
-  return 4.0 * per_token * double(micro_batch) * double(seq_length);
+namespace {
+
+// Floats of the buffers of one decoder layer, by placement (engine/model/activations.h): kept
+// whatever the mode, in the selective set, and the layer's backward scratch.
+struct LayerFloats {
+  int64_t always = 0, selective = 0;
+  int64_t dyn_always = 0, dyn_selective = 0;  // expert-parallel receive side (balanced)
+  int64_t scratch = 0, ep_backward = 0;
+  void take(int64_t n, bool sel = false) { (sel ? selective : always) += (n + 15) / 16 * 16; }
+};
+
+int64_t swiglu_scratch(int64_t N, int64_t w, int64_t H) { return N * (3 * w + H) + 64; }
+
+// `rows`: the layer's input rows on this rank (N, or N / tp with sequence parallelism); N: the
+// micro-batch's tokens.
+LayerFloats layer_floats(const config::ModelConfig& m, int64_t index, int64_t N, int64_t rows, int tp, int ep) {
+  LayerFloats f;
+  const int64_t H = m.hidden_size, nh = m.num_attention_heads / tp, dn = m.qk_nope_head_dim,
+                dr = m.qk_rope_head_dim, dv = m.v_head_dim, dqk = dn + dr, rkv = m.kv_lora_rank;
+  const bool lora = m.q_lora_rank.has_value();
+  const int64_t rq = m.q_lora_rank.value_or(0);
+  // MLA (engine/model/mla.cpp), then the layer's norms and residual sum.
+  f.take(N * rq), f.take(lora ? N : 0), f.take(N * rq, true);
+  f.take(N * rkv), f.take(N * dr), f.take(N), f.take(N * rkv, true);
+  f.take(N * nh * dqk), f.take(N * nh * dqk), f.take(N * nh * dv);
+  f.take(N * nh * dv, true), f.take(N * nh, true);
+  const int64_t attn_scratch = N * (nh * dv * 2 + nh * dqk * 3 + nh * (dn + dv) + dr + 2 * rkv + 2 * rq + (lora ? 0 : H)) + 16 * 12;
+  int64_t ffn_scratch = 0;
+  if (m.is_moe_layer(index)) {
+    const int64_t E = m.num_routed(), k = m.num_experts_per_tok, I = m.moe_intermediate_size;
+    int64_t shared_scratch = 0;
+    if (m.num_shared() > 0) {
+      const int64_t w = m.num_shared() * I / tp;
+      f.take(N * 2 * w), f.take(N * w, true);
+      shared_scratch = swiglu_scratch(N, w, H);
+    }
+    const int64_t n = (N + tp - 1) / tp;  // the most tokens a rank routes
+    f.take(n * E), f.take(n * k), f.take(n * E);
+    f.take(n * k * H, true), f.take(n * k * 2 * I), f.take(n * k * I, true), f.take(n * k * H);
+    if (ep > 1) {
+      const int64_t recv = n * k;  // balanced
+      f.dyn_always += recv * H + recv * 2 * I;                // Xr, GUe
+      f.dyn_selective += recv * H * 3 + recv * I;             // Xe, Ye, Yr, Me
+      f.ep_backward = recv * (4 * H + 3 * I);                 // dYr, dYe, dXe, dXr, dMe, dGUe
+    }
+    ffn_scratch = N * k * (2 * H + 3 * I) + N * (k + 2 * E) + E * H + shared_scratch + 192;
+  } else {
+    const int64_t w = m.intermediate_size / tp;
+    f.take(N * 2 * w), f.take(N * w, true);
+    ffn_scratch = swiglu_scratch(N, w, H);
+  }
+  f.take(rows * H, true), f.take(rows), f.take(rows * H), f.take(rows * H, true), f.take(rows);
+  f.scratch = std::max(attn_scratch, ffn_scratch);
+  return f;
+}
+
+}  // namespace
+
+ActivationMemory instance_activation_memory(const config::ModelConfig& m, const InstanceShape& s) {
+  const int tp = s.tp;
+  const bool sp = s.sequence_parallel && tp > 1;
+  const int64_t B = s.micro_batch, S = s.seq_length, N = B * S, H = m.hidden_size;
+  const int64_t rows = sp ? (N + tp - 1) / tp : N;
+  const int64_t vb = vocab_block(m.vocab_size, tp);
+  const int64_t Vl = std::min<int64_t>(m.vocab_size, vb);  // rank 0's vocabulary rows
+  const config::ActivationCheckpointingConfig& ac = s.checkpointing;
+  const bool full = ac.granularity == config::CheckpointGranularity::kFull;
+  const int64_t recomputing = !ac.enabled ? 0 : ac.num_layers ? *ac.num_layers : s.end_layer - s.first_layer;
+  int64_t kept = 0, shared = 0, dyn_kept = 0, scratch = 0, ep_backward = 0;
+  int64_t dyn_shared_max = 0;
+  for (int64_t i = s.first_layer; i < s.end_layer; ++i) {
+    const LayerFloats f = layer_floats(m, i, N, rows, tp, s.ep);
+    scratch = std::max(scratch, f.scratch);
+    ep_backward += f.ep_backward;
+    if (i - s.first_layer >= recomputing) {
+      kept += f.always + f.selective, dyn_kept += f.dyn_always + f.dyn_selective;
+    } else if (full) {
+      shared = std::max(shared, f.always + f.selective);
+      dyn_shared_max = std::max(dyn_shared_max, f.dyn_always + f.dyn_selective);
+    } else {
+      kept += f.always, dyn_kept += f.dyn_always;
+      shared = std::max(shared, f.selective);
+      dyn_shared_max = std::max(dyn_shared_max, f.dyn_selective);
+    }
+  }
+  int64_t model = 3 * N + (s.end_layer - s.first_layer + 1) * rows * H;  // token ids, hidden states
+  if (s.has_head) {
+    model += rows * H + (sp ? N * H : 0) + rows + N * Vl;  // final norm, its gather, logits
+    for (int64_t k = 1; k <= m.num_nextn_predict_layers; ++k) {  // MTP modules: their own buffers and layer
+      const int64_t r = B * (S - k);
+      model += 9 * r * H + 3 * r + r * Vl;
+      const LayerFloats f = layer_floats(m, m.num_hidden_layers + k - 1, r, r, tp, s.ep);
+      kept += f.always + f.selective, dyn_kept += f.dyn_always + f.dyn_selective;
+      ep_backward += f.ep_backward + r * H;  // and the module's running output gradient
+      scratch = std::max({scratch, layer_floats(m, m.num_hidden_layers + k - 1, N, N, tp, s.ep).scratch, 2 * N * H + 64});
+    }
+  }
+  // Backward temporaries (engine/model/deepseek_model.cpp): scratch, dz, dh, two [N,H] buffers,
+  // ones, per-row losses (last stage), the sequence-parallel gathers.
+  const int64_t work = scratch + N * H + rows * H + 2 * N * H + N + (s.has_head ? N : 0) + (sp ? 3 * N * H : 0) +
+                       ep_backward;
+  ActivationMemory out;
+  out.kept = 4.0 * double(kept + dyn_kept + model);
+  out.recomputed = 4.0 * double(shared + dyn_shared_max);
+  out.workspace = 4.0 * double(work);
+  return out;
 }
 
 }  // namespace dstrain::plan

@@ -25,15 +25,33 @@ struct MemoryEstimate {
 MemoryEstimate estimate_memory(int64_t dense, int64_t expert, int64_t dp, int64_t edp,
                                int zero_stage, config::Precision precision);
 
-// Bytes of activations a rank keeps from one micro-batch's forward for its backward (fp32): per
-// token, the hidden state between layers, each layer's normed inputs, MLA's query / key / value
-// and output and latent vectors, the SwiGLU (or activated experts') intermediates, and the
-// logits. An estimate within 30% of what the model keeps (tests/model/test_params.cpp; docs/design.md §7.4), used
-// to refuse a run that cannot fit before anything is allocated. `layers`: the decoder layers on
-// the rank (MTP modules count as layers).
-// With tensor parallelism `tp`, the parts split by heads, widths, vocabulary rows or (the routed
-// experts) tokens count 1/tp; with sequence parallelism the norm and residual regions too.
-double activation_bytes(const config::ModelConfig& m, int64_t layers, int64_t micro_batch, int64_t seq_length,
-                        int tp = 1, bool sequence_parallel = false);
+// Activation memory of one model instance — one micro-batch of one (virtual) pipeline stage on
+// one rank — computed from the buffers the model allocates (docs/design.md §6.7), so that a run
+// that cannot fit is refused before anything is allocated and --dry-run shows what checkpointing
+// saves. fp32 storage; expert-parallel receive buffers at balanced routing (each rank receives
+// as many rows as it sends).
+struct ActivationMemory {
+  double kept = 0;        // saved buffers alive from forward to backward (hidden states, head, MTP)
+  double recomputed = 0;  // the recomputing layers' shared buffers (the largest layer's)
+  double workspace = 0;   // backward temporaries and the expert-parallel backward buffers
+  double saved() const { return kept + recomputed; }
+  double total() const { return saved() + workspace; }
+  ActivationMemory& operator+=(const ActivationMemory& o) {
+    kept += o.kept, recomputed += o.recomputed, workspace += o.workspace;
+    return *this;
+  }
+  ActivationMemory operator*(double f) const { return {kept * f, recomputed * f, workspace * f}; }
+};
+
+struct InstanceShape {
+  int64_t first_layer = 0, end_layer = 0;  // decoder layers [first, end)
+  bool has_embedding = true, has_head = true;
+  int64_t micro_batch = 1, seq_length = 1;
+  int tp = 1, ep = 1;
+  bool sequence_parallel = false;  // only with tp > 1
+  config::ActivationCheckpointingConfig checkpointing;
+};
+
+ActivationMemory instance_activation_memory(const config::ModelConfig& m, const InstanceShape& s);
 
 }  // namespace dstrain::plan

@@ -1,5 +1,7 @@
 #include "engine/plan/model_math.h"
 
+#include <algorithm>
+
 namespace dstrain::plan {
 
 ParamCounts count_params(const config::ModelConfig& m, const std::vector<ParamInfo>& table) {
@@ -44,8 +46,17 @@ FlopsPerToken flops_per_token(const config::ModelConfig& m, int64_t seq_length) 
     f.mtp += layer(m.num_hidden_layers + k) + 4.0 * H * H + f.head;
   f.forward = body + f.head + f.mtp;
   f.train = 3.0 * f.forward;
-  f.train_recompute = 4.0 * f.forward;
+  f.layers_forward = body;
   return f;
+}
+
+double train_flops_with_recompute(const FlopsPerToken& f, const config::ModelConfig& m,
+                                  const config::ActivationCheckpointingConfig& ac, int64_t stages) {
+  if (!ac.enabled || m.num_hidden_layers == 0) return f.train;
+  const double L = double(m.num_hidden_layers);
+  const double share = ac.num_layers ? std::min(1.0, double(*ac.num_layers) * double(stages) / L) : 1.0;
+  const double again = ac.granularity == config::CheckpointGranularity::kFull ? f.layers_forward : L * f.attn_core;
+  return f.train + share * again;
 }
 
 }  // namespace dstrain::plan

@@ -30,8 +30,15 @@ struct FlopsPerToken {
   double mtp = 0;        // all MTP modules together
   double forward = 0;    // whole model, per token
   double train = 0;      // 3 x forward (backward = 2 x forward)
-  double train_recompute = 0;  // 4 x forward: with activation checkpointing
+  double layers_forward = 0;  // the decoder layers' part of forward (what full recomputation repeats)
 };
+
+// FLOPs per token executed by a training step with recomputation (docs/design.md §6.7): train
+// plus the recomputed forward parts — every recomputing decoder layer's forward (full), or its
+// attention core (selective; the rest of the selective set is element-wise). `stages`: the
+// pipeline stages (model chunks) the decoder layers are split over.
+double train_flops_with_recompute(const FlopsPerToken& f, const config::ModelConfig& m,
+                                  const config::ActivationCheckpointingConfig& ac, int64_t stages);
 
 FlopsPerToken flops_per_token(const config::ModelConfig& m, int64_t seq_length);
 

@@ -52,7 +52,33 @@ MemoryEstimate ParallelPlan::memory(int stage, int zero_stage, config::Precision
                          precision);
 }
 
-ParallelPlan make_plan(const config::TrainConfig& cfg, int world_size) {
+ActivationMemory ParallelPlan::instance_activations(int virtual_stage, int64_t micro_batch) const {
+  const StageRange& r = stages.at(size_t(virtual_stage));
+  InstanceShape s;
+  s.first_layer = r.first_layer, s.end_layer = r.end_layer;
+  s.has_embedding = r.has_embedding, s.has_head = r.has_head;
+  s.micro_batch = micro_batch > 0 ? micro_batch : batch.micro, s.seq_length = config.seq_length;
+  s.tp = degrees.tp, s.ep = degrees.ep;
+  s.sequence_parallel = config.parallel.sequence_parallel && degrees.tp > 1;
+  s.checkpointing = config.activation_checkpointing;
+  return instance_activation_memory(config.model, s);
+}
+
+ActivationMemory ParallelPlan::activations(int pp, int64_t micro_batch) const {
+  // The runtime builds one instance per chunk up front and more as the schedule holds more
+  // micro-batches: the chunks' instances together, times the peak in flight per chunk.
+  ActivationMemory one;
+  for (int vs : virtual_stages_of(pp)) one += instance_activations(vs, micro_batch);
+  return one * std::max(1.0, double(in_flight(pp)) / double(chunks()));
+}
+
+double ParallelPlan::rank_need(int pp) const {
+  return memory(pp, int(config.zero_optimization.stage), config.precision()).total() + activations(pp).total();
+}
+
+namespace {
+
+ParallelPlan make_fixed_plan(const config::TrainConfig& cfg, int world_size) {
   ParallelPlan plan;
   plan.config = cfg;
   plan.degrees = resolve_degrees(cfg, world_size);
@@ -61,7 +87,7 @@ ParallelPlan make_plan(const config::TrainConfig& cfg, int world_size) {
   config::TrainConfig& resolved = plan.config;
   resolved.parallel.data.value = plan.degrees.dp;
   resolved.train_batch_size = plan.batch.global;
-  resolved.train_micro_batch_size_per_gpu = plan.batch.micro;
+  resolved.train_micro_batch_size_per_gpu = config::AutoInt{plan.batch.micro};
   resolved.gradient_accumulation_steps = plan.batch.accumulation;
 
   const config::ModelConfig& m = cfg.model;
@@ -113,6 +139,70 @@ ParallelPlan make_plan(const config::TrainConfig& cfg, int world_size) {
   }
   for (StageLoad& load : plan.stage_loads) load.expert_params /= plan.degrees.ep;
   return plan;
+}
+
+}  // namespace
+
+// train_micro_batch_size_per_gpu: auto (docs/design.md §7.4.2): the largest micro-batch that
+// divides the sequences each data-parallel rank takes per step (train_batch_size / DP) and whose
+// plan keeps every pipeline rank's state and activations within the budget.
+ParallelPlan make_plan(const config::TrainConfig& cfg, int world_size, double host_share_bytes) {
+  const auto& mb = cfg.train_micro_batch_size_per_gpu;
+  if (!mb || !mb->is_auto()) return make_fixed_plan(cfg, world_size);
+  const char* key = "train_micro_batch_size_per_gpu";
+  if (!cfg.train_batch_size)
+    config::fail_at(cfg, key, "auto needs train_batch_size (the batch it keeps); valid: set train_batch_size, or a "
+                              "number here");
+  if (cfg.gradient_accumulation_steps)
+    config::fail_at(cfg, "gradient_accumulation_steps",
+                    fmt::format("{}, but train_micro_batch_size_per_gpu is auto, which chooses the accumulation; "
+                                "valid: leave it out, or give the micro-batch",
+                                *cfg.gradient_accumulation_steps));
+  const double budget = cfg.memory_budget_gib ? *cfg.memory_budget_gib * double(1ull << 30) : host_share_bytes;
+  if (budget <= 0)
+    config::fail_at(cfg, "memory_budget_gib",
+                    "null, and this host's available memory could not be read; valid: the GiB per rank that "
+                    "train_micro_batch_size_per_gpu: auto may plan for");
+  const int64_t dp = resolve_degrees(cfg, world_size).dp;
+  const int64_t per_rank = *cfg.train_batch_size / dp;
+  if (*cfg.train_batch_size % dp != 0)
+    config::fail_at(cfg, "train_batch_size",
+                    fmt::format("{} is not divisible by the data-parallel size {}; valid: a multiple of {}",
+                                *cfg.train_batch_size, dp, dp));
+  ParallelPlan::AutoMicroBatch choice;
+  choice.budget = budget;
+  std::string refused;
+  for (int64_t m = per_rank; m >= 1; --m) {
+    if (per_rank % m != 0) continue;
+    config::TrainConfig c = cfg;
+    c.train_micro_batch_size_per_gpu = config::AutoInt{m};
+    ParallelPlan p;
+    try {
+      p = make_fixed_plan(c, world_size);
+    } catch (const ConfigError& e) {  // e.g. a pipeline schedule that needs another micro-batch count
+      if (refused.empty()) refused = e.what();
+      continue;
+    }
+    double need = 0;
+    for (int s = 0; s < p.degrees.pp; ++s) need = std::max(need, p.rank_need(s));
+    if (need > budget) {
+      choice.larger = m, choice.larger_need = need;
+      continue;
+    }
+    choice.chosen = m, choice.need = need;
+    p.auto_micro = choice;
+    return p;
+  }
+  config::fail_at(cfg, key,
+                  choice.larger > 0
+                      ? fmt::format("auto, but even a micro-batch of {} needs {} per rank (state and activations), "
+                                    "over the budget of {}; valid: a larger memory_budget_gib, activation_checkpointing, "
+                                    "ZeRO, more ranks, or a smaller seq_length or model",
+                                    choice.larger, human_bytes(choice.larger_need), human_bytes(budget))
+                      : fmt::format("auto, but no micro-batch dividing {} sequences per data-parallel rank gives a "
+                                    "valid plan: {}",
+                                    per_rank, refused));
+  return {};
 }
 
 }  // namespace dstrain::plan

@@ -64,15 +64,33 @@ struct ParallelPlan {
       n += stages[size_t(s)].num_layers() + (stages[size_t(s)].has_head ? config.model.num_nextn_predict_layers : 0);
     return n;
   }
+  // Activation memory of one model instance of a virtual stage (one micro-batch; 0: the plan's
+  // micro-batch), and of pipeline rank `pp` with the schedule's peak in flight.
+  ActivationMemory instance_activations(int virtual_stage, int64_t micro_batch = 0) const;
+  ActivationMemory activations(int pp, int64_t micro_batch = 0) const;
   ShardSpec shard(size_t param_index, int rank) const;
   MemoryEstimate memory(int stage, int zero_stage, config::Precision precision) const;
+  // Bytes pipeline rank `pp` needs: state at the configured ZeRO stage and precision, plus its
+  // activations with the schedule's peak in flight.
+  double rank_need(int pp) const;
+
+  // How train_micro_batch_size_per_gpu: auto chose (absent when it was given).
+  struct AutoMicroBatch {
+    int64_t chosen = 0;
+    double need = 0, budget = 0;
+    int64_t larger = 0;  // the next larger candidate, which did not fit (0: none)
+    double larger_need = 0;
+  };
+  std::optional<AutoMicroBatch> auto_micro;
 };
 
 // The most parameter tensors a plan's registry may hold.
 inline constexpr int64_t kMaxRegistryEntries = 10'000'000;
 
 // Throws ConfigError when the config does not fit `world_size` (degrees, batch triangle), or the
-// model has more than kMaxRegistryEntries tensors.
-ParallelPlan make_plan(const config::TrainConfig& cfg, int world_size);
+// model has more than kMaxRegistryEntries tensors. `host_share_bytes`: the memory budget per rank
+// for train_micro_batch_size_per_gpu: auto when memory_budget_gib is null (the caller's share of
+// this host's available memory).
+ParallelPlan make_plan(const config::TrainConfig& cfg, int world_size, double host_share_bytes = 0);
 
 }  // namespace dstrain::plan

@@ -41,6 +41,11 @@ void batch_section(std::ostringstream& o, const ParallelPlan& p) {
                    b.global, b.micro, b.accumulation, b.dp);
   o << fmt::format("           seq_length {}: {} tokens per step, {} per micro-batch per rank\n",
                    b.seq_length, with_commas(b.tokens_per_step()), with_commas(b.micro * b.seq_length));
+  if (const auto& a = p.auto_micro)
+    o << fmt::format("           micro-batch auto: {} needs {} per rank of the {} budget{}\n", a->chosen,
+                     human_bytes(a->need), human_bytes(a->budget),
+                     a->larger > 0 ? fmt::format("; {} would need {}", a->larger, human_bytes(a->larger_need))
+                                   : std::string("; the largest possible"));
 }
 
 void groups_section(std::ostringstream& o, const ParallelPlan& p, const ReportOptions& opts) {
@@ -109,12 +114,10 @@ void pipeline_section(std::ostringstream& o, const ParallelPlan& p) {
   for (int r = 0; r < s.stages; ++r) {
     const size_t end = text.find('\n', at);
     const int peak = p.in_flight(r);
-    const double per = activation_bytes(c.model, p.layers_of(r), p.batch.micro, c.seq_length, p.degrees.tp, sp) /
-                       double(s.chunks);
     o << text.substr(at, end - at)
       << fmt::format("\n           up to {} micro-batch{} in flight: activations {}\n", peak,
                      s.chunks > 1 ? (peak == 1 ? " chunk" : " chunks") : (peak == 1 ? "" : "es"),
-                     human_bytes(per * peak));
+                     human_bytes(p.activations(r).total()));
     at = end + 1;
   }
 }
@@ -125,8 +128,11 @@ void flops_section(std::ostringstream& o, const ParallelPlan& p) {
   o << fmt::format("FLOPs      per token: forward {}FLOP, train {}FLOP (3x forward{})\n",
                    human_count(f.forward), human_count(f.train),
                    p.config.activation_checkpointing.enabled
-                       ? fmt::format("; {}FLOP executed with recomputation",
-                                     human_count(f.train_recompute))
+                       ? fmt::format("; {}FLOP executed with {} recomputation",
+                                     human_count(train_flops_with_recompute(
+                                         f, p.config.model, p.config.activation_checkpointing,
+                                         int64_t(p.degrees.pp) * p.chunks())),
+                                     config::to_string(p.config.activation_checkpointing.granularity))
                        : "");
   o << fmt::format("           per layer: attention projections {}, attention core {} (S/2 "
                    "context), dense MLP {}, MoE {}\n",
@@ -165,17 +171,26 @@ void memory_section(std::ostringstream& o, const ParallelPlan& p) {
   // modules too).
   const config::TrainConfig& c = p.config;
   const bool sp = c.parallel.sequence_parallel && p.degrees.tp > 1;
-  o << fmt::format("  activations per rank for one micro-batch of {} x {} tokens{}:\n", p.batch.micro, c.seq_length,
+  const auto& ac = c.activation_checkpointing;
+  o << fmt::format("  activations per rank (fp32) for one micro-batch of {} x {} tokens{}; {}:\n", p.batch.micro,
+                   c.seq_length,
                    p.degrees.tp > 1 ? fmt::format(" (tensor parallel {}{})", p.degrees.tp,
                                                   sp ? ", sequence parallel" : ", norm and residual regions whole")
-                                    : "");
+                                    : "",
+                   !ac.enabled ? "no recomputation"
+                               : fmt::format("{} recomputation of {} layers per stage",
+                                             config::to_string(ac.granularity),
+                                             ac.num_layers ? std::to_string(*ac.num_layers) : std::string("all")));
   for (size_t s = 0; s < ranks; ++s) {
-    const int64_t layers = p.layers_of(int(s));
-    const double acts = activation_bytes(c.model, layers, p.batch.micro, c.seq_length, p.degrees.tp, sp);
-    o << fmt::format("  stage {:<3} {} (one rank alone: {})\n", s, human_bytes(acts),
-                     human_bytes(activation_bytes(c.model, layers, p.batch.micro, c.seq_length)));
+    ActivationMemory one;
+    for (int vs : p.virtual_stages_of(int(s))) one += p.instance_activations(vs);
+    o << fmt::format("  stage {:<3} saved {} ({} kept, {} recomputed), backward workspace {}", s,
+                     human_bytes(one.saved()), human_bytes(one.kept), human_bytes(one.recomputed),
+                     human_bytes(one.workspace));
+    if (p.degrees.pp > 1)
+      o << fmt::format("; {} in flight: {}", p.in_flight(int(s)), human_bytes(p.activations(int(s)).total()));
+    o << "\n";
   }
-  o << "  (workspace not included)\n";
 }
 
 }  // namespace

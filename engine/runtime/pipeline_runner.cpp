@@ -56,6 +56,8 @@ PipelineRunner::PipelineRunner(const plan::ParallelPlan& plan, const RankGroups&
     const plan::StageRange& s = plan.stages.at(size_t(ch.virtual_stage));
     ch.spec = model::StageSpec{s.first_layer, s.end_layer, s.has_embedding, s.has_head, nullptr, nullptr};
     if (s.has_head && !s.has_embedding && mtp) ch.spec.embed_w = mirror_w_.data(), ch.spec.embed_g = mirror_g_.data();
+    ch.spec.recompute = model::recompute_mode(cfg.activation_checkpointing);
+    ch.spec.recompute_layers = cfg.activation_checkpointing.num_layers.value_or(-1);
     chunks_.push_back(std::move(ch));
   }
   for (int c = 0; c < v_; ++c) release(c, acquire(c));  // one instance per chunk now; more as the schedule needs
@@ -124,7 +126,15 @@ int64_t PipelineRunner::saved_activation_bytes_per_micro() const {
 
 int64_t PipelineRunner::saved_activation_bytes_held() const {
   int64_t total = 0;
-  for (const Chunk& ch : chunks_) total += int64_t(ch.pool.size()) * ch.pool.at(0)->saved_activation_bytes();
+  for (const Chunk& ch : chunks_)
+    for (const auto& inst : ch.pool) total += inst->saved_activation_bytes();
+  return total;
+}
+
+int64_t PipelineRunner::activation_bytes_held() const {
+  int64_t total = 0;
+  for (const Chunk& ch : chunks_)
+    for (const auto& inst : ch.pool) total += inst->saved_activation_bytes() + inst->workspace_bytes();
   return total;
 }
 

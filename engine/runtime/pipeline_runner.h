@@ -76,6 +76,7 @@ class PipelineRunner final : public model::BackwardObserver {
   int64_t saved_activation_bytes_per_micro() const;
   int64_t instances() const;
   int64_t saved_activation_bytes_held() const;  // over every instance built
+  int64_t activation_bytes_held() const;        // the same, backward workspaces included
 
   // model::BackwardObserver, installed on every instance.
   void grads_final(int64_t layer) override;

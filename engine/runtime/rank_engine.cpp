@@ -49,13 +49,12 @@ void check_layout_trainable(const plan::ParallelPlan& plan) {
   // than silently ignored.
   const config::TrainConfig& c = plan.config;
   const auto refuse = [&](const char* key, const char* what) {
-    config::fail_at(c, key, fmt::format("true, but {} is not implemented yet (this build computes in fp32 and keeps "
-                                        "every activation); valid: false, or leave it out",
+    config::fail_at(c, key, fmt::format("true, but {} is not implemented yet (this build computes in fp32); valid: "
+                                        "false, or leave it out",
                                         what));
   };
   if (c.bf16.enabled) refuse("bf16.enabled", "bf16 mixed precision");
   if (c.fp16.enabled) refuse("fp16.enabled", "fp16 mixed precision");
-  if (c.activation_checkpointing.enabled) refuse("activation_checkpointing.enabled", "activation checkpointing");
 }
 
 void check_memory_fits(const plan::ParallelPlan& plan, const RankGroups& groups, int64_t micro_batch,
@@ -65,11 +64,7 @@ void check_memory_fits(const plan::ParallelPlan& plan, const RankGroups& groups,
   const plan::MemoryEstimate state =
       plan.memory(stage, gradients ? int(c.zero_optimization.stage) : 0, c.precision());
   // A pipeline rank keeps the activations of every micro-batch chunk in flight (the schedule's peak).
-  const int64_t layers = plan.layers_of(stage);
-  const int in_flight = plan.in_flight(stage);
-  const double acts = plan::activation_bytes(c.model, layers, micro_batch, c.seq_length, plan.degrees.tp,
-                                             c.parallel.sequence_parallel && plan.degrees.tp > 1) *
-                      in_flight / double(plan.chunks());
+  const double acts = micro_batch > 0 ? plan.activations(stage, micro_batch).total() : 0.0;
   const double weights_only = state.weights;
   const double need = (gradients ? state.total() : weights_only) + acts;
   const double available = double(host_memory_available());
@@ -79,7 +74,8 @@ void check_memory_fits(const plan::ParallelPlan& plan, const RankGroups& groups,
   throw ConfigError(fmt::format(
       "this run needs about {} per rank — parameters {}, gradients {}, optimizer state {}, activations {} for {} "
       "tokens per micro-batch — and {} rank{} on this host share {} of available memory; valid: a smaller model, "
-      "a smaller train_micro_batch_size_per_gpu or seq_length, ZeRO (zero_optimization.stage) or more ranks on "
+      "a smaller train_micro_batch_size_per_gpu or seq_length, activation_checkpointing, ZeRO "
+      "(zero_optimization.stage) or more ranks on "
       "more hosts",
       human_bytes(need), human_bytes(state.weights), human_bytes(gradients ? state.gradients : 0.0),
       human_bytes(gradients ? state.optimizer : 0.0), human_bytes(acts), with_commas(int64_t(tokens)), ranks,

@@ -421,6 +421,11 @@ TrainSummary Trainer::run() {
                  d.path, with_commas(d.tokens), d.tokenizer, with_commas(d.train_samples),
                  with_commas(d.validation_samples), cfg_.seq_length + 1,
                  with_commas(plan_.batch.tokens_per_step()));
+    if (const auto& a = plan_.auto_micro)
+      spdlog::info("train_micro_batch_size_per_gpu auto: {} (x {} accumulation x {} data-parallel), planned {} per rank "
+                   "of a {} budget{}",
+                   a->chosen, plan_.batch.accumulation, plan_.batch.dp, human_bytes(a->need), human_bytes(a->budget),
+                   a->larger > 0 ? fmt::format("; {} would need {}", a->larger, human_bytes(a->larger_need)) : "");
     const model::ParamStore& params = *engine_.params;
     const parallel::ZeroSharding& zero = *engine_.zero;
     const int stage = zero.stage();
@@ -436,10 +441,14 @@ TrainSummary Trainer::run() {
                            : "");
     const model::DeepSeekModel& net = *engine_.model;
     const bool sp = cfg_.parallel.sequence_parallel && deg.tp > 1;
-    spdlog::info("activations per rank: {} kept for backward per micro-batch of {} x {} tokens{}, of which the norm "
+    const auto& ac = cfg_.activation_checkpointing;
+    spdlog::info("activations per rank: {} kept for backward per micro-batch of {} x {} tokens{}{}, of which the norm "
                  "and residual regions {}{}; workspace {}{}",
                  human_bytes(double(engine_.pipeline->saved_activation_bytes_per_micro())), plan_.batch.micro,
                  cfg_.seq_length, plan_.chunks() > 1 ? " (its chunks together)" : "",
+                 !ac.enabled ? ""
+                             : fmt::format(" with {} recomputation of {} layers", config::to_string(ac.granularity),
+                                           ac.num_layers ? std::to_string(*ac.num_layers) : std::string("all")),
                  human_bytes(double(net.residual_region_bytes())),
                  deg.tp == 1 ? "" : sp ? fmt::format(" (1/{}: sequence parallel)", deg.tp) : " (whole on every tensor-parallel rank)",
                  human_bytes(double(net.workspace_bytes())),
@@ -485,11 +494,15 @@ TrainSummary Trainer::run() {
       throw Error(fmt::format("step {}: {}", step + 1, e.what()));
     }
     ++window_steps;
-    if (step == start_step_ && rank_ == 0 && plan_.degrees.pp > 1)
-      spdlog::info("pipeline: rank 0 built {} model instance{} for the micro-batches it holds at once (the "
-                   "schedule's peak in flight: {}); activations {}",
-                   engine_.pipeline->instances(), engine_.pipeline->instances() == 1 ? "" : "s", plan_.in_flight(0),
-                   human_bytes(double(engine_.pipeline->saved_activation_bytes_held())));
+    if (step == start_step_ && rank_ == 0) {
+      // What the first step allocated against what the plan said (docs/design.md §6.7).
+      const double measured = double(engine_.pipeline->activation_bytes_held());
+      const double planned = plan_.activations(0).total();
+      spdlog::info("activation memory on rank 0 after the first step: {} in {} model instance{}{} (plan {}, {:+.1f}%)",
+                   human_bytes(measured), engine_.pipeline->instances(), engine_.pipeline->instances() == 1 ? "" : "s",
+                   plan_.degrees.pp > 1 ? fmt::format(" (the schedule's peak in flight: {})", plan_.in_flight(0)) : "",
+                   human_bytes(planned), 100.0 * (measured - planned) / planned);
+    }
     if (!last.diverged.empty()) {
       // The state after `step` steps is finite and untouched: keep it, unless it is saved already.
       std::string kept = saved_step_ >= 0 ? fmt::format("the last finite state is {} (step {})", saved_path_, saved_step_)

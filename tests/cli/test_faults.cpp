@@ -222,8 +222,8 @@ TEST(Faults, KilledRankEndsTheJob) {
 }
 
 // 7. Keys that are accepted but not implemented yet are refused, not silently ignored.
-TEST(Faults, UnimplementedPrecisionAndRecomputationAreRefused) {
-  for (const std::string key : {"bf16.enabled", "fp16.enabled", "activation_checkpointing.enabled"}) {
+TEST(Faults, UnimplementedPrecisionIsRefused) {
+  for (const std::string key : {"bf16.enabled", "fp16.enabled"}) {
     const Result r = run(kDstrain + " configs/tiny.yaml --set train_steps=2 --set " + key + "=true");
     EXPECT_EQ(r.rc, 1) << key;
     EXPECT_NE(r.err.find(key + ": true, but"), std::string::npos) << r.err;

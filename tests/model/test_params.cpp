@@ -145,10 +145,10 @@ TEST(RouterBias, MovesTowardsBalance) {
 namespace dstrain::model {
 namespace {
 
-// The activation estimate the memory check uses (plan::activation_bytes) against what the model
-// actually keeps for backward, for each preset at a few batch shapes: within 30% (it refuses a
-// run only when the estimate alone does not fit, so it must not overshoot much).
-TEST(MemoryEstimate, ActivationsMatchWhatTheModelKeeps) {
+// The plan's activation memory (plan::instance_activation_memory: what the memory check and
+// --dry-run use) against what the model allocates, for each preset at a few batch shapes, with
+// MTP, and under each recomputation mode: within 2% (the plan mirrors the buffers).
+TEST(MemoryEstimate, ActivationsMatchWhatTheModelAllocates) {
   for (const char* preset : {"tiny", "small"})
     for (const auto& [B, S] : {std::pair<int64_t, int64_t>{2, 32}, {4, 64}}) {
       config::ModelConfig m = config::model_preset(preset);
@@ -159,11 +159,35 @@ TEST(MemoryEstimate, ActivationsMatchWhatTheModelKeeps) {
         ParamStore params(table, stages, m.num_routed(), {});
         auto be = kernels::make_cpu_backend(1);
         LocalCollectives coll;
-        DeepSeekModel net(m, *be, coll, params, B, S);
-        const double actual = double(net.saved_activation_bytes());
-        const double estimate = plan::activation_bytes(m, m.num_hidden_layers + mtp, B, S);
-        EXPECT_GT(estimate, 0.7 * actual) << preset << " B " << B << " S " << S << " mtp " << mtp;
-        EXPECT_LT(estimate, 1.3 * actual) << preset << " B " << B << " S " << S << " mtp " << mtp;
+        double saved_none = 0, saved_selective = 0;
+        for (const auto& [enabled, granularity, layers] :
+             {std::tuple<bool, config::CheckpointGranularity, std::optional<int64_t>>{false, {}, {}},
+              {true, config::CheckpointGranularity::kSelective, {}},
+              {true, config::CheckpointGranularity::kFull, {}},
+              {true, config::CheckpointGranularity::kFull, 1}}) {
+          config::ActivationCheckpointingConfig ac;
+          ac.enabled = enabled, ac.granularity = granularity, ac.num_layers = layers;
+          StageSpec spec;
+          spec.recompute = recompute_mode(ac), spec.recompute_layers = layers.value_or(-1);
+          DeepSeekModel net(m, *be, coll, params, B, S, false, spec);
+          plan::InstanceShape shape;
+          shape.end_layer = m.num_hidden_layers, shape.micro_batch = B, shape.seq_length = S, shape.checkpointing = ac;
+          const plan::ActivationMemory want = plan::instance_activation_memory(m, shape);
+          const std::string what = fmt::format("{} B {} S {} mtp {} recompute {} layers {}", preset, B, S, mtp,
+                                               int(spec.recompute), spec.recompute_layers);
+          const double saved = double(net.saved_activation_bytes()), work = double(net.workspace_bytes());
+          EXPECT_NEAR(want.saved(), saved, 0.02 * saved) << what;
+          EXPECT_NEAR(want.recomputed, double(net.activation_store().recomputed_bytes()), 0.02 * saved) << what;
+          EXPECT_NEAR(want.workspace, work, 0.02 * work) << what;
+          if (!enabled) {
+            saved_none = saved;
+          } else if (granularity == config::CheckpointGranularity::kSelective) {
+            EXPECT_LT(saved, saved_none) << what;
+            saved_selective = saved;
+          } else if (!layers) {
+            EXPECT_LT(saved, saved_selective) << what;
+          }
+        }
       }
     }
 }

@@ -18,7 +18,8 @@ config::TrainConfig with_batch(std::optional<int64_t> tb, std::optional<int64_t>
                                std::optional<int64_t> ga) {
   config::TrainConfig c = load(testing::base_yaml());
   c.train_batch_size = tb;
-  c.train_micro_batch_size_per_gpu = mb;
+  c.train_micro_batch_size_per_gpu.reset();
+  if (mb) c.train_micro_batch_size_per_gpu = config::AutoInt{*mb};
   c.gradient_accumulation_steps = ga;
   return c;
 }
@@ -118,7 +119,7 @@ TEST(Plan, ShardsAddUpPerRankAndPerParameter) {
 TEST(Plan, ResolvedConfigCarriesTheBatchTriangleAndDataDegree) {
   const ParallelPlan p = make_plan(load(testing::base_yaml()), 4);
   EXPECT_EQ(p.config.parallel.data.value, 4);
-  EXPECT_EQ(p.config.train_micro_batch_size_per_gpu, 2);
+  EXPECT_EQ(p.config.train_micro_batch_size_per_gpu->value, 2);
   EXPECT_EQ(p.config.gradient_accumulation_steps, 1);
 }
 
@@ -203,6 +204,73 @@ TEST(Report, NamesEveryFigureAUserChecks) {
                         "edp  1024 group(s) of 2: [0 64] [1 65]", "stage 15  layers 58-60 (3)",
                         "ZeRO-1", "per step"})
     EXPECT_NE(r.find(s), std::string::npos) << s << "\n" << r;
+}
+
+// train_micro_batch_size_per_gpu: auto picks the largest micro-batch dividing the per-rank batch
+// whose plan fits the budget: between the needs of micro 4 and 8 it takes 4; the same budget
+// takes 8 once full recomputation shrinks the activations; every candidate fits a huge budget;
+// none fits a tiny one, which is refused with the smallest need.
+TEST(AutoMicroBatch, PicksTheLargestThatFits) {
+  const std::string yaml = "train_batch_size: 16\nseq_length: 128\nmodel:\n  preset: small\n";
+  const auto need = [&](int64_t micro, const std::vector<std::string>& sets) {
+    std::vector<std::string> all = sets;
+    all.push_back("train_micro_batch_size_per_gpu=" + std::to_string(micro));
+    const ParallelPlan p = make_plan(load(yaml, all), 1);
+    EXPECT_FALSE(p.auto_micro);
+    return p.rank_need(0);
+  };
+  const double n4 = need(4, {}), n8 = need(8, {});
+  ASSERT_LT(n4, n8);
+  const double budget = (n4 + n8) / 2;
+  const auto pick = [&](std::vector<std::string> sets, double gib) {
+    sets.push_back("train_micro_batch_size_per_gpu=auto");
+    sets.push_back(fmt::format("memory_budget_gib={}", gib));
+    return make_plan(load(yaml, sets), 1);
+  };
+  const ParallelPlan p = pick({}, budget / double(1ull << 30));
+  ASSERT_TRUE(p.auto_micro);
+  EXPECT_EQ(p.batch.micro, 4);
+  EXPECT_EQ(p.batch.accumulation, 4);
+  EXPECT_EQ(p.batch.global, 16);
+  EXPECT_EQ(p.auto_micro->larger, 8);
+  EXPECT_NEAR(p.auto_micro->need, n4, 1.0);
+  EXPECT_NEAR(p.auto_micro->larger_need, n8, 1.0);
+  EXPECT_NE(dry_run_report(p).find("micro-batch auto: 4 needs"), std::string::npos);
+  // The same budget with full recomputation: the activations of 8 sequences now fit.
+  const std::vector<std::string> full = {"activation_checkpointing.enabled=true"};
+  ASSERT_LT(need(8, full), budget);
+  EXPECT_EQ(pick(full, budget / double(1ull << 30)).batch.micro, 8);
+  EXPECT_EQ(pick({}, 1000.0).batch.micro, 16);
+  try {
+    pick({}, 0.001);
+    ADD_FAILURE() << "a budget nothing fits was accepted";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("even a micro-batch of 1 needs"), std::string::npos) << e.what();
+  }
+}
+
+TEST(AutoMicroBatch, RefusesWhatItCannotKeep) {
+  const auto refused = [](const std::vector<std::string>& sets, const std::string& want) {
+    try {
+      make_plan(load(testing::base_yaml(), sets), 1, 1e9);
+      ADD_FAILURE() << "accepted: " << want;
+    } catch (const ConfigError& e) {
+      EXPECT_NE(std::string(e.what()).find(want), std::string::npos) << e.what();
+    }
+  };
+  refused({"train_micro_batch_size_per_gpu=auto", "gradient_accumulation_steps=2"},
+          "gradient_accumulation_steps: 2, but train_micro_batch_size_per_gpu is auto");
+  refused({"train_micro_batch_size_per_gpu=auto", "train_batch_size=null"},
+          "train_micro_batch_size_per_gpu: auto needs train_batch_size");
+  // No budget given and none known (host_share_bytes 0).
+  try {
+    make_plan(load(testing::base_yaml(), {"train_micro_batch_size_per_gpu=auto"}), 1, 0.0);
+    ADD_FAILURE() << "no budget accepted";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("memory_budget_gib: null"), std::string::npos) << e.what();
+  }
+  // The host's share is the budget when the key is null.
+  EXPECT_EQ(make_plan(load(testing::base_yaml(), {"train_micro_batch_size_per_gpu=auto"}), 1, 1e12).batch.micro, 8);
 }
 
 }  // namespace

@@ -1,0 +1,96 @@
+// Where a model instance keeps the activations its backward pass reads (docs/design.md §6.7).
+//
+// Every decoder layer takes its saved buffers from one ActivationStore at construction. A layer
+// declares each buffer either always kept or in the selective set (memory-heavy and cheap to
+// recompute: normed copies, the attention core's output, SwiGLU and expert activations, the
+// dispatched rows). Under the layer's recomputation mode a buffer is
+//   kept       — in the store's private region, one per layer, alive from forward to backward;
+//   recomputed — in the shared region, which every recomputing layer of the instance reuses
+//                (its size is the largest layer's), rewritten by the layer's backward right
+//                before it reads it, with the same kernels on the same inputs (bitwise equal).
+// kFull recomputes every buffer of the layer (only its input, the model's hidden state, is
+// kept); kSelective those of the selective set; kNone none.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "engine/common/error.h"
+#include "engine/config/train_config.h"
+
+namespace dstrain::model {
+
+enum class Recompute : uint8_t { kNone, kSelective, kFull };
+inline Recompute recompute_mode(const config::ActivationCheckpointingConfig& c) {
+  if (!c.enabled) return Recompute::kNone;
+  return c.granularity == config::CheckpointGranularity::kFull ? Recompute::kFull : Recompute::kSelective;
+}
+
+class ActivationStore;
+class WeightGradDeferral;
+
+// A fixed-size float buffer placed by an ActivationStore; data() is valid once the store is
+// finalised (the layers only take buffers while they are built, and touch them after).
+class ActBuf {
+ public:
+  float* data() const;
+  int64_t size() const { return n_; }
+  bool recomputed() const { return shared_; }
+
+ private:
+  friend class ActivationStore;
+  const ActivationStore* store_ = nullptr;
+  bool shared_ = false;
+  int64_t off_ = 0, n_ = 0;
+};
+
+class ActivationStore {
+ public:
+  ActivationStore() = default;
+  ActivationStore(const ActivationStore&) = delete;
+  ActivationStore& operator=(const ActivationStore&) = delete;
+
+  // The buffers taken from now on belong to a new layer with this recomputation mode.
+  void begin_layer(Recompute mode);
+  Recompute mode() const { return mode_; }
+  // n floats; `selective`: part of the selective set (recomputed under kSelective).
+  ActBuf take(int64_t n, bool selective = false);
+  // A buffer whose size is only known at run time (the expert-parallel receive side), placed
+  // by the same rule: the recomputing layers share one vector per slot.
+  std::vector<float>* take_dynamic(bool selective = false);
+  // Allocates both regions; no take after this.
+  void finalize();
+
+  // Bytes held: the kept buffers (private region and kept dynamic vectors) and the recomputed
+  // ones (shared region and shared dynamic vectors), at the vectors' current capacity.
+  int64_t kept_bytes() const;
+  int64_t recomputed_bytes() const;
+  // Registers the recomputed buffers as overwritten by later kernels of a backward pass.
+  void mark_volatile(WeightGradDeferral& d) const;
+  // The layer whose values the recomputed buffers hold now (its forward or its recomputation
+  // wrote them last): that layer's backward need not recompute. -1: none.
+  void set_holder(int64_t layer) { holder_ = layer; }
+  int64_t holder() const { return holder_; }
+
+ private:
+  friend class ActBuf;
+  bool recomputes(bool selective) const {
+    return mode_ == Recompute::kFull || (mode_ == Recompute::kSelective && selective);
+  }
+  Recompute mode_ = Recompute::kNone;
+  bool final_ = false;
+  int64_t kept_used_ = 0, shared_used_ = 0, shared_max_ = 0;
+  size_t dyn_slot_ = 0;
+  int64_t holder_ = -1;
+  std::vector<float> kept_, shared_;
+  std::vector<std::unique_ptr<std::vector<float>>> kept_dyn_, shared_dyn_;
+};
+
+inline float* ActBuf::data() const {
+  DS_CHECK(store_ == nullptr || store_->final_, "activation buffer used before its store was finalised");
+  if (!store_) return nullptr;
+  return const_cast<float*>((shared_ ? store_->shared_ : store_->kept_).data()) + off_;
+}
+
+}  // namespace dstrain::model
