@@ -20,7 +20,7 @@ for preset in "${presets[@]}"; do
     args=(configs/$preset.yaml --set train_steps=$steps --set steps_per_print=$every --set data.eval_interval=0
           --set checkpoint.interval=0 --set checkpoint.dir="$OUT/ck" --set checkpoint.resume=none
           --set monitor.expert_stats_interval=0 --set monitor.metrics_file="$OUT/m.jsonl" --threads 2
-          --set bf16.enabled=false)
+          --set bf16.enabled=false --set train_batch_size=8 --set train_micro_batch_size_per_gpu=8 --set seq_length=256)
     [ $mode != off ] && args+=(--set activation_checkpointing.enabled=true --set activation_checkpointing.granularity=$mode)
     /usr/bin/time -v "$BIN" "${args[@]}" >"$OUT/log" 2>&1
     tok=$(grep "step $steps/$steps" "$OUT/log" | sed -E 's/.*\| ([0-9,]+) tok\/s.*/\1/; s/,//g')

@@ -105,7 +105,8 @@ void MoeLayer::recompute_selective(const float* u_part, int64_t N) {
     const int64_t rows = token_part(N, env_.tp_size, env_.tp_rank).count * k_;
     be.gather_rows(Xp_.data(), u_part, src_.data(), rows, H_);
     be.swiglu_forward(Mp_.data(), GUp_.data(), rows, I_);
-  } else {
+  } else {  // the shared vectors hold another layer's rows: sized for this one's again
+    Xe_->resize(size_t(recv_total_ * H_)), Me_->resize(size_t(recv_total_ * I_));
     be.gather_rows(Xe_->data(), Xr_->data(), to_source_.data(), recv_total_, H_);
     be.swiglu_forward(Me_->data(), GUe_->data(), recv_total_, I_);
   }

@@ -2,6 +2,9 @@
 //   dstrain-bench kernels [--threads N]
 //       achieved GFLOP/s or GB/s per kernel at the model's shapes, GEMMs next to the library's
 //       own speed at the same shape, and the machine's measured fp32 FMA peak
+//   dstrain-bench lowp [--threads N]
+//       GEMMs on bf16 and fp16 inputs (fp32 accumulation, oneDNN matmul) against fp32 sgemm at
+//       the medium preset's shapes, the instruction set and implementation oneDNN chose
 //   dstrain-bench model [--preset small] [--batch 8] [--seq 256] [--threads N] [--steps 5]
 //       forward + backward + AdamW tokens/s, achieved GFLOP/s (docs/model.md §8 model FLOPs), the
 //       fraction of the measured FMA peak, and peak memory against what the step accounts for
@@ -33,6 +36,7 @@
 #include "engine/plan/model_math.h"
 #include "engine/plan/parallel_plan.h"
 #include "kernels/cpu/cpu_ops.h"
+#include "kernels/cpu/low_precision.h"
 
 using namespace dstrain;
 using Clock = std::chrono::steady_clock;
@@ -352,13 +356,69 @@ int bench_checkpoint(int argc, char** argv) {
   return 0;
 }
 
+// bf16 / fp16 GEMMs against fp32 at the medium preset's shapes (N = 2048 tokens): interleaved
+// rounds, best of each; inputs converted once, outside the timing.
+int bench_lowp(int threads) {
+  omp_set_num_threads(threads);
+  using kernels::cpu::LowPrecision;
+  kernels::cpu::LowPrecisionGemm lp;
+  std::printf("oneDNN instruction set here: %s; %d thread(s)\n", kernels::cpu::onednn_isa().c_str(), threads);
+  struct Shape {
+    const char* what;
+    int64_t M, N, K;
+    bool ta, tb;
+  };
+  const Shape shapes[] = {{"q_b_proj forward", 2048, 1152, 384, false, true},
+                          {"dense gate+up forward", 2048, 6144, 768, false, true},
+                          {"dense down backward dx", 2048, 3072, 768, false, false},
+                          {"dense gate+up dW", 6144, 768, 2048, true, false},
+                          {"lm_head forward", 2048, 8192, 768, false, true},
+                          {"expert gate+up forward", 384, 512, 768, false, true}};
+  std::printf("%-24s %18s %9s %9s %9s %8s %8s  %s\n", "GEMM (medium)", "M x N x K", "fp32", "bf16", "fp16",
+              "bf16/32", "fp16/32", "bf16 implementation");
+  double sum32 = 0, sum16b = 0, flops_all = 0;
+  for (const Shape& sh : shapes) {
+    const auto A = randn(sh.M * sh.K, 1), B = randn(sh.K * sh.N, 2);
+    std::vector<uint16_t> Ab(A.size()), Bb(B.size()), Ah(A.size()), Bh(B.size());
+    kernels::cpu::convert_to(Ab.data(), A.data(), int64_t(A.size()), LowPrecision::kBf16);
+    kernels::cpu::convert_to(Bb.data(), B.data(), int64_t(B.size()), LowPrecision::kBf16);
+    kernels::cpu::convert_to(Ah.data(), A.data(), int64_t(A.size()), LowPrecision::kFp16);
+    kernels::cpu::convert_to(Bh.data(), B.data(), int64_t(B.size()), LowPrecision::kFp16);
+    std::vector<float> C(sh.M * sh.N);
+    double t32 = 1e9, tb = 1e9, th = 1e9;
+    for (int round = 0; round < 3; ++round) {
+      t32 = std::min(t32, time_it([&] {
+        dnnl_sgemm(sh.ta ? 'T' : 'N', sh.tb ? 'T' : 'N', sh.M, sh.N, sh.K, 1.0f, A.data(), sh.ta ? sh.M : sh.K, B.data(),
+                   sh.tb ? sh.K : sh.N, 0.0f, C.data(), sh.N);
+      }, 3));
+      tb = std::min(tb, time_it([&] {
+        lp.run(C.data(), Ab.data(), Bb.data(), sh.M, sh.N, sh.K, sh.ta, sh.tb, 1.0f, 0.0f, LowPrecision::kBf16);
+      }, 3));
+      th = std::min(th, time_it([&] {
+        lp.run(C.data(), Ah.data(), Bh.data(), sh.M, sh.N, sh.K, sh.ta, sh.tb, 1.0f, 0.0f, LowPrecision::kFp16);
+      }, 3));
+    }
+    const double flops = 2.0 * sh.M * sh.N * sh.K;
+    sum32 += t32, sum16b += tb, flops_all += flops;
+    std::printf("%-24s %5ld x %5ld x %4ld %s%s %6.0f %9.0f %9.0f %7.2fx %7.2fx  %s\n", sh.what, long(sh.M), long(sh.N),
+                long(sh.K), sh.ta ? "T" : "N", sh.tb ? "T" : "N", flops / t32 / 1e9, flops / tb / 1e9, flops / th / 1e9,
+                t32 / tb, t32 / th, lp.implementation(sh.M, sh.N, sh.K, sh.ta, sh.tb, LowPrecision::kBf16).c_str());
+  }
+  std::printf("all shapes: fp32 %.0f GFLOP/s, bf16 %.0f GFLOP/s (%.2fx); fp16 path: %s\n", flops_all / sum32 / 1e9,
+              flops_all / sum16b / 1e9, sum32 / sum16b,
+              lp.implementation(2048, 1152, 384, false, true, LowPrecision::kFp16).c_str());
+  return 0;
+}
+
 int bench_main(int argc, char** argv) {
   tune_host_allocator();  // as dstrain does
   const std::string mode = argc > 1 ? argv[1] : "";
   if (mode == "kernels") return bench_kernels(arg_int(argc, argv, "--threads", omp_get_max_threads()));
   if (mode == "model") return bench_model(argc, argv);
+  if (mode == "lowp") return bench_lowp(arg_int(argc, argv, "--threads", omp_get_max_threads()));
   if (mode == "checkpoint") return bench_checkpoint(argc, argv);
   std::fprintf(stderr, "usage: dstrain-bench kernels [--threads N]\n"
+                       "       dstrain-bench lowp [--threads N]\n"
                        "       dstrain-bench model [--preset small] [--batch 8] [--seq 256] [--threads N] [--steps 5]\n"
                        "       dstrain-bench checkpoint [--preset medium] [--dir DIR] [--settle SECONDS]\n");
   return 2;

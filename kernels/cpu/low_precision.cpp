@@ -1,0 +1,178 @@
+#include "kernels/cpu/low_precision.h"
+
+#include <dnnl.h>
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstring>
+#include <dnnl.hpp>
+#include <optional>
+#include <stdexcept>
+
+namespace dstrain::kernels::cpu {
+
+const char* to_string(LowPrecision p) { return p == LowPrecision::kBf16 ? "bf16" : "fp16"; }
+
+namespace {
+uint32_t bits(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  return u;
+}
+float from_bits(uint32_t u) {
+  float x;
+  std::memcpy(&x, &u, 4);
+  return x;
+}
+}  // namespace
+
+uint16_t to_bf16(float x) {
+  const uint32_t u = bits(x);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x0040u);  // NaN, kept quiet
+  return uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);                   // nearest, ties to even
+}
+
+float from_bf16(uint16_t h) { return from_bits(uint32_t(h) << 16); }
+
+uint16_t to_fp16(float x) {
+  const uint32_t u = bits(x), sign = (u >> 16) & 0x8000u, a = u & 0x7fffffffu;
+  if (a > 0x7f800000u) return uint16_t(sign | 0x7e00u | ((a >> 13) & 0x3ffu));  // NaN, kept quiet
+  if (a >= 0x477ff000u) return uint16_t(sign | 0x7c00u);  // from 65520 (the tie above 65504, odd): inf
+  if (a < 0x38800000u)  // below 2^-14: a multiple of 2^-24, rounded (nearbyint: to even)
+    return uint16_t(sign | uint32_t(std::nearbyint(from_bits(a) * 16777216.0f)));
+  const uint32_t m = a - 0x38000000u;  // exponent rebiased from 127 to 15
+  return uint16_t(sign | ((m + 0xfffu + ((m >> 13) & 1u)) >> 13));  // a carry moves to the next binade
+}
+
+float from_fp16(uint16_t h) {
+  const uint32_t sign = uint32_t(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
+  if (e == 0) return from_bits(sign | bits(float(m) * 5.9604644775390625e-8f));  // m x 2^-24
+  if (e == 31) return from_bits(sign | 0x7f800000u | (m << 13));
+  return from_bits(sign | ((e + 112u) << 23) | (m << 13));
+}
+
+void convert_to(uint16_t* out, const float* in, int64_t n, LowPrecision p) {
+  int64_t i = 0;
+  if (p == LowPrecision::kBf16) {
+#if defined(__AVX512BF16__)
+    for (; i + 16 <= n; i += 16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(in + i)));
+#endif
+    for (; i < n; ++i) out[i] = to_bf16(in[i]);
+    return;
+  }
+#if defined(__F16C__)
+  for (; i + 8 <= n; i += 8)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), _mm256_cvtps_ph(_mm256_loadu_ps(in + i), _MM_FROUND_TO_NEAREST_INT));
+#endif
+  for (; i < n; ++i) out[i] = to_fp16(in[i]);
+}
+
+void convert_from(float* out, const uint16_t* in, int64_t n, LowPrecision p) {
+  int64_t i = 0;
+  if (p == LowPrecision::kBf16) {
+    for (; i < n; ++i) out[i] = from_bf16(in[i]);  // a shift: the compiler vectorises it
+    return;
+  }
+#if defined(__F16C__)
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(in + i))));
+#endif
+  for (; i < n; ++i) out[i] = from_fp16(in[i]);
+}
+
+struct LowPrecisionGemm::Impl {
+  dnnl::engine engine{dnnl::engine::kind::cpu, 0};
+  dnnl::stream stream{engine};
+  struct Entry {
+    std::optional<dnnl::matmul> prim;  // empty: oneDNN has none for this type here (the fallback runs)
+    dnnl::memory::desc a, b, c;
+    std::string impl;
+  };
+  using Key = std::tuple<int64_t, int64_t, int64_t, bool, bool, int, float, float>;
+  std::map<Key, Entry> cache;
+  mutable std::mutex mu;
+  std::vector<float> wide;  // the fallback's fp32 copies of A and B
+
+  Entry& entry(int64_t M, int64_t N, int64_t K, bool ta, bool tb, LowPrecision p, float alpha, float beta) {
+    const Key key{M, N, K, ta, tb, int(p), alpha, beta};
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = cache.find(key);
+    if (it != cache.end()) return it->second;
+    using dt = dnnl::memory::data_type;
+    const dt in = p == LowPrecision::kBf16 ? dt::bf16 : dt::f16;
+    Entry e;
+    // Logical A [M,K], B [K,N], C [M,N]; a transposed operand is the stored matrix read by columns.
+    e.a = dnnl::memory::desc({M, K}, in, ta ? dnnl::memory::dims{1, M} : dnnl::memory::dims{K, 1});
+    e.b = dnnl::memory::desc({K, N}, in, tb ? dnnl::memory::dims{1, K} : dnnl::memory::dims{N, 1});
+    e.c = dnnl::memory::desc({M, N}, dt::f32, dnnl::memory::dims{N, 1});
+    dnnl::primitive_attr attr;
+    if (alpha != 1.0f) attr.set_output_scales(0, {alpha});
+    if (beta != 0.0f) {
+      dnnl::post_ops ops;
+      ops.append_sum(beta);
+      attr.set_post_ops(ops);
+    }
+    try {
+      const dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(e.a, e.b, e.c), attr, engine);
+      e.impl = pd.impl_info_str();
+      e.prim.emplace(pd);
+    } catch (const dnnl::error&) {
+      e.impl = std::string(to_string(p)) + " widened to fp32, sgemm (oneDNN has no " + to_string(p) +
+               " matmul for this CPU)";
+    }
+    return cache.emplace(key, std::move(e)).first->second;
+  }
+};
+
+LowPrecisionGemm::LowPrecisionGemm() : impl_(std::make_unique<Impl>()) {}
+LowPrecisionGemm::~LowPrecisionGemm() = default;
+
+void LowPrecisionGemm::run(float* C, const uint16_t* A, const uint16_t* B, int64_t M, int64_t N, int64_t K,
+                           bool ta, bool tb, float alpha, float beta, LowPrecision p) {
+  if (M == 0 || N == 0) return;
+  if (K == 0) {
+    for (int64_t i = 0; i < M * N; ++i) C[i] = beta == 0.0f ? 0.0f : beta * C[i];
+    return;
+  }
+  Impl::Entry& e = impl_->entry(M, N, K, ta, tb, p, alpha, beta);
+  if (e.prim) {
+    dnnl::memory a(e.a, impl_->engine, const_cast<uint16_t*>(A)), b(e.b, impl_->engine, const_cast<uint16_t*>(B)),
+        c(e.c, impl_->engine, C);
+    e.prim->execute(impl_->stream, {{DNNL_ARG_SRC, a}, {DNNL_ARG_WEIGHTS, b}, {DNNL_ARG_DST, c}});
+    impl_->stream.wait();
+    return;
+  }
+  std::vector<float>& w = impl_->wide;
+  w.resize(size_t(M * K + K * N));
+  convert_from(w.data(), A, M * K, p);
+  convert_from(w.data() + M * K, B, K * N, p);
+  const dnnl_status_t st = dnnl_sgemm(ta ? 'T' : 'N', tb ? 'T' : 'N', M, N, K, alpha, w.data(), ta ? M : K,
+                                      w.data() + M * K, tb ? K : N, beta, C, N);
+  if (st != dnnl_success) throw std::runtime_error("dnnl_sgemm failed");
+}
+
+std::string LowPrecisionGemm::implementation(int64_t M, int64_t N, int64_t K, bool ta, bool tb, LowPrecision p) {
+  return impl_->entry(M, N, K, ta, tb, p, 1.0f, 0.0f).impl;
+}
+
+int64_t LowPrecisionGemm::cached_shapes() const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  return int64_t(impl_->cache.size());
+}
+
+std::string onednn_isa() {
+  switch (dnnl_get_effective_cpu_isa()) {
+    case dnnl_cpu_isa_sse41: return "sse41";
+    case dnnl_cpu_isa_avx: return "avx";
+    case dnnl_cpu_isa_avx2: return "avx2";
+    case dnnl_cpu_isa_avx2_vnni: return "avx2_vnni";
+    case dnnl_cpu_isa_avx512_core: return "avx512_core";
+    case dnnl_cpu_isa_avx512_core_vnni: return "avx512_core_vnni";
+    case dnnl_cpu_isa_avx512_core_bf16: return "avx512_core_bf16";
+    case dnnl_cpu_isa_avx512_core_amx: return "avx512_core_amx";
+    default: return "other";
+  }
+}
+
+}  // namespace dstrain::kernels::cpu

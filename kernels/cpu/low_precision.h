@@ -1,0 +1,54 @@
+// Low-precision building blocks of the CPU backend (docs/design.md §6.8): bf16 and fp16 storage
+// with round-to-nearest-even conversion, and GEMMs on bf16 / fp16 inputs accumulating in fp32
+// through oneDNN's matmul (AMX or AVX512-BF16 where the CPU has them; oneDNN picks at run time).
+// The mixed-precision training path builds on these; they are usable and tested on their own.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <tuple>
+#include <vector>
+
+namespace dstrain::kernels::cpu {
+
+enum class LowPrecision : uint8_t { kBf16, kFp16 };
+const char* to_string(LowPrecision p);
+
+// Round to nearest even; NaN stays NaN (quiet), infinities and overflow go to infinity (fp16
+// above 65504 rounds to inf, as IEEE says), fp16 keeps subnormals.
+uint16_t to_bf16(float x);
+float from_bf16(uint16_t h);
+uint16_t to_fp16(float x);
+float from_fp16(uint16_t h);
+// Arrays, with the vector instructions of the build where it has them (AVX512-BF16, F16C).
+void convert_to(uint16_t* out, const float* in, int64_t n, LowPrecision p);
+void convert_from(float* out, const uint16_t* in, int64_t n, LowPrecision p);
+
+// C[M,N] (fp32) = alpha op(A) op(B) + beta C with A, B in `p`, products accumulated in fp32.
+// Row-major like Backend::gemm: A is [M,K] (or [K,M] when trans_a), B [K,N] (or [N,K] when
+// trans_b). One oneDNN matmul primitive per shape, built on first use and cached. Where oneDNN
+// has no fp16 matmul for this CPU (it needs AVX512-FP16 or AMX-FP16), fp16 inputs are widened
+// to fp32 and multiplied by sgemm — the same products, exactly representable.
+class LowPrecisionGemm {
+ public:
+  LowPrecisionGemm();
+  ~LowPrecisionGemm();
+  void run(float* C, const uint16_t* A, const uint16_t* B, int64_t M, int64_t N, int64_t K, bool trans_a,
+           bool trans_b, float alpha, float beta, LowPrecision p);
+  // The implementation oneDNN chose for this shape (e.g. "brg:avx512_core_amx"), or how the
+  // fallback computes it.
+  std::string implementation(int64_t M, int64_t N, int64_t K, bool trans_a, bool trans_b, LowPrecision p);
+  int64_t cached_shapes() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+// The most capable instruction set oneDNN dispatches to on this CPU ("avx512_core_bf16", ...).
+std::string onednn_isa();
+
+}  // namespace dstrain::kernels::cpu

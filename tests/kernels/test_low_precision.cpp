@@ -1,0 +1,146 @@
+// The CPU backend's low-precision building blocks (kernels/cpu/low_precision.h): conversions
+// checked on every bf16 / fp16 value (round trip, ties to even at every midpoint, overflow, NaN),
+// the vector paths against the scalar ones, and the GEMMs on bf16 / fp16 inputs against a
+// double-precision product of the same rounded inputs (fp32 accumulation: 1e-5 of sum |a||b|)
+// and against the fp32 product (the inputs' rounding: 2^-8 for bf16, 2^-11 for fp16).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <vector>
+
+#include "kernels/cpu/low_precision.h"
+
+namespace dstrain::kernels::cpu {
+namespace {
+
+using Conv = uint16_t (*)(float);
+using Back = float (*)(uint16_t);
+
+bool is_nan16(uint16_t h, LowPrecision p) {
+  return p == LowPrecision::kBf16 ? (h & 0x7f80) == 0x7f80 && (h & 0x7f) != 0 : (h & 0x7c00) == 0x7c00 && (h & 0x3ff) != 0;
+}
+bool is_inf16(uint16_t h, LowPrecision p) {
+  return p == LowPrecision::kBf16 ? (h & 0x7fff) == 0x7f80 : (h & 0x7fff) == 0x7c00;
+}
+
+void check_every_value(LowPrecision p) {
+  const Conv to = p == LowPrecision::kBf16 ? to_bf16 : to_fp16;
+  const Back from = p == LowPrecision::kBf16 ? from_bf16 : from_fp16;
+  int checked_ties = 0;
+  for (uint32_t h = 0; h < 0x10000; ++h) {
+    const uint16_t v = uint16_t(h);
+    if (is_nan16(v, p)) {
+      EXPECT_TRUE(std::isnan(from(v)));
+      EXPECT_TRUE(is_nan16(to(from(v)), p)) << h;
+      continue;
+    }
+    ASSERT_EQ(to(from(v)), v) << to_string(p) << " value " << h << " does not round-trip";
+    // The midpoint to the next value of larger magnitude (same sign) rounds to the even code;
+    // just below it to v, just above it to the next.
+    const uint16_t next = uint16_t(h + 1);
+    if (is_inf16(v, p) || is_inf16(next, p) || is_nan16(next, p)) continue;
+    if ((h & 0x7fff) == 0x7fff) continue;
+    const double lo = from(v), hi = from(next);
+    const float mid = float((lo + hi) / 2);
+    ASSERT_EQ(double(mid), (lo + hi) / 2) << "midpoint not exact";
+    EXPECT_EQ(to(mid), (v & 1) ? next : v) << to_string(p) << " tie above " << h;
+    EXPECT_EQ(to(std::nextafter(mid, float(lo))), v) << h;
+    EXPECT_EQ(to(std::nextafter(mid, float(hi))), next) << h;
+    ++checked_ties;
+  }
+  EXPECT_GT(checked_ties, 60000);
+}
+
+TEST(LowPrecision, Bf16EveryValueRoundTripsAndTiesGoToEven) {
+  check_every_value(LowPrecision::kBf16);
+  EXPECT_EQ(to_bf16(std::numeric_limits<float>::max()), 0x7f80);  // rounds up to inf
+  EXPECT_EQ(to_bf16(-std::numeric_limits<float>::infinity()), 0xff80);
+  EXPECT_EQ(to_bf16(1.0f), 0x3f80);
+}
+
+TEST(LowPrecision, Fp16EveryValueRoundTripsAndTiesGoToEven) {
+  check_every_value(LowPrecision::kFp16);
+  EXPECT_EQ(to_fp16(65504.0f), 0x7bff);
+  EXPECT_EQ(to_fp16(65519.0f), 0x7bff);
+  EXPECT_EQ(to_fp16(65520.0f), 0x7c00);  // the tie above the largest finite value goes to inf
+  EXPECT_EQ(to_fp16(-1e9f), 0xfc00);
+  EXPECT_EQ(to_fp16(5.9604645e-8f), 0x0001);  // 2^-24, the smallest subnormal
+  EXPECT_EQ(to_fp16(2.9802322e-8f), 0x0000);  // 2^-25: the tie rounds to even zero
+  EXPECT_EQ(to_fp16(1.0f), 0x3c00);
+}
+
+TEST(LowPrecision, ArrayConversionsEqualTheScalarOnes) {
+  std::mt19937 rng(7);
+  std::vector<float> x(1003);
+  std::uniform_real_distribution<float> e(-30.f, 30.f);
+  for (auto& v : x) v = std::ldexp(std::uniform_real_distribution<float>(-1.f, 1.f)(rng), int(e(rng)));
+  x[5] = std::numeric_limits<float>::quiet_NaN(), x[6] = std::numeric_limits<float>::infinity(), x[7] = 1e6f;
+  for (LowPrecision p : {LowPrecision::kBf16, LowPrecision::kFp16}) {
+    std::vector<uint16_t> h(x.size());
+    std::vector<float> back(x.size());
+    convert_to(h.data(), x.data(), int64_t(x.size()), p);
+    convert_from(back.data(), h.data(), int64_t(x.size()), p);
+    for (size_t i = 0; i < x.size(); ++i) {
+      const uint16_t want = p == LowPrecision::kBf16 ? to_bf16(x[i]) : to_fp16(x[i]);
+      if (is_nan16(want, p)) {
+        EXPECT_TRUE(is_nan16(h[i], p)) << i;
+        continue;
+      }
+      EXPECT_EQ(h[i], want) << to_string(p) << " " << i << " " << x[i];
+      const float w = p == LowPrecision::kBf16 ? from_bf16(h[i]) : from_fp16(h[i]);
+      EXPECT_EQ(back[i], w) << i;
+    }
+  }
+}
+
+TEST(LowPrecision, GemmOnRoundedInputsAccumulatesInFp32) {
+  LowPrecisionGemm gemm;
+  std::mt19937 rng(11);
+  std::normal_distribution<float> d(0.f, 1.f);
+  const int64_t M = 37, N = 19, K = 301;
+  for (LowPrecision p : {LowPrecision::kBf16, LowPrecision::kFp16})
+    for (const bool ta : {false, true})
+      for (const bool tb : {false, true}) {
+        std::vector<float> a(M * K), b(K * N), c(M * N), c0(M * N);
+        for (auto& v : a) v = d(rng);
+        for (auto& v : b) v = d(rng);
+        for (auto& v : c0) v = d(rng);
+        std::vector<uint16_t> ah(a.size()), bh(b.size());
+        convert_to(ah.data(), a.data(), int64_t(a.size()), p);
+        convert_to(bh.data(), b.data(), int64_t(b.size()), p);
+        std::vector<float> ar(a.size()), br(b.size());
+        convert_from(ar.data(), ah.data(), int64_t(a.size()), p);
+        convert_from(br.data(), bh.data(), int64_t(b.size()), p);
+        const float alpha = 0.5f, beta = 0.25f;
+        c = c0;
+        gemm.run(c.data(), ah.data(), bh.data(), M, N, K, ta, tb, alpha, beta, p);
+        const double input_eps = p == LowPrecision::kBf16 ? std::ldexp(1.0, -8) : std::ldexp(1.0, -11);
+        for (int64_t i = 0; i < M; ++i)
+          for (int64_t j = 0; j < N; ++j) {
+            double rounded = 0, exact = 0, mag = 0;
+            for (int64_t k = 0; k < K; ++k) {
+              const int64_t ia = ta ? k * M + i : i * K + k, ib = tb ? j * K + k : k * N + j;
+              rounded += double(ar[ia]) * br[ib];
+              exact += double(a[ia]) * b[ib];
+              mag += std::fabs(double(a[ia]) * b[ib]);
+            }
+            const double got = c[i * N + j], base = beta * double(c0[i * N + j]);
+            EXPECT_NEAR(got, alpha * rounded + base, 1e-5 * alpha * mag + 1e-6)
+                << to_string(p) << " ta " << ta << " tb " << tb << " at " << i << "," << j;
+            EXPECT_NEAR(got, alpha * exact + base, input_eps * alpha * mag) << to_string(p);
+          }
+      }
+  EXPECT_EQ(gemm.cached_shapes(), 8);
+  std::vector<float> c(4, 3.0f);
+  std::vector<uint16_t> none;
+  gemm.run(c.data(), none.data(), none.data(), 2, 2, 0, false, false, 1.0f, 0.5f, LowPrecision::kBf16);
+  EXPECT_EQ(c, std::vector<float>(4, 1.5f));  // K = 0: C = beta C
+  EXPECT_FALSE(gemm.implementation(64, 64, 64, false, true, LowPrecision::kBf16).empty());
+  EXPECT_FALSE(onednn_isa().empty());
+}
+
+}  // namespace
+}  // namespace dstrain::kernels::cpu
