@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <functional>
 #include <memory>
 #include <string>
@@ -88,15 +89,27 @@ class WeightGradDeferral {
     for (const auto& [b, e] : volatile_) copy = copy || overlaps(b, e);
     for (const std::vector<float>* v : volatile_vectors_) copy = copy || overlaps(v->data(), v->data() + v->size());
     if (!copy) return {nullptr, p};
+    // Several queued GEMMs read the same input (a layer's normed input feeds three): one copy,
+    // shared while the bytes there are still those copied.
+    for (const auto& [q, c] : copies_)
+      if (q == p && int64_t(c->size()) == n && std::memcmp(c->data(), p, size_t(n) * sizeof(float)) == 0)
+        return {c, c->data()};
     Kept k{std::make_shared<std::vector<float>>(p, p + n), nullptr};
     k.data = k.copy->data();
+    copies_.emplace_back(p, k.copy);
     copied_ += n;
+    held_ += n;
+    peak_held_ = std::max(peak_held_, held_);
     return k;
   }
   int64_t copied_floats() const { return copied_; }
+  // The most floats of copies queued at once (held from B until W ran them).
+  int64_t peak_held_floats() const { return peak_held_; }
   void run() {
     for (auto& op : ops_) op();
     ops_.clear();
+    copies_.clear();
+    held_ = 0;
   }
   bool empty() const { return ops_.empty(); }
 
@@ -104,7 +117,8 @@ class WeightGradDeferral {
   std::vector<std::function<void()>> ops_;
   std::vector<std::pair<const float*, const float*>> volatile_;
   std::vector<const std::vector<float>*> volatile_vectors_;
-  int64_t copied_ = 0;
+  std::vector<std::pair<const float*, std::shared_ptr<std::vector<float>>>> copies_;  // queued since run()
+  int64_t copied_ = 0, held_ = 0, peak_held_ = 0;
 };
 
 // Shared by the model and its layers; `observer` may change between backward passes (a

@@ -131,6 +131,13 @@ int64_t PipelineRunner::saved_activation_bytes_held() const {
   return total;
 }
 
+int64_t PipelineRunner::deferred_copy_bytes_peak() const {
+  int64_t floats = 0;
+  for (const Chunk& ch : chunks_)
+    for (const auto& d : ch.deferred) floats += d->peak_held_floats();
+  return floats * int64_t(sizeof(float));
+}
+
 int64_t PipelineRunner::activation_bytes_held() const {
   int64_t total = 0;
   for (const Chunk& ch : chunks_)

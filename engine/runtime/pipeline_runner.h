@@ -77,6 +77,9 @@ class PipelineRunner final : public model::BackwardObserver {
   int64_t instances() const;
   int64_t saved_activation_bytes_held() const;  // over every instance built
   int64_t activation_bytes_held() const;        // the same, backward workspaces included
+  // ZB-H1: the most bytes of weight-gradient inputs the W queues of all instances held as
+  // copies (their sum of per-instance peaks; not in the plan, docs/design.md §6.7).
+  int64_t deferred_copy_bytes_peak() const;
 
   // model::BackwardObserver, installed on every instance.
   void grads_final(int64_t layer) override;

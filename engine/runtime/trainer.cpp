@@ -498,10 +498,15 @@ TrainSummary Trainer::run() {
       // What the first step allocated against what the plan said (docs/design.md §6.7).
       const double measured = double(engine_.pipeline->activation_bytes_held());
       const double planned = plan_.activations(0).total();
-      spdlog::info("activation memory on rank 0 after the first step: {} in {} model instance{}{} (plan {}, {:+.1f}%)",
+      const int64_t queued = engine_.pipeline->deferred_copy_bytes_peak();
+      spdlog::info("activation memory on rank 0 after the first step: {} in {} model instance{}{} (plan {}, {:+.1f}%){}",
                    human_bytes(measured), engine_.pipeline->instances(), engine_.pipeline->instances() == 1 ? "" : "s",
                    plan_.degrees.pp > 1 ? fmt::format(" (the schedule's peak in flight: {})", plan_.in_flight(0)) : "",
-                   human_bytes(planned), 100.0 * (measured - planned) / planned);
+                   human_bytes(planned), 100.0 * (measured - planned) / planned,
+                   queued > 0 ? fmt::format("; the zero-bubble W queues held up to {} of copied inputs besides "
+                                            "(not planned)",
+                                            human_bytes(double(queued)))
+                              : "");
     }
     if (!last.diverged.empty()) {
       // The state after `step` steps is finite and untouched: keep it, unless it is saved already.

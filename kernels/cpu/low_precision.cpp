@@ -55,8 +55,16 @@ void convert_to(uint16_t* out, const float* in, int64_t n, LowPrecision p) {
   int64_t i = 0;
   if (p == LowPrecision::kBf16) {
 #if defined(__AVX512BF16__)
-    for (; i + 16 <= n; i += 16)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(in + i)));
+    // vcvtneps2bf16 treats subnormal inputs as zero: a block holding one goes the scalar way.
+    const __m512 tiny = _mm512_set1_ps(1.17549435e-38f), magnitude = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
+    for (; i + 16 <= n; i += 16) {
+      const __m512 x = _mm512_loadu_ps(in + i), a = _mm512_and_ps(x, magnitude);
+      if (_mm512_cmp_ps_mask(a, tiny, _CMP_LT_OQ) & _mm512_cmp_ps_mask(a, _mm512_setzero_ps(), _CMP_NEQ_OQ)) {
+        for (int64_t j = i; j < i + 16; ++j) out[j] = to_bf16(in[j]);
+        continue;
+      }
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), (__m256i)_mm512_cvtneps_pbh(x));
+    }
 #endif
     for (; i < n; ++i) out[i] = to_bf16(in[i]);
     return;
@@ -91,7 +99,8 @@ struct LowPrecisionGemm::Impl {
   };
   using Key = std::tuple<int64_t, int64_t, int64_t, bool, bool, int, float, float>;
   std::map<Key, Entry> cache;
-  mutable std::mutex mu;
+  mutable std::mutex mu;  // the cache
+  std::mutex run_mu;      // the stream and `wide`
   std::vector<float> wide;  // the fallback's fp32 copies of A and B
 
   Entry& entry(int64_t M, int64_t N, int64_t K, bool ta, bool tb, LowPrecision p, float alpha, float beta) {
@@ -136,6 +145,7 @@ void LowPrecisionGemm::run(float* C, const uint16_t* A, const uint16_t* B, int64
     return;
   }
   Impl::Entry& e = impl_->entry(M, N, K, ta, tb, p, alpha, beta);
+  std::lock_guard<std::mutex> lock(impl_->run_mu);  // one stream and one widening buffer: calls are serialised
   if (e.prim) {
     dnnl::memory a(e.a, impl_->engine, const_cast<uint16_t*>(A)), b(e.b, impl_->engine, const_cast<uint16_t*>(B)),
         c(e.c, impl_->engine, C);

@@ -31,7 +31,8 @@ void convert_from(float* out, const uint16_t* in, int64_t n, LowPrecision p);
 // Row-major like Backend::gemm: A is [M,K] (or [K,M] when trans_a), B [K,N] (or [N,K] when
 // trans_b). One oneDNN matmul primitive per shape, built on first use and cached. Where oneDNN
 // has no fp16 matmul for this CPU (it needs AVX512-FP16 or AMX-FP16), fp16 inputs are widened
-// to fp32 and multiplied by sgemm — the same products, exactly representable.
+// to fp32 and multiplied by sgemm — the same products, exactly representable. Calls from several
+// threads are serialised (each GEMM uses the backend's threads itself).
 class LowPrecisionGemm {
  public:
   LowPrecisionGemm();

@@ -78,6 +78,10 @@ TEST(LowPrecision, ArrayConversionsEqualTheScalarOnes) {
   std::uniform_real_distribution<float> e(-30.f, 30.f);
   for (auto& v : x) v = std::ldexp(std::uniform_real_distribution<float>(-1.f, 1.f)(rng), int(e(rng)));
   x[5] = std::numeric_limits<float>::quiet_NaN(), x[6] = std::numeric_limits<float>::infinity(), x[7] = 1e6f;
+  // Subnormal floats inside vector blocks (the AVX512-BF16 instruction would flush them) and tiny
+  // values that round to fp16 / bf16 subnormals.
+  for (size_t i = 100; i < 132; ++i) x[i] = std::ldexp(float(int(i) - 115), -140 + int(i % 7));
+  for (size_t i = 200; i < 216; ++i) x[i] = std::ldexp(1.5f, -20 - int(i % 8));
   for (LowPrecision p : {LowPrecision::kBf16, LowPrecision::kFp16}) {
     std::vector<uint16_t> h(x.size());
     std::vector<float> back(x.size());
