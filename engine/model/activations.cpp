@@ -9,6 +9,15 @@ constexpr int64_t kAlign = 16;  // floats: every buffer starts 64-byte aligned w
 int64_t aligned(int64_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 }  // namespace
 
+int64_t RecomputeArena::bytes() const {
+  int64_t floats = int64_t(region.capacity());
+  for (const auto& v : slots) floats += int64_t(v->capacity());
+  return floats * int64_t(sizeof(float));
+}
+
+ActivationStore::ActivationStore(std::shared_ptr<RecomputeArena> arena)
+    : arena_(arena ? std::move(arena) : std::make_shared<RecomputeArena>()) {}
+
 void ActivationStore::begin_layer(Recompute mode) {
   DS_CHECK(!final_, "activation store already finalised");
   mode_ = mode;
@@ -37,14 +46,18 @@ std::vector<float>* ActivationStore::take_dynamic(bool selective) {
   DS_CHECK(!final_, "activation store: take_dynamic after finalise");
   if (!recomputes(selective)) return kept_dyn_.emplace_back(std::make_unique<std::vector<float>>()).get();
   // The recomputing layers share by slot: the k-th dynamic buffer of each such layer.
-  if (dyn_slot_ == shared_dyn_.size()) shared_dyn_.push_back(std::make_unique<std::vector<float>>());
-  return shared_dyn_[dyn_slot_++].get();
+  auto& slots = arena_->slots;
+  if (dyn_slot_ == slots.size()) slots.push_back(std::make_unique<std::vector<float>>());
+  return slots[dyn_slot_++].get();
 }
 
 void ActivationStore::finalize() {
   DS_CHECK(!final_, "activation store finalised twice");
   kept_.assign(size_t(kept_used_), 0.0f);
-  shared_.assign(size_t(shared_max_), 0.0f);
+  if (int64_t(arena_->region.size()) < shared_max_) {  // grows: what it held is gone
+    arena_->region.assign(size_t(shared_max_), 0.0f);
+    arena_->holder = nullptr;
+  }
   final_ = true;
 }
 
@@ -54,15 +67,9 @@ int64_t ActivationStore::kept_bytes() const {
   return floats * int64_t(sizeof(float));
 }
 
-int64_t ActivationStore::recomputed_bytes() const {
-  int64_t floats = int64_t(shared_.size());
-  for (const auto& v : shared_dyn_) floats += int64_t(v->capacity());
-  return floats * int64_t(sizeof(float));
-}
-
 void ActivationStore::mark_volatile(WeightGradDeferral& d) const {
-  d.add_volatile(shared_.data(), int64_t(shared_.size()));
-  for (const auto& v : shared_dyn_) d.add_volatile(v.get());
+  d.add_volatile(&arena_->region);  // by vector: a later instance may grow it
+  for (const auto& v : arena_->slots) d.add_volatile(v.get());
 }
 
 }  // namespace dstrain::model

@@ -5,9 +5,11 @@
 // recompute: normed copies, the attention core's output, SwiGLU and expert activations, the
 // dispatched rows). Under the layer's recomputation mode a buffer is
 //   kept       — in the store's private region, one per layer, alive from forward to backward;
-//   recomputed — in the shared region, which every recomputing layer of the instance reuses
-//                (its size is the largest layer's), rewritten by the layer's backward right
-//                before it reads it, with the same kernels on the same inputs (bitwise equal).
+//   recomputed — in the shared region (a RecomputeArena), which every recomputing layer reuses
+//                — of the instance, or of every instance of a pipeline rank when the runtime
+//                hands them one arena — sized for the largest layer, rewritten by the layer's
+//                backward right before it reads it, with the same kernels on the same inputs
+//                (bitwise equal).
 // kFull recomputes every buffer of the layer (only its input, the model's hidden state, is
 // kept); kSelective those of the selective set; kNone none.
 #pragma once
@@ -30,6 +32,16 @@ inline Recompute recompute_mode(const config::ActivationCheckpointingConfig& c) 
 class ActivationStore;
 class WeightGradDeferral;
 
+// The recomputed buffers' home: one region and the dynamic slots, and which layer's values they
+// hold now. Shared by the stores of the model instances one rank runs one at a time; it grows
+// when a store needs more (ActBuf resolves its address on each use).
+struct RecomputeArena {
+  std::vector<float> region;
+  std::vector<std::unique_ptr<std::vector<float>>> slots;
+  const void* holder = nullptr;  // the layer whose forward or recomputation wrote them last
+  int64_t bytes() const;
+};
+
 // A fixed-size float buffer placed by an ActivationStore; data() is valid once the store is
 // finalised (the layers only take buffers while they are built, and touch them after).
 class ActBuf {
@@ -47,7 +59,8 @@ class ActBuf {
 
 class ActivationStore {
  public:
-  ActivationStore() = default;
+  // `arena`: where the recomputed buffers live (null: a new one, this store's alone).
+  explicit ActivationStore(std::shared_ptr<RecomputeArena> arena = nullptr);
   ActivationStore(const ActivationStore&) = delete;
   ActivationStore& operator=(const ActivationStore&) = delete;
 
@@ -62,16 +75,17 @@ class ActivationStore {
   // Allocates both regions; no take after this.
   void finalize();
 
-  // Bytes held: the kept buffers (private region and kept dynamic vectors) and the recomputed
-  // ones (shared region and shared dynamic vectors), at the vectors' current capacity.
+  // Bytes held: the kept buffers (private region and kept dynamic vectors) and the arena's
+  // (region and slots, at the vectors' current capacity; shared with other stores maybe).
   int64_t kept_bytes() const;
-  int64_t recomputed_bytes() const;
+  int64_t recomputed_bytes() const { return arena_->bytes(); }
+  const std::shared_ptr<RecomputeArena>& arena() const { return arena_; }
   // Registers the recomputed buffers as overwritten by later kernels of a backward pass.
   void mark_volatile(WeightGradDeferral& d) const;
   // The layer whose values the recomputed buffers hold now (its forward or its recomputation
-  // wrote them last): that layer's backward need not recompute. -1: none.
-  void set_holder(int64_t layer) { holder_ = layer; }
-  int64_t holder() const { return holder_; }
+  // wrote them last): that layer's backward need not recompute.
+  void set_holder(const void* layer) { arena_->holder = layer; }
+  const void* holder() const { return arena_->holder; }
 
  private:
   friend class ActBuf;
@@ -82,15 +96,15 @@ class ActivationStore {
   bool final_ = false;
   int64_t kept_used_ = 0, shared_used_ = 0, shared_max_ = 0;
   size_t dyn_slot_ = 0;
-  int64_t holder_ = -1;
-  std::vector<float> kept_, shared_;
-  std::vector<std::unique_ptr<std::vector<float>>> kept_dyn_, shared_dyn_;
+  std::vector<float> kept_;
+  std::vector<std::unique_ptr<std::vector<float>>> kept_dyn_;
+  std::shared_ptr<RecomputeArena> arena_;
 };
 
 inline float* ActBuf::data() const {
   DS_CHECK(store_ == nullptr || store_->final_, "activation buffer used before its store was finalised");
   if (!store_) return nullptr;
-  return const_cast<float*>((shared_ ? store_->shared_ : store_->kept_).data()) + off_;
+  return (shared_ ? store_->arena_->region.data() : const_cast<float*>(store_->kept_.data())) + off_;
 }
 
 }  // namespace dstrain::model

@@ -79,7 +79,7 @@ void DecoderLayer::forward(float* h_out, const float* h_in, int64_t B, int64_t S
   kernels::Backend& be = *env_.be;
   const int64_t n = rows_;
   scale_ = scale;
-  if (recompute_ != Recompute::kNone) env_.acts->set_holder(index_);
+  if (recompute_ != Recompute::kNone) env_.acts->set_holder(this);
   be.rmsnorm_forward(a_.data(), rstd1_.data(), h_in, in_norm_.w, n, H_, eps_);
   float* attn = env_.sp ? env_.full[1] : h_mid_.data();
   attn_.forward(attn, gathered(a_.data(), env_.full[0]), B, S);
@@ -107,7 +107,7 @@ void DecoderLayer::recompute(float* h_out, const float* h_in, int64_t B, int64_t
     if (moe_) moe_->set_recomputing(false);
     return;
   }
-  env_.acts->set_holder(index_);
+  env_.acts->set_holder(this);
   be.rmsnorm_forward(a_.data(), rstd1_.data(), h_in, in_norm_.w, rows_, H_, eps_);
   be.rmsnorm_forward(u_.data(), rstd2_.data(), h_mid_.data(), post_norm_.w, rows_, H_, eps_);
   attn_.recompute_selective(B, S);
@@ -121,7 +121,7 @@ void DecoderLayer::backward(float* dh, const float* h_in, int64_t B, int64_t S, 
   const int64_t n = rows_;
   // The last recomputing layer of a forward finds its own values still there (nothing wrote the
   // shared buffers since): no recomputation (docs/design.md §6.7).
-  if (recompute_ != Recompute::kNone && env_.acts->holder() != index_) recompute(tmp1, h_in, B, S);
+  if (recompute_ != Recompute::kNone && env_.acts->holder() != this) recompute(tmp1, h_in, B, S);
   env_.scratch->reset();
   // Feed-forward block: the complete output gradient of all tokens, this rank's part of the
   // input gradient, summed over the ranks.
@@ -182,7 +182,8 @@ struct DeepSeekModel::Mtp {
 DeepSeekModel::DeepSeekModel(const config::ModelConfig& cfg, kernels::Backend& be, Collectives& coll,
                              ParamStore& params, int64_t B, int64_t S, bool sequence_parallel,
                              const StageSpec& stage)
-    : cfg_(cfg), be_(be), coll_(coll), rope_(make_rope_tables(cfg, S)), B_(B), S_(S), H_(cfg.hidden_size),
+    : cfg_(cfg), be_(be), coll_(coll), acts_(stage.recompute_arena), rope_(make_rope_tables(cfg, S)), B_(B), S_(S),
+      H_(cfg.hidden_size),
       V_(cfg.vocab_size), L_(cfg.num_hidden_layers), tp_(coll.tp_size()), sp_(sequence_parallel && coll.tp_size() > 1) {
   const int64_t N = B * S;
   be_.reserve_attention(S);  // the attention kernels' scratch, once (MTP modules run shorter sequences)
@@ -269,6 +270,10 @@ int64_t DeepSeekModel::saved_activation_bytes() const {
   for (const auto& h : hidden_) floats += int64_t(h.size());
   for (const auto& m : mtp_) floats += m->saved_floats();
   return floats * int64_t(sizeof(float)) + acts_.kept_bytes() + acts_.recomputed_bytes();
+}
+
+int64_t DeepSeekModel::own_activation_bytes() const {
+  return saved_activation_bytes() - acts_.recomputed_bytes();
 }
 
 int64_t DeepSeekModel::residual_region_bytes() const {

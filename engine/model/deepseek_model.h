@@ -72,6 +72,9 @@ struct StageSpec {
   float* embed_g = nullptr;
   Recompute recompute = Recompute::kNone;
   int64_t recompute_layers = -1;
+  // Where the recomputed buffers live: one arena for all instances of a pipeline rank (they run
+  // one at a time); null: the instance's own.
+  std::shared_ptr<RecomputeArena> recompute_arena;
 };
 
 struct Losses {
@@ -133,6 +136,8 @@ class DeepSeekModel {
   // buffers included), and of backward temporaries.
   int64_t saved_activation_bytes() const;
   const ActivationStore& activation_store() const { return acts_; }
+  // The same without the recompute arena (which other instances may share).
+  int64_t own_activation_bytes() const;
   int64_t workspace_bytes() const;
   // Of the saved activations, the bytes of the norm and residual regions (the hidden states
   // between layers, the normed inputs, the residual sums): what sequence parallelism divides.

@@ -64,12 +64,33 @@ ActivationMemory ParallelPlan::instance_activations(int virtual_stage, int64_t m
   return instance_activation_memory(config.model, s);
 }
 
+int ParallelPlan::chunk_in_flight(int pp, int chunk) const {
+  if (size_t(pp) >= schedule.ranks.size()) return std::max(1, in_flight(pp) / chunks());
+  const bool zero_bubble = config.parallel.pipeline_schedule == config::PipelineScheduleKind::kZbH1;
+  int held = 0, peak = 1;
+  for (const PipeInstr& in : schedule.ranks[size_t(pp)]) {
+    if (in.chunk != chunk) continue;
+    if (in.op == PipeOp::kForward) peak = std::max(peak, ++held);
+    if (in.op == (zero_bubble ? PipeOp::kBackwardWeight : PipeOp::kBackward)) --held;
+  }
+  return peak;
+}
+
 ActivationMemory ParallelPlan::activations(int pp, int64_t micro_batch) const {
   // The runtime builds one instance per chunk up front and more as the schedule holds more
-  // micro-batches: the chunks' instances together, times the peak in flight per chunk.
-  ActivationMemory one;
-  for (int vs : virtual_stages_of(pp)) one += instance_activations(vs, micro_batch);
-  return one * std::max(1.0, double(in_flight(pp)) / double(chunks()));
+  // micro-batches of that chunk. The recomputed buffers live once per rank, shared by all its
+  // instances (sized for the largest chunk's layers).
+  ActivationMemory out;
+  double recomputed = 0;
+  const std::vector<int> vs = virtual_stages_of(pp);
+  for (int c = 0; c < int(vs.size()); ++c) {
+    ActivationMemory m = instance_activations(vs[size_t(c)], micro_batch);
+    recomputed = std::max(recomputed, m.recomputed);
+    m.recomputed = 0;
+    out += m * double(chunk_in_flight(pp, c));
+  }
+  out.recomputed = recomputed;
+  return out;
 }
 
 double ParallelPlan::rank_need(int pp) const {

@@ -49,6 +49,11 @@ struct ParallelPlan {
     return degrees.pp > 1 ? int(batch.accumulation) * chunks() : 1;
   }
 
+  // Model instances chunk `chunk` of pipeline rank `pp` builds: the most micro-batches of that
+  // chunk between their forward and their last backward op in the rank's list (the runtime
+  // acquires an instance at F and releases it after B or W), at least 1.
+  int chunk_in_flight(int pp, int chunk) const;
+
   int stage_of_rank(int rank) const { return grid.coord(rank).pp; }
   int chunks() const { return int(config.parallel.virtual_stages); }
   // The virtual stages pipeline rank `pp` holds, in chunk order: pp, pp + p, …

@@ -58,6 +58,7 @@ PipelineRunner::PipelineRunner(const plan::ParallelPlan& plan, const RankGroups&
     if (s.has_head && !s.has_embedding && mtp) ch.spec.embed_w = mirror_w_.data(), ch.spec.embed_g = mirror_g_.data();
     ch.spec.recompute = model::recompute_mode(cfg.activation_checkpointing);
     ch.spec.recompute_layers = cfg.activation_checkpointing.num_layers.value_or(-1);
+    ch.spec.recompute_arena = recompute_arena_;  // every instance of this rank, one at a time
     chunks_.push_back(std::move(ch));
   }
   for (int c = 0; c < v_; ++c) release(c, acquire(c));  // one instance per chunk now; more as the schedule needs
@@ -125,9 +126,9 @@ int64_t PipelineRunner::saved_activation_bytes_per_micro() const {
 }
 
 int64_t PipelineRunner::saved_activation_bytes_held() const {
-  int64_t total = 0;
+  int64_t total = recompute_arena_->bytes();
   for (const Chunk& ch : chunks_)
-    for (const auto& inst : ch.pool) total += inst->saved_activation_bytes();
+    for (const auto& inst : ch.pool) total += inst->own_activation_bytes();
   return total;
 }
 
@@ -139,9 +140,9 @@ int64_t PipelineRunner::deferred_copy_bytes_peak() const {
 }
 
 int64_t PipelineRunner::activation_bytes_held() const {
-  int64_t total = 0;
+  int64_t total = recompute_arena_->bytes();
   for (const Chunk& ch : chunks_)
-    for (const auto& inst : ch.pool) total += inst->saved_activation_bytes() + inst->workspace_bytes();
+    for (const auto& inst : ch.pool) total += inst->own_activation_bytes() + inst->workspace_bytes();
   return total;
 }
 

@@ -113,6 +113,8 @@ class PipelineRunner final : public model::BackwardObserver {
   plan::PipelineSchedule schedule_;
   bool zero_bubble_ = false;
   std::vector<Chunk> chunks_;
+  // The recomputed activations of every instance on this rank (docs/design.md §6.7).
+  std::shared_ptr<model::RecomputeArena> recompute_arena_ = std::make_shared<model::RecomputeArena>();
   std::unique_ptr<comm::Communicator> act_, grad_, embed_;
   std::map<std::pair<int, int>, int> active_;  // (micro, chunk) -> slot
   std::map<std::tuple<int, int, bool>, Pending> receives_;  // (micro, chunk, grad)

@@ -273,5 +273,33 @@ TEST(AutoMicroBatch, RefusesWhatItCannotKeep) {
   EXPECT_EQ(make_plan(load(testing::base_yaml(), {"train_micro_batch_size_per_gpu=auto"}), 1, 1e12).batch.micro, 8);
 }
 
+// The model instances a chunk's pool grows to: GPipe holds all four micro-batches on rank 0,
+// 1F1B two on rank 0 and one on the last rank; interleaved pools add up to at least the rank's
+// simulated peak (a chunk's pool is sized for its own peak).
+TEST(Plan, ChunkInFlightFollowsTheSchedule) {
+  const auto plan_of = [](const std::string& kind, int v) {
+    return make_plan(load(testing::base_yaml(), {"parallel.pipeline=2", "train_micro_batch_size_per_gpu=2",
+                                                 "parallel.pipeline_schedule=" + kind,
+                                                 "parallel.virtual_stages=" + std::to_string(v),
+                                                 "model.num_hidden_layers=4"}),
+                     2);
+  };
+  const ParallelPlan gpipe = plan_of("gpipe", 1), one = plan_of("1f1b", 1), zb = plan_of("zb-h1", 1);
+  EXPECT_EQ(gpipe.chunk_in_flight(0, 0), 4);
+  EXPECT_EQ(one.chunk_in_flight(0, 0), 2);
+  EXPECT_EQ(one.chunk_in_flight(1, 0), 1);
+  EXPECT_EQ(zb.chunk_in_flight(0, 0), 2);
+  const ParallelPlan inter = plan_of("interleaved", 2);
+  EXPECT_GE(inter.chunk_in_flight(0, 0) + inter.chunk_in_flight(0, 1), inter.in_flight(0));
+  // The plan's activations of a rank: each chunk's instances times its pool, plus one arena.
+  ActivationMemory want;
+  for (int c = 0; c < 2; ++c) {
+    ActivationMemory m = inter.instance_activations(inter.virtual_stages_of(0)[size_t(c)]);
+    m.recomputed = 0;
+    want += m * double(inter.chunk_in_flight(0, c));
+  }
+  EXPECT_DOUBLE_EQ(inter.activations(0).total(), want.total());
+}
+
 }  // namespace
 }  // namespace dstrain::plan
