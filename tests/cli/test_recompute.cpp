@@ -119,6 +119,10 @@ TEST(Recompute, MeasuredActivationMemoryMatchesThePlan) {
     std::smatch m;
     ASSERT_TRUE(std::regex_search(r.out, m, line)) << layout << r.out;
     EXPECT_LE(std::fabs(std::stod(m[1].str())), 10.0) << layout << m[0].str();
+    // Only the zero-bubble schedule queues copies, and says how much they held.
+    EXPECT_EQ(r.out.find("the zero-bubble W queues held up to") != std::string::npos,
+              layout.find("zb-h1") != std::string::npos)
+        << layout << m[0].str();
   }
 }
 
