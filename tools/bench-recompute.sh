@@ -8,8 +8,8 @@
 # Usage: tools/bench-recompute.sh [build-dir] [presets...]   (about 6 minutes for both)
 source "$(dirname "$0")/bench-common.sh"
 shift || true
-presets=("${@:-small medium}")
-read -r -a presets <<<"${presets[*]}"
+presets=("$@")
+[ ${#presets[@]} -gt 0 ] || presets=(small medium)
 printf '%-8s %-10s %8s %8s %12s %7s %12s %7s %10s\n' preset recompute tok/s "step +%" "saved MiB" "vs off" \
   "total MiB" "vs off" "RSS MiB"
 mib() { sed -E 's/([0-9.]+) (KiB|MiB|GiB)/\1 \2/' | awk '{ print ($2 == "GiB" ? $1 * 1024 : $2 == "KiB" ? $1 / 1024 : $1) }'; }

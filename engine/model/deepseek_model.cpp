@@ -21,7 +21,7 @@ const LayerEnv& begin_layer(const LayerEnv& env, Recompute mode) {
 
 DecoderLayer::DecoderLayer(const LayerEnv& env, int64_t index, int64_t B, int64_t S,
                            const RopeTables* rope, Recompute recompute)
-    : env_(begin_layer(env, recompute)), index_(index), recompute_(recompute), H_(env.cfg->hidden_size), N_(B * S),
+    : env_(begin_layer(env, recompute)), recompute_(recompute), H_(env.cfg->hidden_size), N_(B * S),
       eps_(float(env.cfg->rms_norm_eps)), attn_(env, fmt::format("model.layers.{}.", index), B, S, rope) {
   const std::string prefix = fmt::format("model.layers.{}.", index);
   in_norm_.bind(*env.params, prefix + "input_layernorm.weight");

@@ -44,7 +44,6 @@ class DecoderLayer {
   void recompute(float* h_out, const float* h_in, int64_t B, int64_t S);
 
   LayerEnv env_;
-  int64_t index_;
   Recompute recompute_;
   LossScale scale_;  // the last forward's (a full recomputation repeats it)
   int64_t H_, N_, rows_;

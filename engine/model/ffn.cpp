@@ -86,9 +86,9 @@ MoeLayer::MoeLayer(const LayerEnv& env, const std::string& prefix, int64_t B, in
     Xr_ = st.take_dynamic(), Xe_ = st.take_dynamic(true), GUe_ = st.take_dynamic(), Me_ = st.take_dynamic(true);
     Ye_ = st.take_dynamic(true), Yr_ = st.take_dynamic(true);
     const size_t recv = size_t(N * k_);
-    for (std::vector<float>* v : {Xr_, Xe_, Ye_, Yr_, &dYr_, &dYe_, &dXe_, &dXr_}) v->reserve(std::max(v->capacity(), recv * H_));
-    GUe_->reserve(std::max(GUe_->capacity(), recv * 2 * I_)), dGUe_.reserve(recv * 2 * I_);
-    Me_->reserve(std::max(Me_->capacity(), recv * I_)), dMe_.reserve(recv * I_);
+    for (std::vector<float>* v : {Xr_, Xe_, Ye_, Yr_, &dYr_, &dYe_, &dXe_, &dXr_}) v->reserve(recv * H_);
+    GUe_->reserve(recv * 2 * I_), dGUe_.reserve(recv * 2 * I_);  // reserve never shrinks a shared slot
+    Me_->reserve(recv * I_), dMe_.reserve(recv * I_);
   }
   bad_counts_at_ = fault_at(Fault::kEpBadCounts);
 }

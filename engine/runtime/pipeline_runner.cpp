@@ -54,7 +54,8 @@ PipelineRunner::PipelineRunner(const plan::ParallelPlan& plan, const RankGroups&
     Chunk ch;
     ch.virtual_stage = c * p_ + r_;
     const plan::StageRange& s = plan.stages.at(size_t(ch.virtual_stage));
-    ch.spec = model::StageSpec{s.first_layer, s.end_layer, s.has_embedding, s.has_head, nullptr, nullptr};
+    ch.spec.first_layer = s.first_layer, ch.spec.end_layer = s.end_layer;
+    ch.spec.embedding = s.has_embedding, ch.spec.head = s.has_head;
     if (s.has_head && !s.has_embedding && mtp) ch.spec.embed_w = mirror_w_.data(), ch.spec.embed_g = mirror_g_.data();
     ch.spec.recompute = model::recompute_mode(cfg.activation_checkpointing);
     ch.spec.recompute_layers = cfg.activation_checkpointing.num_layers.value_or(-1);
