@@ -17,7 +17,8 @@ struct Kind {
 constexpr Kind kKinds[] = {{Fault::kSkipGradSync, "skip_grad_sync"},
                            {Fault::kCrashDuringSave, "crash_during_save"},
                            {Fault::kSlowSave, "slow_save"},
-                           {Fault::kEpBadCounts, "ep_bad_counts"}};
+                           {Fault::kEpBadCounts, "ep_bad_counts"},
+                           {Fault::kInfGradient, "inf_grad"}};
 
 }  // namespace
 

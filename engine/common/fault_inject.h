@@ -7,6 +7,8 @@
 //                        file is closed), as a large checkpoint on a slow disk would
 //   ep_bad_counts:N      in its N-th MoE-layer forward, the last expert-parallel rank announces
 //                        one token row more than it routes, as a rank with a bug would
+//   inf_grad:N           rank 0 sets one of its reduced gradients of step N to +inf, as an fp16
+//                        overflow would (fp16 skips the step; fp32 and bf16 stop as diverged)
 // An unknown kind or a malformed number is an error naming the variable, so a test cannot pass
 // by injecting nothing.
 #pragma once
@@ -16,7 +18,7 @@
 
 namespace dstrain {
 
-enum class Fault { kSkipGradSync, kCrashDuringSave, kSlowSave, kEpBadCounts };
+enum class Fault { kSkipGradSync, kCrashDuringSave, kSlowSave, kEpBadCounts, kInfGradient };
 
 // N of `fault` in DSTRAIN_FAULT_INJECT, or 0 when it is not injected. The variable is parsed
 // once, at the first call; throws ConfigError if it is malformed.

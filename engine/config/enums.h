@@ -22,6 +22,7 @@ enum class WarmupType { kLog, kLinear };
 enum class DataFormat { kAuto, kText, kTokens };
 enum class PipelineScheduleKind { kGpipe, kOneFOneB, kInterleaved, kZbH1 };
 enum class CheckpointGranularity { kFull, kSelective };
+enum class CommDataType { kFp32, kFp16, kBf16 };
 
 template <class E>
 struct EnumNames;  // static const std::vector<std::pair<E, std::string_view>> list;
@@ -51,6 +52,8 @@ DSTRAIN_ENUM_NAMES(PipelineScheduleKind, {PipelineScheduleKind::kGpipe, "gpipe"}
                    {PipelineScheduleKind::kZbH1, "zb-h1"});
 DSTRAIN_ENUM_NAMES(CheckpointGranularity, {CheckpointGranularity::kFull, "full"},
                    {CheckpointGranularity::kSelective, "selective"});
+DSTRAIN_ENUM_NAMES(CommDataType, {CommDataType::kFp32, "fp32"}, {CommDataType::kFp16, "fp16"},
+                   {CommDataType::kBf16, "bf16"});
 
 #undef DSTRAIN_ENUM_NAMES
 

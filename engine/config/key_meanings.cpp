@@ -46,6 +46,8 @@ const std::string& key_meaning(const std::string& path) {
        "the scale never drops below this"},
       {"bf16.enabled",
        "bf16 compute; fp32 master weights and optimizer state"},
+      {"communication_data_type",
+       "dtype the gradient reduction rounds to (fp32, fp16, bf16); null: fp32 (DeepSpeed)"},
       {"zero_optimization.stage",
        "0: all-reduce gradients; 1: shard AdamW state over data parallelism; 2: gradients too"},
       {"zero_optimization.overlap_comm",

@@ -242,6 +242,7 @@ void describe(V& v, TrainConfig& c) {
   v.field("wall_clock_breakdown", c.wall_clock_breakdown);
   v.section("fp16", c.fp16);
   v.section("bf16", c.bf16);
+  v.field("communication_data_type", c.communication_data_type);
   v.section("zero_optimization", c.zero_optimization);
   v.section("optimizer", c.optimizer);
   v.nullable_section("scheduler", c.scheduler);

@@ -204,6 +204,9 @@ struct TrainConfig {
   bool wall_clock_breakdown = false;
   Fp16Config fp16;
   Bf16Config bf16;
+  // DeepSpeed's: the type the data-parallel gradient reduction rounds to; null: fp32 (the
+  // gradients accumulate in fp32 whatever the compute type)
+  std::optional<CommDataType> communication_data_type;
   ZeroConfig zero_optimization;
   OptimizerConfig optimizer;
   std::optional<SchedulerConfig> scheduler;  // absent: constant learning rate

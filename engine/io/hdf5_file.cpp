@@ -225,6 +225,10 @@ void H5File::set_attr(const std::string& name, const std::string& value) {
   check(H5Awrite(a.id, type.id, value.empty() ? "" : value.c_str()), "write attribute " + name, path_, 0);
 }
 
+bool H5File::has_attr(const std::string& name) const {
+  return check(H5Aexists(file_, name.c_str()), "look up attribute " + name, path_) > 0;
+}
+
 double H5File::attr_double(const std::string& name) const {
   Handle a{check(H5Aopen(file_, name.c_str(), H5P_DEFAULT), "open attribute " + name, path_), H5Aclose};
   double v = 0;

@@ -45,6 +45,7 @@ class H5File {
   // Attributes of the root group.
   void set_attr(const std::string& name, double value);
   void set_attr(const std::string& name, const std::string& value);
+  bool has_attr(const std::string& name) const;
   double attr_double(const std::string& name) const;
   std::string attr_string(const std::string& name) const;
 

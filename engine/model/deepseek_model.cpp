@@ -192,7 +192,9 @@ DeepSeekModel::DeepSeekModel(const config::ModelConfig& cfg, kernels::Backend& b
   part_ = token_part(N, tp_, coll.tp_rank());
   rows_ = sp_ ? part_.count : N;
   ones_.assign(N, 1.0f);
-  env_ = LayerEnv{&cfg_, &be_, &coll_, &params, &scratch_, &acts_, ones_.data(), &progress_, tp_, coll.tp_rank(), sp_, {}};
+  cast_ = std::make_unique<ComputeCast>(be_, params.compute_dtype());
+  env_ = LayerEnv{&cfg_, &be_, &coll_, &params, &scratch_, &acts_, ones_.data(), &progress_, tp_, coll.tp_rank(), sp_, {},
+                  cast_.get()};
   if (sp_) {  // the layers' three shared [N, H] buffers
     full_.resize(3 * N * H_);
     for (int i = 0; i < 3; ++i) env_.full[i] = full_.data() + i * N * H_;
@@ -315,9 +317,10 @@ void DeepSeekModel::embed(float* out, const int32_t* local_ids, int64_t n) {
 // The LM head and the cross-entropy over `rows` tokens of z [rows,H] (all tokens): logits of
 // this rank's vocabulary columns; the row maximum and the sums of exponentials are reduced over
 // the ranks (vocabulary-parallel), never the logits. Leaves dL/dlogits in `logits`.
-double DeepSeekModel::head_loss(float* logits, const float* z, const int32_t* targets, int64_t rows,
-                                double grad_scale) {
-  linear_forward(be_, logits, z, lm_head_.w, rows, Vl_, H_);
+double DeepSeekModel::head_loss(float* logits, const float* z, const int32_t* targets, int64_t rows, double weight,
+                                double loss_scale) {
+  const double grad_scale = weight * loss_scale;
+  linear_forward(env_, logits, z, lm_head_, rows, Vl_, H_);
   if (keep_logits_ && logits == logits_.data()) kept_logits_.assign(logits, logits + rows * Vl_);
   if (tp_ == 1) {
     be_.cross_entropy(loss_rows_.data(), logits, targets, rows, V_, float(grad_scale));
@@ -329,9 +332,11 @@ double DeepSeekModel::head_loss(float* logits, const float* z, const int32_t* ta
     be_.cross_entropy_finish(loss_rows_.data(), logits, row_max_.data(), row_sums_.data(), targets, v0_, rows, Vl_,
                              float(grad_scale));
   }
+  loss_host_.resize(size_t(rows));  // the loss is read on the host through the backend
+  be_.copy_to_host(loss_host_.data(), loss_rows_.data(), rows * int64_t(sizeof(float)));
   double sum = 0;
-  for (int64_t r = 0; r < rows; ++r) sum += loss_rows_[r];
-  return sum * grad_scale;
+  for (int64_t r = 0; r < rows; ++r) sum += loss_host_[size_t(r)];
+  return sum * weight;
 }
 
 Losses DeepSeekModel::forward_stage(const int32_t* tokens, const float* h_in, const LossScale& scale) {
@@ -360,7 +365,7 @@ Losses DeepSeekModel::forward_stage(const int32_t* tokens, const float* h_in, co
                         float(cfg_.rms_norm_eps));
     const float* z = z_.data();
     if (sp_) coll_.tp_all_gather_rows(z_full_.data(), z_.data(), rows_, H_), z = z_full_.data();
-    out.ce = head_loss(logits_.data(), z, targets_.data(), N, 1.0 / scale.tokens);
+    out.ce = head_loss(logits_.data(), z, targets_.data(), N, 1.0 / scale.tokens, scale.gradient);
     if (!mtp_.empty()) mtp_forward(tokens, scale, out);
   }
   for (auto* moe : moe_layers()) out.aux += moe->stats().aux_loss;
@@ -389,11 +394,11 @@ void DeepSeekModel::mtp_forward(const int32_t* tokens, const LossScale& scale, L
     be_.rmsnorm_forward(m.hn.data(), m.rstd_h.data(), m.hprev.data(), m.hnorm.w, rows, H_, eps);
     be_.copy_strided(m.cat.data(), 2 * H_, m.en.data(), H_, rows, H_);  // [enorm(e) ; hnorm(h)]
     be_.copy_strided(m.cat.data() + H_, 2 * H_, m.hn.data(), H_, rows, H_);
-    linear_forward(be_, m.m.data(), m.cat.data(), m.eh_proj.w, rows, H_, 2 * H_);
+    linear_forward(env_, m.m.data(), m.cat.data(), m.eh_proj, rows, H_, 2 * H_);
     m.layer->forward(m.h.data(), m.m.data(), B_, n, scale);
     be_.rmsnorm_forward(m.z.data(), m.rstd_z.data(), m.h.data(), m.head_norm.w, rows, H_, eps);
     const double grad_scale = lambda / (scale.sequences * double(n));
-    out.mtp += head_loss(m.logits.data(), m.z.data(), m.targets.data(), rows, grad_scale);
+    out.mtp += head_loss(m.logits.data(), m.z.data(), m.targets.data(), rows, grad_scale, scale.gradient);
   }
 }
 
@@ -403,7 +408,7 @@ void DeepSeekModel::backward_stage(const float* dh_out) {
     const float* z = sp_ ? z_full_.data() : z_.data();
     // Head: dz = dlogits W_lm, this rank's vocabulary columns' part, summed over the ranks;
     // dW_lm += dlogits^T z (this rank's rows, complete). MTP adds its gradient of h^0 = z.
-    linear_backward(be_, dz_.data(), lm_head_.g, logits_.data(), z, lm_head_.w, N, Vl_, H_);
+    linear_backward(env_, dz_.data(), logits_.data(), z, lm_head_, N, Vl_, H_);
     coll_.tp_all_reduce(dz_.data(), N * H_);
     progress_.poll();
     if (!mtp_.empty()) mtp_backward(dz_.data());
@@ -448,7 +453,7 @@ void DeepSeekModel::mtp_backward(float* dz) {
     const int64_t n = m.n, rows = B_ * n;
     // Its own head (the complete gradient of its normed states), then the gradient module k+1
     // left in m.dh.
-    linear_backward(be_, tmp1_.data(), lm_head_.g, m.logits.data(), m.z.data(), lm_head_.w, rows, Vl_, H_);
+    linear_backward(env_, tmp1_.data(), m.logits.data(), m.z.data(), lm_head_, rows, Vl_, H_);
     coll_.tp_all_reduce(tmp1_.data(), rows * H_);
     be_.rmsnorm_backward(tmp2_.data(), m.head_norm.g, tmp1_.data(), m.h.data(), m.head_norm.w,
                          m.rstd_z.data(), rows, H_);
@@ -456,7 +461,7 @@ void DeepSeekModel::mtp_backward(float* dz) {
     m.layer->backward(m.dh.data(), m.m.data(), B_, n, tmp1_.data(), tmp2_.data());  // m.dh = dL/dm
     scratch_.reset();
     float* dcat = scratch_.take(rows * 2 * H_);
-    linear_backward(be_, dcat, m.eh_proj.g, m.dh.data(), m.cat.data(), m.eh_proj.w, rows, H_, 2 * H_);
+    linear_backward(env_, dcat, m.dh.data(), m.cat.data(), m.eh_proj, rows, H_, 2 * H_);
     // Embedding half: enorm backward, then into this rank's rows of the shared embedding table.
     be_.copy_strided(tmp1_.data(), H_, dcat, 2 * H_, rows, H_);
     be_.rmsnorm_backward(tmp2_.data(), m.enorm.g, tmp1_.data(), m.e.data(), m.enorm.w,

@@ -146,7 +146,9 @@ class DeepSeekModel {
   struct Mtp;  // one multi-token-prediction module
   void map_ids(int32_t* local, const int32_t* ids, int64_t n) const;
   void embed(float* out, const int32_t* local_ids, int64_t n);
-  double head_loss(float* logits, const float* z, const int32_t* targets, int64_t rows, double grad_scale);
+  // The summed loss times `weight`; the logits' gradient is scaled by weight * loss_scale.
+  double head_loss(float* logits, const float* z, const int32_t* targets, int64_t rows, double weight,
+                   double loss_scale);
   void mtp_forward(const int32_t* tokens, const LossScale& scale, Losses& out);
   void mtp_backward(float* dz);
 
@@ -156,8 +158,10 @@ class DeepSeekModel {
   Progress progress_;
   LayerEnv env_, mtp_env_;  // the MTP modules' layers run without sequence parallelism
   Scratch scratch_;
+  std::unique_ptr<ComputeCast> cast_;  // the GEMMs' conversions to the compute type
   ActivationStore acts_;
   std::vector<float> ones_;
+  std::vector<float> loss_host_;  // the per-row losses, copied to the host
   RopeTables rope_;
   int64_t B_, S_, H_, V_, L_;
   int64_t first_ = 0, end_ = 0;  // this instance's decoder layers

@@ -22,9 +22,9 @@ void SwiGluMlp::recompute_selective(int64_t N) { env_.be->swiglu_forward(M_.data
 
 void SwiGluMlp::forward(float* out, const float* u, int64_t N) {
   kernels::Backend& be = *env_.be;
-  linear_forward(be, GU_.data(), u, gate_up_.w, N, 2 * w_, H_);
+  linear_forward(env_, GU_.data(), u, gate_up_, N, 2 * w_, H_);
   be.swiglu_forward(M_.data(), GU_.data(), N, w_);
-  linear_forward(be, out, M_.data(), down_.w, N, H_, w_);  // row-parallel: this rank's part of the sum
+  linear_forward(env_, out, M_.data(), down_, N, H_, w_);  // row-parallel: this rank's part of the sum
 }
 
 void SwiGluMlp::backward(float* du, const float* dout, const float* u, int64_t N, float beta) {
@@ -32,11 +32,11 @@ void SwiGluMlp::backward(float* du, const float* dout, const float* u, int64_t N
   Scratch& scratch = *env_.scratch;
   float* dM = scratch.take(N * w_);
   float* dGU = scratch.take(N * 2 * w_);
-  linear_backward(be, dM, down_.g, dout, M_.data(), down_.w, N, H_, w_);
+  linear_backward(env_, dM, dout, M_.data(), down_, N, H_, w_);
   env_.poll();
   be.swiglu_backward(dGU, dM, GU_.data(), N, w_);
   // Column-parallel gate/up: the input gradient is this rank's part (the caller sums over TP).
-  linear_backward(be, du, gate_up_.g, dGU, u, gate_up_.w, N, 2 * w_, H_, beta);
+  linear_backward(env_, du, dGU, u, gate_up_, N, 2 * w_, H_, beta);
 }
 
 MoeLayer::MoeLayer(const LayerEnv& env, const std::string& prefix, int64_t B, int64_t S) : env_(env) {
@@ -55,7 +55,7 @@ MoeLayer::MoeLayer(const LayerEnv& env, const std::string& prefix, int64_t B, in
   rp_.v2_weights = m.model_type == config::ModelType::kDeepseekV2;
   ParamStore& p = *env.params;
   const std::string mlp = prefix + "mlp.";
-  gate_.bind(p, mlp + "gate.weight");
+  gate_.bind(p, mlp + "gate.weight", /*low_precision=*/false);  // router logits in fp32 (HF)
   if (p.has(mlp + "gate.e_score_correction_bias")) bias_ = p.param(mlp + "gate.e_score_correction_bias");
   gate_up_.resize(E_);
   down_.resize(E_);
@@ -121,15 +121,19 @@ int64_t MoeLayer::scratch_floats(int64_t N) const {
 void MoeLayer::route(const float* u, int64_t N) {
   kernels::Backend& be = *env_.be;
   float* logits = env_.scratch->take(N * E_);
-  linear_forward(be, logits, u, gate_.w, N, E_, H_);
+  linear_forward(env_, logits, u, gate_, N, E_, H_);
   be.router_forward(idx_.data(), w_.data(), scores_.data(), logits, bias_, N, rp_);
+  // The dispatch plan is made on the host, from the selection copied there through the backend.
+  idx_host_.resize(size_t(N * k_));
+  be.copy_to_host(idx_host_.data(), idx_.data(), N * k_ * int64_t(sizeof(int32_t)));
+  const int32_t* idx = idx_host_.data();
   std::fill(counts_.begin(), counts_.end(), 0);
-  for (int64_t i = 0; i < N * k_; ++i) ++counts_[idx_[i]];
+  for (int64_t i = 0; i < N * k_; ++i) ++counts_[idx[i]];
   for (int64_t e = 0; e < E_; ++e) offsets_[e + 1] = offsets_[e] + counts_[e];
   std::vector<int64_t> cursor(offsets_.begin(), offsets_.end() - 1);
   for (int64_t t = 0; t < N; ++t)
     for (int64_t j = 0; j < k_; ++j) {
-      const int64_t row = cursor[idx_[t * k_ + j]]++;
+      const int64_t row = cursor[idx[t * k_ + j]]++;
       pos_[t * k_ + j] = int32_t(row);
       src_[row] = int32_t(t);
     }
@@ -182,7 +186,7 @@ void MoeLayer::balance_loss(TokenPart part, int64_t B, int64_t S, const LossScal
     for (int64_t e = 0; e < E_; ++e) sum += s[e];
     for (int64_t e = 0; e < E_; ++e) dot += alpha * group_weight * fg[e] / double(T) * s[e] / sum;
     for (int64_t e = 0; e < E_; ++e)
-      dscores[i * E_ + e] = float((alpha * group_weight * fg[e] / double(T) - dot) / sum);
+      dscores[i * E_ + e] = float((alpha * group_weight * fg[e] / double(T) - dot) / sum * scale.gradient);
   }
 }
 
@@ -273,33 +277,49 @@ void MoeLayer::plan_exchange(int64_t rows) {
 
 namespace {
 
-// The experts' GEMMs of one kind, launched as one grouped call.
+// The experts' GEMMs of one kind, launched as one grouped call. A holds rows of one activation
+// buffer `a` (fp32; converted to the compute type at launch); B rows of another activation
+// buffer `b`, or — when b is null — a weight (`Bw`, `Blp`: the fp32 and low-precision copies).
 struct Group {
   std::vector<float*> C;
-  std::vector<const float*> A, B;
+  std::vector<int64_t> A, B;  // element offsets into a and b (or the weights' pointers, below)
+  std::vector<const float*> Bw;
+  std::vector<const uint16_t*> Blp;
   std::vector<int64_t> M, N, K;
-  void add(float* c, const float* a, const float* b, int64_t m, int64_t n, int64_t k) {
+  void add(float* c, int64_t a, int64_t b, int64_t m, int64_t n, int64_t k) {
     C.push_back(c), A.push_back(a), B.push_back(b), M.push_back(m), N.push_back(n), K.push_back(k);
+  }
+  void add(float* c, int64_t a, const WeightRef& w, int64_t m, int64_t n, int64_t k) {
+    add(c, a, 0, m, n, k);
+    Bw.push_back(w.w), Blp.push_back(w.lp);
+  }
+  // C = op(A) op(B) (+ beta C) with A from `a` [a_len floats] and B from `b` [b_len] or the weights.
+  void run(const LayerEnv& env, const float* a, int64_t a_len, const float* b, int64_t b_len, bool ta, bool tb,
+           float beta) const {
+    if (C.empty()) return;
+    const bool lp = env.cast && env.cast->active() && (b || Blp[0]);
+    const kernels::DType t = lp ? env.cast->dtype() : kernels::DType::kF32;
+    const int64_t es = kernels::dtype_size(t);
+    const char* ab = static_cast<const char*>(lp ? (*env.cast)(0, a, a_len).data : a);
+    const char* bb = !b ? nullptr : static_cast<const char*>(lp ? (*env.cast)(1, b, b_len).data : b);
+    std::vector<const void*> pa(C.size()), pb(C.size());
+    for (size_t i = 0; i < C.size(); ++i) {
+      pa[i] = ab + A[i] * es;
+      pb[i] = b ? static_cast<const void*>(bb + B[i] * es) : lp ? static_cast<const void*>(Blp[i]) : Bw[i];
+    }
+    env.be->gemm_grouped(C.data(), pa.data(), pb.data(), t, M.data(), N.data(), K.data(), int64_t(C.size()), ta, tb,
+                         1.0f, beta);
   }
 };
 
 // The experts' weight gradients dW_e += dY_e^T X_e (A: rows of dY in `dy` [a_len], B: rows of X
 // in `x` [b_len]) now, or — under a WeightGradDeferral — later, from copies of dy and x.
-void run_weight_grads(kernels::Backend& be, Group g, const float* dy, int64_t a_len, const float* x, int64_t b_len) {
+void run_weight_grads(const LayerEnv& env, Group g, const float* dy, int64_t a_len, const float* x, int64_t b_len) {
   if (g.C.empty()) return;
   WeightGradDeferral* d = WeightGradDeferral::active();
-  if (!d) {
-    be.gemm_grouped(g.C.data(), g.A.data(), g.B.data(), g.M.data(), g.N.data(), g.K.data(), int64_t(g.C.size()),
-                    true, false, 1.0f, 1.0f);
-    return;
-  }
+  if (!d) return g.run(env, dy, a_len, x, b_len, true, false, 1.0f);
   auto dyc = d->keep(dy, a_len), xc = d->keep(x, b_len);
-  for (auto& a : g.A) a = dyc.data + (a - dy);
-  for (auto& b : g.B) b = xc.data + (b - x);
-  d->push([&be, g = std::move(g), dyc, xc]() mutable {
-    be.gemm_grouped(g.C.data(), g.A.data(), g.B.data(), g.M.data(), g.N.data(), g.K.data(), int64_t(g.C.size()),
-                    true, false, 1.0f, 1.0f);
-  });
+  d->push([env, g = std::move(g), dyc, xc, a_len, b_len] { g.run(env, dyc.data, a_len, xc.data, b_len, true, false, 1.0f); });
 }
 
 thread_local WeightGradDeferral* g_active_deferral = nullptr;
@@ -320,15 +340,13 @@ void MoeLayer::experts_forward(const float* X, float* GU, float* M, float* Y, co
   for (int64_t i = 0; i < ne; ++i) {
     const int64_t e = e_first + i, o = off[i], c = cnt[i];
     if (!gate_up_[size_t(e)] || c == 0) continue;
-    g1.add(GU + o * 2 * I_, X + o * H_, gate_up_[size_t(e)].w, c, 2 * I_, H_);
-    g2.add(Y + o * H_, M + o * I_, down_[size_t(e)].w, c, H_, I_);
+    g1.add(GU + o * 2 * I_, o * H_, gate_up_[size_t(e)], c, 2 * I_, H_);
+    g2.add(Y + o * H_, o * I_, down_[size_t(e)], c, H_, I_);
   }
   if (g1.C.empty()) return;
-  be.gemm_grouped(g1.C.data(), g1.A.data(), g1.B.data(), g1.M.data(), g1.N.data(), g1.K.data(), int64_t(g1.C.size()),
-                  false, true, 1.0f, 0.0f);
+  g1.run(env_, X, rows * H_, nullptr, 0, false, true, 0.0f);
   be.swiglu_forward(M, GU, rows, I_);
-  be.gemm_grouped(g2.C.data(), g2.A.data(), g2.B.data(), g2.M.data(), g2.N.data(), g2.K.data(), int64_t(g2.C.size()),
-                  false, true, 1.0f, 0.0f);
+  g2.run(env_, M, rows * I_, nullptr, 0, false, true, 0.0f);
 }
 
 // Backward of experts_forward: dX from dY, the weight gradients accumulated (or queued under a
@@ -341,27 +359,25 @@ void MoeLayer::experts_backward(float* dX, const float* dY, const float* X, cons
   for (int64_t i = 0; i < ne; ++i) {
     const int64_t e = e_first + i, o = off[i], c = cnt[i];
     if (!gate_up_[size_t(e)] || c == 0) continue;
-    gdM.add(dM + o * I_, dY + o * H_, down_[size_t(e)].w, c, I_, H_);      // dM = dY W_d
-    gdWd.add(down_[size_t(e)].g, dY + o * H_, M + o * I_, H_, I_, c);      // dW_d += dY^T M
+    gdM.add(dM + o * I_, o * H_, down_[size_t(e)], c, I_, H_);  // dM = dY W_d
+    gdWd.add(down_[size_t(e)].g, o * H_, o * I_, H_, I_, c);    // dW_d += dY^T M
   }
   if (gdM.C.empty()) return;
-  be.gemm_grouped(gdM.C.data(), gdM.A.data(), gdM.B.data(), gdM.M.data(), gdM.N.data(), gdM.K.data(),
-                  int64_t(gdM.C.size()), false, false, 1.0f, 0.0f);
+  gdM.run(env_, dY, rows * H_, nullptr, 0, false, false, 0.0f);
   env_.poll();
-  run_weight_grads(be, gdWd, dY, rows * H_, M, rows * I_);
+  run_weight_grads(env_, gdWd, dY, rows * H_, M, rows * I_);
   env_.poll();
   be.swiglu_backward(dGU, dM, GU, rows, I_);
   Group gdX, gdWgu;
   for (int64_t i = 0; i < ne; ++i) {
     const int64_t e = e_first + i, o = off[i], c = cnt[i];
     if (!gate_up_[size_t(e)] || c == 0) continue;
-    gdX.add(dX + o * H_, dGU + o * 2 * I_, gate_up_[size_t(e)].w, c, H_, 2 * I_);  // dX = dGU W_gu
-    gdWgu.add(gate_up_[size_t(e)].g, dGU + o * 2 * I_, X + o * H_, 2 * I_, H_, c);  // dW_gu += dGU^T X
+    gdX.add(dX + o * H_, o * 2 * I_, gate_up_[size_t(e)], c, H_, 2 * I_);  // dX = dGU W_gu
+    gdWgu.add(gate_up_[size_t(e)].g, o * 2 * I_, o * H_, 2 * I_, H_, c);    // dW_gu += dGU^T X
   }
-  be.gemm_grouped(gdX.C.data(), gdX.A.data(), gdX.B.data(), gdX.M.data(), gdX.N.data(), gdX.K.data(),
-                  int64_t(gdX.C.size()), false, false, 1.0f, 0.0f);
+  gdX.run(env_, dGU, rows * 2 * I_, nullptr, 0, false, false, 0.0f);
   env_.poll();
-  run_weight_grads(be, gdWgu, dGU, rows * 2 * I_, X, rows * H_);
+  run_weight_grads(env_, gdWgu, dGU, rows * 2 * I_, X, rows * H_);
   env_.poll();
 }
 
@@ -406,12 +422,12 @@ void MoeLayer::backward(float* du_full, const float* dout_full, const float* u_f
   float* dlogits = scratch.take(n * E_);
   be.router_backward(dlogits, dw, dscores_.data(), scores_.data(), idx_.data(), n, rp_);
   if (env_.tp_size == 1) {
-    linear_backward(be, du_part, gate_.g, dlogits, u_part, gate_.w, n, E_, H_, 1.0f);
+    linear_backward(env_, du_part, dlogits, u_part, gate_, n, E_, H_, 1.0f);
   } else {  // the router is replicated: its gradient from this rank's tokens, summed over the ranks
     float* dgate = scratch.take(E_ * H_);
     be.fill(dgate, 0.0f, E_ * H_);
     const WeightGradDeferral::Scope now(nullptr);  // reduced at once: never deferred
-    linear_backward(be, du_part, dgate, dlogits, u_part, gate_.w, n, E_, H_, 1.0f);
+    linear_backward(env_, du_part, dlogits, u_part, gate_, n, E_, H_, 1.0f, dgate);
     env_.coll->tp_all_reduce(dgate, E_ * H_);
     be.add(gate_.g, dgate, E_ * H_);
   }

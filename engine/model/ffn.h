@@ -40,6 +40,7 @@ struct MoeStats {
 struct LossScale {
   double tokens = 1;     // target tokens of the global batch (CE is their mean)
   double sequences = 1;  // sequences of the global batch (the balance loss is their mean)
+  double gradient = 1;   // the fp16 loss scale: multiplies the gradient of every loss, not its value
 };
 
 // Expert parallelism: the ranks of the expert-parallel group own contiguous blocks of E / EP
@@ -100,6 +101,7 @@ class MoeLayer {
   // the selective set: Xp (the dispatched rows) and Mp.
   ActBuf scores_, w_, dscores_, Xp_, GUp_, Mp_, Yp_;
   std::vector<int32_t> idx_, pos_, src_;
+  std::vector<int32_t> idx_host_;  // the selection, copied to the host for the dispatch plan
   std::vector<int64_t> counts_, offsets_;
   MoeStats stats_;
   // Expert parallelism (ep_ > 1): this rank owns experts [e0_, e0_ + El_); the last forward's

@@ -152,6 +152,34 @@ inline TokenPart token_part(int64_t N, int tp_size, int tp_rank) {
   return {first, std::min(N, first + block) - first};
 }
 
+// The compute type of the GEMMs (docs/design.md §6.10): under bf16 / fp16 every linear layer
+// multiplies its input, rounded to the compute type here, by the parameter's low-precision copy
+// (ParamStore::compute_param), accumulating in fp32 into an fp32 output. Each call converts into
+// one of a few device workspaces (grown to the largest call, during the first step), so a
+// GEMM's inputs are converted right before it: the same inputs give the same bits, wherever
+// the GEMM runs (a recomputation, a deferred weight-gradient GEMM). fp32 converts nothing.
+class ComputeCast {
+ public:
+  static constexpr int kSlots = 3;
+  ComputeCast(kernels::Backend& be, kernels::DType dtype) : be_(be), dtype_(dtype) {}
+  kernels::DType dtype() const { return dtype_; }
+  bool active() const { return dtype_ != kernels::DType::kF32; }
+  // n floats at x in the compute type, in workspace `slot` (valid until the slot's next use).
+  kernels::ConstView operator()(int slot, const float* x, int64_t n) {
+    kernels::DeviceBuffer& b = buf_[slot];
+    const int64_t bytes = n * kernels::dtype_size(dtype_);
+    if (b.bytes() < bytes) b = kernels::DeviceBuffer(be_, bytes);
+    be_.convert({b.data(), dtype_}, kernels::f32(x), n);
+    return {b.data(), dtype_};
+  }
+  int64_t bytes() const { return buf_[0].bytes() + buf_[1].bytes() + buf_[2].bytes(); }
+
+ private:
+  kernels::Backend& be_;
+  kernels::DType dtype_;
+  kernels::DeviceBuffer buf_[kSlots];
+};
+
 struct LayerEnv {
   const config::ModelConfig* cfg = nullptr;
   kernels::Backend* be = nullptr;
@@ -168,40 +196,70 @@ struct LayerEnv {
   // Three [N, H] buffers for the whole micro-batch, shared by the layers (one runs at a time):
   // the gathered inputs and the partial outputs of the tensor-parallel blocks.
   float* full[3] = {nullptr, nullptr, nullptr};
+  ComputeCast* cast = nullptr;  // null or fp32: every GEMM in fp32
   void poll() const {
     if (progress) progress->poll();
   }
   int64_t heads() const { return cfg->num_attention_heads / tp_size; }  // local heads
 };
 
-// Weight and gradient pointers of one parameter.
+// Weight and gradient pointers of one parameter, and its low-precision compute copy (null in
+// fp32, and for the parameters whose GEMM stays in fp32: the router).
 struct WeightRef {
   float* w = nullptr;
   float* g = nullptr;
-  void bind(ParamStore& p, const std::string& name) {
+  const uint16_t* lp = nullptr;
+  void bind(ParamStore& p, const std::string& name, bool low_precision = true) {
     w = p.param(name);
     g = p.grad(name);
+    lp = low_precision ? p.compute_param(name) : nullptr;
+  }
+  // Rows [first, ...) of a [rows, width] matrix.
+  WeightRef rows(int64_t first, int64_t width) const {
+    WeightRef r = *this;
+    r.w += first * width, r.g += first * width;
+    if (lp) r.lp += first * width;
+    return r;
   }
   explicit operator bool() const { return w != nullptr; }
 };
 
+// Whether a GEMM with weight W runs in the compute type.
+inline bool low_precision(const LayerEnv& env, const WeightRef& W) {
+  return W.lp && env.cast && env.cast->active();
+}
+
 // Linear layer helpers over [rows, in] x W[out, in]^T (HF layout), on the backend.
 // y = x W^T (+ b); beta = 1 accumulates into y.
-inline void linear_forward(kernels::Backend& be, float* y, const float* x, const float* W,
-                           int64_t rows, int64_t out, int64_t in, float beta = 0.0f) {
-  be.gemm(y, x, W, rows, out, in, false, true, 1.0f, beta);
+inline void linear_forward(const LayerEnv& env, float* y, const float* x, const WeightRef& W, int64_t rows,
+                           int64_t out, int64_t in, float beta = 0.0f) {
+  if (!low_precision(env, W)) return env.be->gemm(y, x, W.w, rows, out, in, false, true, 1.0f, beta);
+  env.be->gemm(y, (*env.cast)(0, x, rows * in), {W.lp, env.cast->dtype()}, rows, out, in, false, true, 1.0f, beta);
 }
-// dx (= or +=) dy W;  dW += dy^T x (deferred to W while a WeightGradDeferral is active).
-inline void linear_backward(kernels::Backend& be, float* dx, float* dW, const float* dy,
-                            const float* x, const float* W, int64_t rows, int64_t out, int64_t in,
-                            float dx_beta = 0.0f) {
-  if (dx) be.gemm(dx, dy, W, rows, in, out, false, false, 1.0f, dx_beta);
+// dx (= or +=) dy W;  dW += dy^T x (deferred to W while a WeightGradDeferral is active; its
+// inputs are converted when it runs). dW is W.g unless given.
+inline void linear_backward(const LayerEnv& env, float* dx, const float* dy, const float* x, const WeightRef& W,
+                            int64_t rows, int64_t out, int64_t in, float dx_beta = 0.0f, float* dW = nullptr) {
+  kernels::Backend& be = *env.be;
+  if (!dW) dW = W.g;
+  const bool lp = low_precision(env, W);
+  ComputeCast* cast = env.cast;
+  kernels::ConstView dyc = kernels::f32(dy);
+  if (lp) dyc = (*cast)(0, dy, rows * out);
+  if (dx) {
+    if (lp) be.gemm(dx, dyc, {W.lp, cast->dtype()}, rows, in, out, false, false, 1.0f, dx_beta);
+    else be.gemm(dx, dy, W.w, rows, in, out, false, false, 1.0f, dx_beta);
+  }
   if (WeightGradDeferral* d = WeightGradDeferral::active()) {
-    auto dyc = d->keep(dy, rows * out), xc = d->keep(x, rows * in);
-    d->push([&be, dW, dyc, xc, rows, out, in] { be.gemm(dW, dyc.data, xc.data, out, in, rows, true, false, 1.0f, 1.0f); });
+    auto dyk = d->keep(dy, rows * out), xk = d->keep(x, rows * in);
+    d->push([&be, lp, cast, dW, dyk, xk, rows, out, in] {
+      if (lp) be.gemm(dW, (*cast)(0, dyk.data, rows * out), (*cast)(1, xk.data, rows * in), out, in, rows, true, false, 1.0f, 1.0f);
+      else be.gemm(dW, dyk.data, xk.data, out, in, rows, true, false, 1.0f, 1.0f);
+    });
     return;
   }
-  be.gemm(dW, dy, x, out, in, rows, true, false, 1.0f, 1.0f);
+  if (lp) be.gemm(dW, dyc, (*cast)(1, x, rows * in), out, in, rows, true, false, 1.0f, 1.0f);
+  else be.gemm(dW, dy, x, out, in, rows, true, false, 1.0f, 1.0f);
 }
 // Bias: y[r] += b;  db += sum_r dy[r]  (as ones^T dy).
 inline void bias_forward(kernels::Backend& be, float* y, const float* b, int64_t rows, int64_t n) {

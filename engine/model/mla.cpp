@@ -103,26 +103,26 @@ void MlaAttention::forward(float* out, const float* a, int64_t B, int64_t S) {
   // Query: q = RMSNorm(a W_qa^T) W_qb^T (or a W_q^T), [N, nh*dqk], then Q = [q_nope ; rope(q_pe)].
   float* q = scratch.take(N * nh_ * dqk_);
   if (lora_) {
-    linear_forward(be, cq_.data(), a, q_a_.w, N, rq_, H_);
+    linear_forward(env_, cq_.data(), a, q_a_, N, rq_, H_);
     if (q_a_bias_) bias_forward(be, cq_.data(), q_a_bias_.w, N, rq_);
     be.rmsnorm_forward(cqn_.data(), rstd_q_.data(), cq_.data(), q_a_norm_.w, N, rq_, 1e-6f);
-    linear_forward(be, q, cqn_.data(), q_b_.w, N, nh_ * dqk_, rq_);
+    linear_forward(env_, q, cqn_.data(), q_b_, N, nh_ * dqk_, rq_);
   } else {
-    linear_forward(be, q, a, q_.w, N, nh_ * dqk_, H_);
+    linear_forward(env_, q, a, q_, N, nh_ * dqk_, H_);
   }
   be.copy_strided(Q_.data(), dqk_, q, dqk_, N * nh_, dn_);
   be.rope_forward(Q_.data() + dn_, nh_ * dqk_, dqk_, q + dn_, nh_ * dqk_, dqk_, rope_->cos.data(),
                   rope_->sin.data(), N, S, nh_, dr_, env_.cfg->rope_interleave);
   // Compressed KV: c_kv = a W_kva[:r_kv]^T, k_pe = a W_kva[r_kv:]^T (two GEMMs on row blocks).
-  linear_forward(be, ckv_.data(), a, kv_a_.w, N, rkv_, H_);
-  linear_forward(be, kpe_.data(), a, kv_a_.w + rkv_ * H_, N, dr_, H_);
+  linear_forward(env_, ckv_.data(), a, kv_a_, N, rkv_, H_);
+  linear_forward(env_, kpe_.data(), a, kv_a_.rows(rkv_, H_), N, dr_, H_);
   if (kv_a_bias_) {
     bias_forward(be, ckv_.data(), kv_a_bias_.w, N, rkv_);
     bias_forward(be, kpe_.data(), kv_a_bias_.w + rkv_, N, dr_);
   }
   be.rmsnorm_forward(ckvn_.data(), rstd_kv_.data(), ckv_.data(), kv_a_norm_.w, N, rkv_, 1e-6f);
   float* kv = scratch.take(N * nh_ * kv_w);
-  linear_forward(be, kv, ckvn_.data(), kv_b_.w, N, nh_ * kv_w, rkv_);
+  linear_forward(env_, kv, ckvn_.data(), kv_b_, N, nh_ * kv_w, rkv_);
   be.copy_strided(K_.data(), dqk_, kv, kv_w, N * nh_, dn_);
   be.copy_strided(V_.data(), dv_, kv + dn_, kv_w, N * nh_, dv_);
   // One rope key for all heads: head stride 0 on the input broadcasts it.
@@ -130,7 +130,7 @@ void MlaAttention::forward(float* out, const float* a, int64_t B, int64_t S) {
                   rope_->sin.data(), N, S, nh_, dr_, env_.cfg->rope_interleave);
   be.attention_forward(O_.data(), lse_.data(), Q_.data(), K_.data(), V_.data(), B, S, nh_, dqk_,
                        dv_, rope_->attention_scale);
-  linear_forward(be, out, O_.data(), o_.w, N, H_, nh_ * dv_);  // row-parallel: this rank's heads' part
+  linear_forward(env_, out, O_.data(), o_, N, H_, nh_ * dv_);  // row-parallel: this rank's heads' part
 }
 
 void MlaAttention::add_output_bias(float* x, int64_t rows) {
@@ -144,7 +144,7 @@ void MlaAttention::backward(float* da, const float* dout, const float* a, int64_
   scratch.reset();
   if (o_bias_) bias_backward(be, o_bias_.g, dout, env_.ones, N, H_);
   float* dO = scratch.take(N * nh_ * dv_);
-  linear_backward(be, dO, o_.g, dout, O_.data(), o_.w, N, H_, nh_ * dv_);
+  linear_backward(env_, dO, dout, O_.data(), o_, N, H_, nh_ * dv_);
   float* dQ = scratch.take(N * nh_ * dqk_);
   float* dK = scratch.take(N * nh_ * dqk_);
   float* dV = scratch.take(N * nh_ * dv_);
@@ -165,13 +165,13 @@ void MlaAttention::backward(float* da, const float* dout, const float* a, int64_
   be.rope_backward(dkpe, dr_, 0, dK + dn_, nh_ * dqk_, dqk_, rope_->cos.data(), rope_->sin.data(),
                    N, S, nh_, dr_, env_.cfg->rope_interleave, true);
   env_.poll();
-  linear_backward(be, dckvn, kv_b_.g, dkv, ckvn_.data(), kv_b_.w, N, nh_ * kv_w, rkv_);
+  linear_backward(env_, dckvn, dkv, ckvn_.data(), kv_b_, N, nh_ * kv_w, rkv_);
   // Query branch: dq = [dq_nope | rope^-1(dq_pe)].
   float* dq = scratch.take(N * nh_ * dqk_);
   be.copy_strided(dq, dqk_, dQ, dqk_, N * nh_, dn_);
   be.rope_backward(dq + dn_, nh_ * dqk_, dqk_, dQ + dn_, nh_ * dqk_, dqk_, rope_->cos.data(),
                    rope_->sin.data(), N, S, nh_, dr_, env_.cfg->rope_interleave, false);
-  if (lora_) linear_backward(be, dcqn, q_b_.g, dq, cqn_.data(), q_b_.w, N, nh_ * dqk_, rq_);
+  if (lora_) linear_backward(env_, dcqn, dq, cqn_.data(), q_b_, N, nh_ * dqk_, rq_);
   // Head-sharded compute gave partial gradients of the replicated activations (docs/model.md §10.1).
   env_.coll->tp_all_reduce(dckvn, latent);
   float* dckv = scratch.take(N * rkv_);
@@ -181,18 +181,18 @@ void MlaAttention::backward(float* da, const float* dout, const float* a, int64_
     bias_backward(be, kv_a_bias_.g + rkv_, dkpe, env_.ones, N, dr_);
   }
   env_.poll();
-  linear_backward(be, da, kv_a_.g, dckv, a, kv_a_.w, N, rkv_, H_);
-  linear_backward(be, da, kv_a_.g + rkv_ * H_, dkpe, a, kv_a_.w + rkv_ * H_, N, dr_, H_, 1.0f);
+  linear_backward(env_, da, dckv, a, kv_a_, N, rkv_, H_);
+  linear_backward(env_, da, dkpe, a, kv_a_.rows(rkv_, H_), N, dr_, H_, 1.0f);
   env_.poll();
   if (lora_) {
     float* dcq = scratch.take(N * rq_);
     be.rmsnorm_backward(dcq, q_a_norm_.g, dcqn, cq_.data(), q_a_norm_.w, rstd_q_.data(), N, rq_);
     if (q_a_bias_) bias_backward(be, q_a_bias_.g, dcq, env_.ones, N, rq_);
-    linear_backward(be, da, q_a_.g, dcq, a, q_a_.w, N, rq_, H_, 1.0f);
+    linear_backward(env_, da, dcq, a, q_a_, N, rq_, H_, 1.0f);
   } else {
     // Column-parallel q_proj: its input gradient is partial; reduce it alone, then add.
     float* daq = scratch.take(N * H_);
-    linear_backward(be, daq, q_.g, dq, a, q_.w, N, nh_ * dqk_, H_);
+    linear_backward(env_, daq, dq, a, q_, N, nh_ * dqk_, H_);
     env_.coll->tp_all_reduce(daq, N * H_);
     be.add(da, daq, N * H_);
   }

@@ -123,6 +123,35 @@ void ParamStore::pad(int64_t dense_len, int64_t expert_len) {
   expert_.resize(expert_len, 0.0f), expert_grad_.resize(expert_len, 0.0f);
 }
 
+void ParamStore::enable_compute_copy(kernels::DType dtype) {
+  compute_dtype_ = dtype;
+  if (dtype == kernels::DType::kF32) {
+    lp_dense_ = {}, lp_expert_ = {};
+    return;
+  }
+  lp_dense_.assign(dense_.size(), 0), lp_expert_.assign(expert_.size(), 0);
+}
+
+const uint16_t* ParamStore::compute_param(const std::string& name) const {
+  const ParamView& v = view(name);
+  if (!has_compute_copy() || v.buffer) return nullptr;
+  return (v.expert ? lp_expert_ : lp_dense_).data() + v.offset;
+}
+
+void ParamStore::round_to_compute(kernels::Backend& be, bool expert, int64_t begin, int64_t end, const float* src) {
+  if (!has_compute_copy() || end <= begin) return;
+  float* f = params(expert).data() + begin;
+  uint16_t* h = compute_copy(expert).data() + begin;
+  be.convert({h, compute_dtype_}, kernels::f32(src ? src : f), end - begin);
+  be.convert({f, kernels::DType::kF32}, {h, compute_dtype_}, end - begin);
+}
+
+void ParamStore::widen_compute(kernels::Backend& be, bool expert, int64_t begin, int64_t end) {
+  if (!has_compute_copy() || end <= begin) return;
+  be.convert({params(expert).data() + begin, kernels::DType::kF32}, {compute_copy(expert).data() + begin, compute_dtype_},
+             end - begin);
+}
+
 void ParamStore::zero_grads() {
   std::fill(dense_grad_.begin(), dense_grad_.end(), 0.0f);
   std::fill(expert_grad_.begin(), expert_grad_.end(), 0.0f);

@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "dstrain/kernels/backend.h"
 #include "engine/common/shared_memory.h"
 #include "engine/plan/param_table.h"
 
@@ -71,6 +72,23 @@ class ParamStore {
   FlatBuffer& expert_grads() { return expert_grad_; }
   std::vector<float>& buffers() { return buffers_; }
 
+  // Mixed precision (docs/design.md §6.10): low-precision compute copies of the two flat
+  // parameter buffers, same layout, for the GEMMs. The fp32 buffers then hold the same rounded
+  // values, widened (what the fp32 ops read: norms, the router, the embedding lookup); the
+  // fp32 master weights live with the optimizer. Call after pad().
+  void enable_compute_copy(kernels::DType dtype);
+  kernels::DType compute_dtype() const { return compute_dtype_; }
+  bool has_compute_copy() const { return compute_dtype_ != kernels::DType::kF32; }
+  // The parameter's low-precision copy; null without compute copies and for buffers.
+  const uint16_t* compute_param(const std::string& name) const;
+  SharedVector<uint16_t>& compute_copy(bool expert) { return expert ? lp_expert_ : lp_dense_; }
+  FlatBuffer& params(bool expert) { return expert ? expert_ : dense_; }
+  // Elements [begin, end) of a flat buffer: from the fp32 values `src` (null: the fp32 buffer
+  // itself) into the compute copy, rounded, and the rounded values back into the fp32 buffer.
+  void round_to_compute(kernels::Backend& be, bool expert, int64_t begin, int64_t end, const float* src = nullptr);
+  // Elements [begin, end): the fp32 buffer from the compute copy (after the copy was gathered).
+  void widen_compute(kernels::Backend& be, bool expert, int64_t begin, int64_t end);
+
   // Parameters held (without any padding).
   int64_t num_params() const { return num_params_; }
   // The flat buffers' lengths before ZeRO padding (the dense one includes the unused rows of a
@@ -100,6 +118,8 @@ class ParamStore {
   std::map<std::string, ParamView> views_;
   std::vector<std::string> order_;
   FlatBuffer dense_, expert_, dense_grad_, expert_grad_;
+  kernels::DType compute_dtype_ = kernels::DType::kF32;
+  SharedVector<uint16_t> lp_dense_, lp_expert_;
   std::vector<float> buffers_;
   int64_t num_params_ = 0, dense_numel_ = 0, expert_numel_ = 0;
 };

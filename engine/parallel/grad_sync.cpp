@@ -76,6 +76,12 @@ GradSync::GradSync(model::ParamStore& params, const ZeroSharding& zero, const st
   };
   std::stable_sort(buckets_.begin(), buckets_.end(),
                    [&](const GradBucket& a, const GradBucket& b) { return key(a) < key(b); });
+  if (options.comm_dtype != kernels::DType::kF32) {
+    DS_CHECK(options.backend, "a gradient reduction in {} needs the backend", kernels::to_string(options.comm_dtype));
+    int64_t largest = 0;
+    for (const GradBucket& b : buckets_) largest = std::max(largest, b.range.size());
+    round_buf_ = kernels::DeviceBuffer(*options.backend, largest * kernels::dtype_size(options.comm_dtype));
+  }
   layer_buckets_.resize(position_.size());
   for (size_t i = 0; i < buckets_.size(); ++i)
     for (int64_t l : buckets_[i].layers) layer_buckets_[slot(l)].push_back(i);
@@ -104,8 +110,17 @@ void GradSync::launch_ready() {
   while (next_ < buckets_.size() && pending_[next_] <= 0) launch(next_++);
 }
 
+void GradSync::round_to_comm_dtype(const GradBucket& b) {
+  if (options_.comm_dtype == kernels::DType::kF32) return;
+  float* grads = (b.expert ? params_.expert_grads() : params_.dense_grads()).data() + b.range.begin;
+  kernels::Backend& be = *options_.backend;
+  be.convert({round_buf_.data(), options_.comm_dtype}, kernels::f32(grads), b.range.size());
+  be.convert({grads, kernels::DType::kF32}, {round_buf_.data(), options_.comm_dtype}, b.range.size());
+}
+
 void GradSync::launch(size_t i) {
   const GradBucket& b = buckets_[i];
+  round_to_comm_dtype(b);
   comm::Communicator& g = zero_.group(b.expert);
   float* grads = (b.expert ? params_.expert_grads() : params_.dense_grads()).data() + b.range.begin;
   if (zero_.shards_gradients())
@@ -120,6 +135,7 @@ double GradSync::finish() {
   while (next_ < buckets_.size()) launch(next_++);
   for (auto& w : work_) w->wait();
   work_.clear();
+  for (const GradBucket& b : buckets_) round_to_comm_dtype(b);  // the sums, in the communication type
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 

@@ -17,6 +17,7 @@
 #include <memory>
 #include <vector>
 
+#include "dstrain/kernels/backend.h"
 #include "engine/comm/communicator.h"
 #include "engine/model/layer_env.h"
 #include "engine/model/param_store.h"
@@ -28,6 +29,10 @@ struct GradSyncOptions {
   bool overlap = true;         // launch buckets during backward (zero_optimization.overlap_comm)
   int64_t bucket_elems = 4 << 20;
   bool peer_memory = true;     // read peers' gradient buffers directly where possible (one host)
+  // communication_data_type: with bf16 / fp16 each rank's gradients are rounded to it before
+  // the reduction and the sums after it (through `backend`); fp32 leaves them as they are.
+  kernels::DType comm_dtype = kernels::DType::kF32;
+  kernels::Backend* backend = nullptr;
 };
 
 struct GradBucket {
@@ -59,6 +64,7 @@ class GradSync final : public model::BackwardObserver {
   void launch_ready();
   void launch(size_t b);
   size_t slot(int64_t layer) const;
+  void round_to_comm_dtype(const GradBucket& b);
 
   model::ParamStore& params_;
   const ZeroSharding& zero_;
@@ -70,6 +76,7 @@ class GradSync final : public model::BackwardObserver {
   size_t next_ = 0;                                 // buckets launch in index order
   bool peer_memory_ = false;
   std::vector<std::unique_ptr<comm::Work>> work_;
+  kernels::DeviceBuffer round_buf_;  // a bucket in the communication type
 };
 
 // Buckets of a flat buffer's parameters (offset, numel, layer; sorted by offset), at most

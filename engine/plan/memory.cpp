@@ -17,7 +17,8 @@ MemoryEstimate estimate_memory(int64_t dense, int64_t expert, int64_t dp, int64_
   const double held = static_cast<double>(dense + expert);
   const double sharded = static_cast<double>(ceil_div(dense, dp) + ceil_div(expert, edp));
   MemoryEstimate m;
-  m.weights = (mixed ? 2.0 : 4.0) * held;
+  // Mixed precision holds the fp32 compute values and their 16-bit copy (docs/design.md §6.10).
+  m.weights = (mixed ? 6.0 : 4.0) * held;
   m.gradients = 4.0 * (zero_stage >= 2 ? sharded : held);
   const double state_per_param = mixed ? 12.0 : 8.0;  // (master +) m + v
   m.optimizer = state_per_param * (zero_stage >= 1 ? sharded : held);

@@ -158,7 +158,8 @@ void Checkpointer::finish_file(const std::string& tmp, const std::string& path) 
 const float* Checkpointer::local_data(model::ParamStore& params, AdamW& adam, const parallel::ZeroSharding* zero,
                                       const std::string& name, int k, std::vector<float>& gathered) const {
   const model::ParamView& v = params.view(name);
-  if (k == 0) return params.param(name);
+  // Under mixed precision the weights saved are the fp32 master weights, kept beside the moments.
+  if (k == 0 && (v.buffer || !adam.has_master())) return params.param(name);
   if (!adam.sharded()) return adam.moment(k, v.expert).data() + v.offset;
   DS_CHECK(zero, "sharded AdamW moments without their ZeRO partitions");
   gathered.resize(size_t(v.numel));
@@ -255,6 +256,10 @@ std::string Checkpointer::save(const TrainState& state, model::ParamStore& param
     f.set_attr("samples_seen", double(state.step * plan_.batch.global));
     f.set_attr("lr_last_batch_iteration", double(state.step - 1));
     f.set_attr("loss_scale", state.loss_scale);
+    f.set_attr("loss_scaler_iter", double(state.scaler.iter));
+    f.set_attr("loss_scaler_last_overflow_iter", double(state.scaler.last_overflow_iter));
+    f.set_attr("loss_scaler_hysteresis", double(state.scaler.hysteresis));
+    f.set_attr("skipped_steps", double(state.scaler.skipped));
     f.set_attr("seed", double(cfg.seed));
     f.set_attr("data_tokenizer", state.data_tokenizer);
     f.set_attr("data_vocab_size", double(state.data_vocab_size));
@@ -607,6 +612,16 @@ TrainState Checkpointer::load(const std::string& path, model::ParamStore& params
   }
   if (!(std::isfinite(s.loss_scale) && s.loss_scale > 0))
     throw fail(fmt::format("attribute 'loss_scale' = {} is not a positive number", s.loss_scale));
+  s.scaler.scale = s.loss_scale;
+  if (f->has_attr("loss_scaler_iter")) {  // absent in checkpoints written before fp16 training
+    s.scaler.iter = count("loss_scaler_iter", 9e15);
+    const double last = f->attr_double("loss_scaler_last_overflow_iter");
+    if (!(last >= -1 && last < 9e15 && last == std::floor(last)))
+      throw fail(fmt::format("attribute 'loss_scaler_last_overflow_iter' = {} is not a step or -1", last));
+    s.scaler.last_overflow_iter = int64_t(last);
+    s.scaler.hysteresis = count("loss_scaler_hysteresis", 1e9);
+    s.scaler.skipped = count("skipped_steps", 9e15);
+  }
   try {  // absent in checkpoints written before format version 1 gained them
     s.data_tokenizer = f->attr_string("data_tokenizer");
   } catch (const Error&) {

@@ -20,6 +20,7 @@
 #include "engine/model/param_store.h"
 #include "engine/parallel/zero/zero_sharding.h"
 #include "engine/plan/parallel_plan.h"
+#include "engine/runtime/loss_scaler.h"
 #include "engine/runtime/optimizer.h"
 
 namespace dstrain::runtime {
@@ -30,6 +31,7 @@ struct TrainState {
   int64_t step = 0;         // optimizer steps completed (= the data position, docs/design.md §2.4)
   int64_t tokens_seen = 0;
   double loss_scale = 1.0;  // dynamic fp16 loss scale (1 without fp16)
+  LossScalerState scaler;   // the fp16 loss scaler's whole state (its scale is loss_scale)
   // What the data was tokenized with ("bytes", or "bpe" with the tokenizer file's hash) and its
   // vocabulary: resuming on other data is refused unless checkpoint.allow_data_change ("" and 0
   // in checkpoints that predate these attributes).

@@ -4,6 +4,8 @@
 #include <cmath>
 #include <utility>
 
+#include "engine/common/error.h"
+
 namespace dstrain::runtime {
 
 AdamW::AdamW(const config::OptimizerConfig& cfg, model::ParamStore& params, kernels::Backend& be)
@@ -36,9 +38,25 @@ AdamW::AdamW(const config::OptimizerConfig& cfg, model::ParamStore& params, kern
   v_dense_.assign(dense_shard_.size(), 0.0f);
   m_expert_.assign(expert_shard_.size(), 0.0f);
   v_expert_.assign(expert_shard_.size(), 0.0f);
+  master_ = params.has_compute_copy();
+  if (master_) capture_master();
+}
+
+void AdamW::capture_master() {
+  if (!master_) return;
+  for (const bool expert : {false, true}) {
+    const Range r = shard(expert);
+    const float* f = params_.params(expert).data();
+    master(expert).assign(f + r.begin, f + r.end);
+    params_.round_to_compute(be_, expert, 0, int64_t(params_.params(expert).size()));
+  }
 }
 
 std::vector<float>& AdamW::moment(int k, bool expert) {
+  if (k == 0) {
+    DS_CHECK(master_, "no master weights without mixed precision");
+    return master(expert);
+  }
   if (k == 1) return expert ? m_expert_ : m_dense_;
   return expert ? v_expert_ : v_dense_;
 }
@@ -55,13 +73,19 @@ void AdamW::step(double lr, int64_t step, double grad_scale) {
     const float decay = r.decay ? float(p.weight_decay) : 0.0f;
     a.weight_decay = l2 ? 0.0f : decay;
     a.l2 = l2 ? decay : 0.0f;
-    float* w = (r.expert ? params_.expert_params() : params_.dense_params()).data() + r.offset;
-    const float* g = (r.expert ? params_.expert_grads() : params_.dense_grads()).data() + r.offset;
     const int64_t base = shard(r.expert).begin;
+    float* w = master_ ? master(r.expert).data() + (r.offset - base)
+                       : (r.expert ? params_.expert_params() : params_.dense_params()).data() + r.offset;
+    const float* g = (r.expert ? params_.expert_grads() : params_.dense_grads()).data() + r.offset;
     float* m = moment(1, r.expert).data() + (r.offset - base);
     float* v = moment(2, r.expert).data() + (r.offset - base);
     be_.adamw(w, g, m, v, r.numel, a);
   }
+  if (master_)  // the updated shards into the compute copies (the caller gathers them)
+    for (const bool expert : {false, true}) {
+      const Range r = shard(expert);
+      params_.round_to_compute(be_, expert, r.begin, r.end, master(expert).data());
+    }
 }
 
 double gradient_square_sum(model::ParamStore& params, Range dense, Range expert, bool replicated) {

@@ -42,8 +42,21 @@ class AdamW {
   std::vector<float>& exp_avg_sq_dense() { return v_dense_; }
   std::vector<float>& exp_avg_expert() { return m_expert_; }
   std::vector<float>& exp_avg_sq_expert() { return v_expert_; }
-  // Moment k (1: exp_avg, 2: exp_avg_sq) of the dense or expert buffer.
+  // Moment k (1: exp_avg, 2: exp_avg_sq) of the dense or expert buffer; k = 0: the fp32 master
+  // weights under mixed precision.
   std::vector<float>& moment(int k, bool expert);
+
+  // Mixed precision (the parameter store has compute copies, docs/design.md §6.10): the fp32
+  // master weights of the shards live here, beside the moments (master(expert)[i] is flat element
+  // shard(expert).begin + i); step() updates them and rounds the shards into the store's fp32
+  // buffers and compute copies, which the caller then all-gathers (the compute copy) and widens.
+  bool has_master() const { return master_; }
+  std::vector<float>& master(bool expert) { return expert ? w_expert_ : w_dense_; }
+  // Takes the master weights from the store's fp32 buffers — at construction (the initial
+  // weights, already rounded, as DeepSpeed copies its cast module), and after a checkpoint's
+  // master weights were loaded into them — then rounds the whole buffers to the compute type.
+  // Every rank of a group holds the same buffers then, so the rounding needs no gather.
+  void capture_master();
 
  private:
   struct Run {  // a contiguous range of one flat buffer with one weight-decay setting
@@ -56,6 +69,8 @@ class AdamW {
   kernels::Backend& be_;
   std::vector<Run> runs_;
   std::vector<float> m_dense_, v_dense_, m_expert_, v_expert_;
+  bool master_ = false;
+  std::vector<float> w_dense_, w_expert_;  // fp32 master weights of the shards (mixed precision)
   Range dense_shard_, expert_shard_;
   bool sharded_ = false;
 };

@@ -45,16 +45,26 @@ const comm::ProcessGroup& RankGroups::group(plan::Axis axis) const {
 }
 
 void check_layout_trainable(const plan::ParallelPlan& plan) {
-  // Accepted by the config (and planned by --dry-run) but not implemented yet: refused rather
-  // than silently ignored.
-  const config::TrainConfig& c = plan.config;
-  const auto refuse = [&](const char* key, const char* what) {
-    config::fail_at(c, key, fmt::format("true, but {} is not implemented yet (this build computes in fp32); valid: "
-                                        "false, or leave it out",
-                                        what));
-  };
-  if (c.bf16.enabled) refuse("bf16.enabled", "bf16 mixed precision");
-  if (c.fp16.enabled) refuse("fp16.enabled", "fp16 mixed precision");
+  // Every layout the config accepts trains today: the one place a layout the runtime cannot
+  // train would be refused (by config key, with what is valid).
+  (void)plan;
+}
+
+kernels::DType comm_dtype(const config::TrainConfig& c) {
+  if (!c.communication_data_type) return kernels::DType::kF32;
+  switch (*c.communication_data_type) {
+    case config::CommDataType::kBf16: return kernels::DType::kBF16;
+    case config::CommDataType::kFp16: return kernels::DType::kF16;
+    default: return kernels::DType::kF32;
+  }
+}
+
+kernels::DType compute_dtype(config::Precision p) {
+  switch (p) {
+    case config::Precision::kBf16: return kernels::DType::kBF16;
+    case config::Precision::kFp16: return kernels::DType::kF16;
+    default: return kernels::DType::kF32;
+  }
 }
 
 void check_memory_fits(const plan::ParallelPlan& plan, const RankGroups& groups, int64_t micro_batch,
@@ -106,17 +116,31 @@ RankEngine build_rank_engine(const plan::ParallelPlan& plan, const RankGroups& g
     e.params->pad(e.zero->buffer_length(false), e.zero->buffer_length(true));
     if (e.dp->size() > 1 || e.edp->size() > 1)
       e.grad_sync = std::make_unique<parallel::GradSync>(*e.params, *e.zero, model::DeepSeekModel::backward_order(m),
-                                                         parallel::GradSyncOptions{z.overlap_comm, z.reduce_bucket_size});
+                                                         parallel::GradSyncOptions{z.overlap_comm, z.reduce_bucket_size, true,
+                                                                                   comm_dtype(cfg), e.backend.get()});
+    e.params->enable_compute_copy(compute_dtype(cfg.precision()));
     if (e.zero->shards_optimizer()) {  // the parameter all-gather reads the owners' buffers directly too
       bool mapped = true;
       for (const bool expert : {false, true}) {
         comm::Communicator& g = e.zero->group(expert);
-        model::FlatBuffer& buf = expert ? e.params->expert_params() : e.params->dense_params();
-        if (g.size() > 1) mapped = g.register_peer_memory(buf.data(), int64_t(buf.size())) && mapped;
+        if (g.size() == 1) continue;
+        if (e.params->has_compute_copy()) {  // mixed precision gathers the 16-bit compute copies
+          auto& lp = e.params->compute_copy(expert);
+          mapped = g.register_peer_memory(reinterpret_cast<float*>(lp.data()), int64_t(lp.size() / 2)) && mapped;
+        } else {
+          model::FlatBuffer& buf = e.params->params(expert);
+          mapped = g.register_peer_memory(buf.data(), int64_t(buf.size())) && mapped;
+        }
       }
       e.params_peer_mapped = mapped;
     }
+  } else {
+    e.params->enable_compute_copy(compute_dtype(cfg.precision()));
   }
+  // As DeepSpeed casts the module before its optimizer copies it: the initial weights rounded to
+  // the compute type (the same on every rank), from which the master weights start.
+  for (const bool expert : {false, true})
+    e.params->round_to_compute(*e.backend, expert, 0, int64_t(e.params->params(expert).size()));
   e.tp = groups.group(plan::Axis::kTensor).communicator("tp", comm::CommOptions{cfg.parallel.comm_timeout_s});
   e.ep = groups.group(plan::Axis::kExpert).communicator("ep", comm::CommOptions{cfg.parallel.comm_timeout_s});
   const int64_t micro = options.micro_batch > 0 ? options.micro_batch : plan.batch.micro;

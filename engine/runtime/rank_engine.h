@@ -52,6 +52,11 @@ class RankGroups {
 // The layouts the runtime trains today. Throws ConfigError naming what is missing otherwise.
 void check_layout_trainable(const plan::ParallelPlan& plan);
 
+// The GEMMs' compute type of a precision setting (fp32, bf16, fp16).
+kernels::DType compute_dtype(config::Precision p);
+// The type the gradient reduction rounds to (communication_data_type; null: fp32).
+kernels::DType comm_dtype(const config::TrainConfig& c);
+
 // Refuses, before anything is allocated, a run whose ranks on this host need more memory than
 // it has: this rank's parameters, gradients and optimizer state (ZeRO-sharded as configured)
 // and its activations for `micro_batch` sequences, times the ranks on the host, against

@@ -79,6 +79,8 @@ Trainer::Trainer(const plan::ParallelPlan& plan, RankGroups groups, int threads)
     adam_ = std::make_unique<AdamW>(cfg_.optimizer, params, *engine_.backend, zero.shard(false), zero.shard(true));
   else
     adam_ = std::make_unique<AdamW>(cfg_.optimizer, params, *engine_.backend);
+  if (cfg_.fp16.enabled) scaler_.emplace(cfg_.fp16);
+  inf_grad_step_ = fault_at(Fault::kInfGradient);
   if (plan_.degrees.pp > 1)
     pp_ = groups_.group(plan::Axis::kPipeline).communicator("pp", {cfg_.parallel.comm_timeout_s});
   for (int64_t i = 0; i < cfg_.model.num_hidden_layers + cfg_.model.num_nextn_predict_layers; ++i)
@@ -105,6 +107,8 @@ Trainer::Trainer(const plan::ParallelPlan& plan, RankGroups groups, int threads)
     }
     start_step_ = saved_step_ = st.step;
     saved_path_ = resumed->path;
+    adam_->capture_master();  // the checkpoint's weights are the master weights (mixed precision)
+    if (scaler_) scaler_->restore(st.scaler);
     if (rank_ == 0) spdlog::info("resumed from {} at step {}", resumed->path, start_step_);
   }
 }
@@ -198,7 +202,7 @@ void Trainer::pipeline_bubble(StepResult& r, const PipelineStepResult& p) {
 StepResult Trainer::compute_gradients(int64_t step) {
   StepResult r;
   const plan::BatchPlan& b = plan_.batch;
-  const model::LossScale scale{double(b.global * cfg_.seq_length), double(b.global)};
+  const model::LossScale scale{double(b.global * cfg_.seq_length), double(b.global), scaler_ ? scaler_->scale() : 1.0};
   PipelineRunner& runner = *engine_.pipeline;
   parallel::GradSync* sync = engine_.grad_sync.get();
   if (sync && step + 1 == skip_sync_step_ && dp_rank_ == dp_size_ - 1) sync = nullptr;  // injected fault
@@ -279,13 +283,43 @@ std::string Trainer::divergence(int64_t step, const StepResult& r) {
 StepResult Trainer::train_step(int64_t step) {
   StepResult r = compute_gradients(step);
   const auto t0 = Clock::now();
-  r.grad_norm = global_grad_norm();
+  if (inf_grad_step_ == step + 1 && rank_ == 0) {  // injected fault: one gradient element overflows
+    model::FlatBuffer& g = engine_.params->dense_grads();
+    g[size_t(engine_.zero->owned(false).begin)] = std::numeric_limits<float>::infinity();
+  }
+  // The overflow check is the norm's own pass: an inf or NaN anywhere makes the sum of squares
+  // non-finite (DeepSpeed checks the same way).
+  const double scale = scaler_ ? scaler_->scale() : 1.0;
+  r.grad_norm = global_grad_norm() / scale;
+  if (scaler_) {
+    const LossScaler::Update u = scaler_->update(!std::isfinite(r.grad_norm));  // throws at the minimum scale
+    r.loss_scale = u.attempted;
+    r.skipped_steps = scaler_->state().skipped;
+    if (u.skip) {  // nothing is updated; the learning-rate schedule and AdamW's step count wait too
+      r.skipped = true;
+      if (rank_ == 0) spdlog::warn("step {}: {}", step + 1, u.message);
+      r.optimizer_s = seconds_since(t0);
+      return r;
+    }
+  }
   r.diverged = divergence(step, r);  // checked before the optimizer touches anything
   if (!r.diverged.empty()) return r;
-  r.lr = schedule_.lr(step);
-  adam_->step(r.lr, step + 1, clip_factor(r.grad_norm, cfg_.gradient_clipping));  // clipping fused
-  engine_.zero->gather_buffers(engine_.params->dense_params().data(), engine_.params->expert_params().data(),
-                               cfg_.zero_optimization.allgather_bucket_size);
+  // DeepSpeed counts only the steps taken: a skipped step advances neither the schedule nor
+  // AdamW's bias correction.
+  const int64_t taken = step - (scaler_ ? scaler_->state().skipped : 0);
+  r.lr = schedule_.lr(taken);
+  // Unscaling and clipping fused into AdamW's gradient factor.
+  adam_->step(r.lr, taken + 1, clip_factor(r.grad_norm, cfg_.gradient_clipping) / scale);
+  model::ParamStore& params = *engine_.params;
+  if (params.has_compute_copy()) {  // the updated shards' compute copies to every rank, widened
+    engine_.zero->gather_buffers(params.compute_copy(false).data(), params.compute_copy(true).data(),
+                                 cfg_.zero_optimization.allgather_bucket_size);
+    if (engine_.zero->shards_optimizer())
+      for (const bool expert : {false, true}) params.widen_compute(*engine_.backend, expert, 0, int64_t(params.params(expert).size()));
+  } else {
+    engine_.zero->gather_buffers(params.dense_params().data(), params.expert_params().data(),
+                                 cfg_.zero_optimization.allgather_bucket_size);
+  }
   for (const auto& [id, moe] : engine_.pipeline->moe_layers_by_id()) {  // this rank's MoE layers
     const size_t i = size_t(std::find(moe_ids_.begin(), moe_ids_.end(), id) - moe_ids_.begin());
     if (moe->router_bias() && cfg_.model.bias_update_speed > 0)
@@ -368,6 +402,7 @@ void Trainer::log_step(int64_t step, const StepResult& r, double window_s, int64
   if (r.loss.aux > 0) line += fmt::format(" | aux {:.5f}", r.loss.aux);
   if (r.loss.mtp > 0) line += fmt::format(" | mtp {:.4f}", r.loss.mtp);
   if (val) line += fmt::format(" | val_loss {:.4f}", *val);
+  if (scaler_) line += fmt::format(" | loss_scale {} | skipped {}", r.loss_scale, r.skipped_steps);
   line += fmt::format(" | lr {:.3e} | grad_norm {:.3f} | {} tok/s | {:.3f} TFLOP/s | MFU {:.1f}% | "
                       "elapsed {} | ETA {}",
                       r.lr, r.grad_norm, with_commas(int64_t(tps)), flops / 1e12,
@@ -387,6 +422,9 @@ void Trainer::log_step(int64_t step, const StepResult& r, double window_s, int64
                {"tflops", flops / 1e12}, {"mfu", flops / (peak_flops_ * plan_.degrees.world())}, {"aux_loss", r.loss.aux},
                {"mtp_loss", r.loss.mtp}, {"elapsed_s", elapsed_s}};
   if (val) s.push_back({"val_loss", *val});
+  if (scaler_)
+    for (const auto& kv : Scalars{{"loss_scale", r.loss_scale}, {"skipped_steps", double(r.skipped_steps)}})
+      s.push_back(kv);
   if (cfg_.wall_clock_breakdown)
     for (const auto& kv : Scalars{{"forward_ms", r.forward_s * 1e3}, {"backward_ms", r.backward_s * 1e3},
                                   {"comm_wait_ms", r.comm_wait_s * 1e3}, {"optimizer_ms", r.optimizer_s * 1e3},
@@ -408,6 +446,8 @@ std::string Trainer::save_checkpoint(int64_t steps_done) {
   st.tokens_seen = steps_done * plan_.batch.tokens_per_step();
   st.data_tokenizer = dataset_->info().tokenizer_id;
   st.data_vocab_size = dataset_->info().vocab_size;
+  if (scaler_) st.scaler = scaler_->state();
+  st.loss_scale = st.scaler.scale;
   const std::string path = checkpointer_->save(st, *engine_.params, *adam_, engine_.zero.get());
   saved_step_ = steps_done;
   saved_path_ = path;
@@ -429,13 +469,20 @@ TrainSummary Trainer::run() {
     const model::ParamStore& params = *engine_.params;
     const parallel::ZeroSharding& zero = *engine_.zero;
     const int stage = zero.stage();
-    const double state = 4.0 * double(adam_->exp_avg_dense().size() + adam_->exp_avg_expert().size()) * 2;
+    const double state = 4.0 * double(adam_->exp_avg_dense().size() + adam_->exp_avg_expert().size()) *
+                         (adam_->has_master() ? 3 : 2);  // (master weights,) exp_avg, exp_avg_sq
     const double grads =
         4.0 * double(zero.shards_gradients() ? zero.shard(false).size() + zero.shard(true).size() : params.num_params());
     const plan::Degrees& deg = plan_.degrees;
-    spdlog::info("memory per rank: parameters {}, gradients {}{}, optimizer state {} (ZeRO-{}{})",
-                 human_bytes(4.0 * double(params.num_params())), human_bytes(grads),
-                 zero.shards_gradients() ? " reduced" : "", human_bytes(state), stage,
+    spdlog::info("memory per rank: parameters {}{}, gradients {}{}, optimizer state {}{} (ZeRO-{}{})",
+                 human_bytes((params.has_compute_copy() ? 6.0 : 4.0) * double(params.num_params())),
+                 params.has_compute_copy()
+                     ? fmt::format(" (fp32 and a {} compute copy; GEMMs {})", kernels::to_string(params.compute_dtype()),
+                                   engine_.backend->lowp_gemm_implementation(params.compute_dtype()))
+                     : "",
+                 human_bytes(grads),
+                 zero.shards_gradients() ? " reduced" : "", human_bytes(state),
+                 adam_->has_master() ? " with fp32 master weights" : "", stage,
                  stage > 0 ? fmt::format(": dense parameters over {} data-parallel rank{}, routed experts over {}",
                                          dp_size_, dp_size_ == 1 ? "" : "s", deg.edp_group())
                            : "");

@@ -22,6 +22,7 @@
 #include "engine/model/deepseek_model.h"
 #include "engine/plan/parallel_plan.h"
 #include "engine/runtime/checkpoint.h"
+#include "engine/runtime/loss_scaler.h"
 #include "engine/runtime/lr_schedule.h"
 #include "engine/runtime/metrics.h"
 #include "engine/runtime/optimizer.h"
@@ -46,6 +47,11 @@ struct StepResult {
   // Set when the loss or the gradient norm is not finite: what went wrong. The weights, the
   // optimizer state and the router biases were then left as they were before the step.
   std::string diverged;
+  // fp16: the loss scale the step ran with, whether it was skipped for overflow, and the steps
+  // skipped so far in the run.
+  double loss_scale = 0;
+  bool skipped = false;
+  int64_t skipped_steps = 0;
 };
 
 struct TrainSummary {
@@ -116,6 +122,8 @@ class Trainer {
   int64_t saved_step_ = -1;  // the step of the newest checkpoint of this run (or the resumed one)
   std::string saved_path_;   // and its file
   int64_t skip_sync_step_ = 0;  // fault injection (Fault::kSkipGradSync)
+  int64_t inf_grad_step_ = 0;   // fault injection (Fault::kInfGradient)
+  std::optional<LossScaler> scaler_;  // fp16
 };
 
 }  // namespace dstrain::runtime

@@ -3,6 +3,9 @@
 #include <dnnl.h>
 #include <omp.h>
 
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -10,6 +13,7 @@
 #include "dstrain/kernels/backend.h"
 #include "kernels/cpu/blas_gemm.h"
 #include "kernels/cpu/cpu_ops.h"
+#include "kernels/cpu/low_precision.h"
 
 extern "C" void openblas_set_num_threads(int);
 
@@ -19,7 +23,21 @@ const char* to_string(GemmLibrary lib) {
   return lib == GemmLibrary::kOneDnn ? "oneDNN" : "OpenBLAS";
 }
 
+const char* to_string(DType t) {
+  switch (t) {
+    case DType::kF32: return "fp32";
+    case DType::kBF16: return "bf16";
+    case DType::kF16: return "fp16";
+  }
+  return "?";
+}
+
 namespace {
+
+cpu::LowPrecision low(DType t) {
+  if (t == DType::kF32) throw std::invalid_argument("fp32 is not a low-precision type");
+  return t == DType::kBF16 ? cpu::LowPrecision::kBf16 : cpu::LowPrecision::kFp16;
+}
 
 class CpuBackend final : public Backend {
  public:
@@ -39,6 +57,72 @@ class CpuBackend final : public Backend {
     return std::string("cpu (") + to_string(gemm_) + ", " + std::to_string(threads_) + " threads)";
   }
   int num_threads() const override { return threads_; }
+
+  void* allocate(int64_t bytes) override {
+    const size_t n = size_t((std::max<int64_t>(bytes, 1) + 63) / 64 * 64);
+    void* p = std::aligned_alloc(64, n);
+    if (!p) throw std::bad_alloc();
+    return p;
+  }
+  void deallocate(void* p) override { std::free(p); }
+  void copy_to_host(void* host, const void* src, int64_t bytes) override {
+    if (bytes > 0) std::memcpy(host, src, size_t(bytes));
+  }
+  void copy_from_host(void* dst, const void* host, int64_t bytes) override {
+    if (bytes > 0) std::memcpy(dst, host, size_t(bytes));
+  }
+  void synchronize() override {}  // every op has finished when it returns
+
+  void convert(View dst, ConstView src, int64_t n) override {
+    if (n <= 0) return;
+    if (dst.dtype == src.dtype) {
+      std::memcpy(dst.data, src.data, size_t(n * dtype_size(src.dtype)));
+      return;
+    }
+    if (dst.dtype != DType::kF32 && src.dtype != DType::kF32)
+      throw std::invalid_argument(std::string("convert: ") + to_string(src.dtype) + " to " + to_string(dst.dtype) +
+                                  " (one side must be fp32)");
+    // Blocks of 4096 elements (a multiple of every vector width) over the threads.
+    constexpr int64_t kBlock = 4096;
+    const int64_t blocks = (n + kBlock - 1) / kBlock;
+#pragma omp parallel for schedule(static) if (blocks > 1)
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int64_t i = b * kBlock, m = std::min(kBlock, n - i);
+      if (dst.dtype == DType::kF32)
+        cpu::convert_from(static_cast<float*>(dst.data) + i, static_cast<const uint16_t*>(src.data) + i, m,
+                          low(src.dtype));
+      else
+        cpu::convert_to(static_cast<uint16_t*>(dst.data) + i, static_cast<const float*>(src.data) + i, m,
+                        low(dst.dtype));
+    }
+  }
+
+  void gemm(float* C, ConstView A, ConstView B, int64_t M, int64_t N, int64_t K, bool ta, bool tb, float alpha,
+            float beta) override {
+    if (A.dtype != B.dtype)
+      throw std::invalid_argument(std::string("gemm: inputs of two types, ") + to_string(A.dtype) + " and " +
+                                  to_string(B.dtype));
+    if (A.dtype == DType::kF32)
+      return gemm(C, static_cast<const float*>(A.data), static_cast<const float*>(B.data), M, N, K, ta, tb, alpha,
+                  beta);
+    lowp_.run(C, static_cast<const uint16_t*>(A.data), static_cast<const uint16_t*>(B.data), M, N, K, ta, tb, alpha,
+              beta, low(A.dtype));
+  }
+  void gemm_grouped(float* const* C, const void* const* A, const void* const* B, DType dtype, const int64_t* M,
+                    const int64_t* N, const int64_t* K, int64_t count, bool ta, bool tb, float alpha,
+                    float beta) override {
+    if (dtype == DType::kF32)
+      return gemm_grouped(C, reinterpret_cast<const float* const*>(A), reinterpret_cast<const float* const*>(B), M,
+                          N, K, count, ta, tb, alpha, beta);
+    // The row counts change every step: run-time dimensions, one primitive for all of them.
+    for (int64_t i = 0; i < count; ++i)
+      lowp_.run(C[i], static_cast<const uint16_t*>(A[i]), static_cast<const uint16_t*>(B[i]), M[i], N[i], K[i], ta,
+                tb, alpha, beta, low(dtype), true);
+  }
+  std::string lowp_gemm_implementation(DType dtype) override {
+    if (dtype == DType::kF32) return to_string(gemm_);
+    return lowp_.implementation(256, 256, 256, false, true, low(dtype)) + " (isa " + cpu::onednn_isa() + ")";
+  }
 
   void gemm(float* C, const float* A, const float* B, int64_t M, int64_t N, int64_t K, bool ta,
             bool tb, float alpha, float beta) override {
@@ -183,6 +267,7 @@ class CpuBackend final : public Backend {
  private:
   int threads_ = 1;
   GemmLibrary gemm_;
+  cpu::LowPrecisionGemm lowp_;
   std::vector<float> attention_ws_;  // per-thread score blocks (reserve_attention)
   int64_t attention_s_ = 0;
 };

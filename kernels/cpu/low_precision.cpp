@@ -96,6 +96,7 @@ struct LowPrecisionGemm::Impl {
     std::optional<dnnl::matmul> prim;  // empty: oneDNN has none for this type here (the fallback runs)
     dnnl::memory::desc a, b, c;
     std::string impl;
+    bool varying = false;  // run-time dimensions: the memory descriptors are made per call
   };
   using Key = std::tuple<int64_t, int64_t, int64_t, bool, bool, int, float, float>;
   std::map<Key, Entry> cache;
@@ -103,7 +104,9 @@ struct LowPrecisionGemm::Impl {
   std::mutex run_mu;      // the stream and `wide`
   std::vector<float> wide;  // the fallback's fp32 copies of A and B
 
-  Entry& entry(int64_t M, int64_t N, int64_t K, bool ta, bool tb, LowPrecision p, float alpha, float beta) {
+  Entry& entry(int64_t M, int64_t N, int64_t K, bool ta, bool tb, LowPrecision p, float alpha, float beta,
+               bool varying) {
+    if (varying) M = N = K = DNNL_RUNTIME_DIM_VAL;
     const Key key{M, N, K, ta, tb, int(p), alpha, beta};
     std::lock_guard<std::mutex> lock(mu);
     auto it = cache.find(key);
@@ -111,6 +114,7 @@ struct LowPrecisionGemm::Impl {
     using dt = dnnl::memory::data_type;
     const dt in = p == LowPrecision::kBf16 ? dt::bf16 : dt::f16;
     Entry e;
+    e.varying = varying;
     // Logical A [M,K], B [K,N], C [M,N]; a transposed operand is the stored matrix read by columns.
     e.a = dnnl::memory::desc({M, K}, in, ta ? dnnl::memory::dims{1, M} : dnnl::memory::dims{K, 1});
     e.b = dnnl::memory::desc({K, N}, in, tb ? dnnl::memory::dims{1, K} : dnnl::memory::dims{N, 1});
@@ -138,17 +142,24 @@ LowPrecisionGemm::LowPrecisionGemm() : impl_(std::make_unique<Impl>()) {}
 LowPrecisionGemm::~LowPrecisionGemm() = default;
 
 void LowPrecisionGemm::run(float* C, const uint16_t* A, const uint16_t* B, int64_t M, int64_t N, int64_t K,
-                           bool ta, bool tb, float alpha, float beta, LowPrecision p) {
+                           bool ta, bool tb, float alpha, float beta, LowPrecision p, bool varying) {
   if (M == 0 || N == 0) return;
   if (K == 0) {
     for (int64_t i = 0; i < M * N; ++i) C[i] = beta == 0.0f ? 0.0f : beta * C[i];
     return;
   }
-  Impl::Entry& e = impl_->entry(M, N, K, ta, tb, p, alpha, beta);
+  Impl::Entry& e = impl_->entry(M, N, K, ta, tb, p, alpha, beta, varying);
   std::lock_guard<std::mutex> lock(impl_->run_mu);  // one stream and one widening buffer: calls are serialised
   if (e.prim) {
-    dnnl::memory a(e.a, impl_->engine, const_cast<uint16_t*>(A)), b(e.b, impl_->engine, const_cast<uint16_t*>(B)),
-        c(e.c, impl_->engine, C);
+    using dt = dnnl::memory::data_type;
+    const dt in = p == LowPrecision::kBf16 ? dt::bf16 : dt::f16;
+    const auto desc = [&](const dnnl::memory::desc& fixed, int64_t r, int64_t c, bool t, dt type) {
+      return e.varying ? dnnl::memory::desc({r, c}, type, t ? dnnl::memory::dims{1, r} : dnnl::memory::dims{c, 1})
+                       : fixed;
+    };
+    dnnl::memory a(desc(e.a, M, K, ta, in), impl_->engine, const_cast<uint16_t*>(A)),
+        b(desc(e.b, K, N, tb, in), impl_->engine, const_cast<uint16_t*>(B)),
+        c(desc(e.c, M, N, false, dt::f32), impl_->engine, C);
     e.prim->execute(impl_->stream, {{DNNL_ARG_SRC, a}, {DNNL_ARG_WEIGHTS, b}, {DNNL_ARG_DST, c}});
     impl_->stream.wait();
     return;
@@ -162,8 +173,9 @@ void LowPrecisionGemm::run(float* C, const uint16_t* A, const uint16_t* B, int64
   if (st != dnnl_success) throw std::runtime_error("dnnl_sgemm failed");
 }
 
-std::string LowPrecisionGemm::implementation(int64_t M, int64_t N, int64_t K, bool ta, bool tb, LowPrecision p) {
-  return impl_->entry(M, N, K, ta, tb, p, 1.0f, 0.0f).impl;
+std::string LowPrecisionGemm::implementation(int64_t M, int64_t N, int64_t K, bool ta, bool tb, LowPrecision p,
+                                             bool varying) {
+  return impl_->entry(M, N, K, ta, tb, p, 1.0f, 0.0f, varying).impl;
 }
 
 int64_t LowPrecisionGemm::cached_shapes() const {

@@ -32,16 +32,19 @@ void convert_from(float* out, const uint16_t* in, int64_t n, LowPrecision p);
 // trans_b). One oneDNN matmul primitive per shape, built on first use and cached. Where oneDNN
 // has no fp16 matmul for this CPU (it needs AVX512-FP16 or AMX-FP16), fp16 inputs are widened
 // to fp32 and multiplied by sgemm — the same products, exactly representable. Calls from several
-// threads are serialised (each GEMM uses the backend's threads itself).
+// threads are serialised (each GEMM uses the backend's threads itself). Shapes that change from
+// call to call (the experts' row counts) pass `varying`: one primitive per type, transposes,
+// alpha and beta with run-time dimensions, instead of one per shape.
 class LowPrecisionGemm {
  public:
   LowPrecisionGemm();
   ~LowPrecisionGemm();
   void run(float* C, const uint16_t* A, const uint16_t* B, int64_t M, int64_t N, int64_t K, bool trans_a,
-           bool trans_b, float alpha, float beta, LowPrecision p);
+           bool trans_b, float alpha, float beta, LowPrecision p, bool varying = false);
   // The implementation oneDNN chose for this shape (e.g. "brg:avx512_core_amx"), or how the
   // fallback computes it.
-  std::string implementation(int64_t M, int64_t N, int64_t K, bool trans_a, bool trans_b, LowPrecision p);
+  std::string implementation(int64_t M, int64_t N, int64_t K, bool trans_a, bool trans_b, LowPrecision p,
+                             bool varying = false);
   int64_t cached_shapes() const;
 
  private:

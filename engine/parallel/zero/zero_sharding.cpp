@@ -57,4 +57,27 @@ void ZeroSharding::gather_buffers(float* dense, float* expert, int64_t piece) co
   for (auto& w : work) w->wait();
 }
 
+void ZeroSharding::gather_buffers(uint16_t* dense, uint16_t* expert, int64_t piece) const {
+  if (!shards_optimizer()) return;
+  DS_CHECK(piece > 0, "all-gather piece of {} elements", piece);
+  piece = (piece + 1) / 2 * 2;
+  std::vector<std::unique_ptr<comm::Work>> work;
+  for (const bool e : {false, true}) {
+    if (group(e).size() == 1) continue;
+    uint16_t* buf = e ? expert : dense;
+    const int64_t n = buffer_length(e);
+    DS_CHECK(n % 2 == 0, "16-bit all-gather of an odd buffer ({} elements)", n);
+    for (int64_t lo = 0; lo < n; lo += piece) {
+      const Range r{lo, std::min(n, lo + piece)};
+      std::vector<int64_t> counts = partition(e).counts_in(r);
+      for (int64_t& c : counts) {
+        DS_CHECK(c % 2 == 0, "16-bit all-gather: an odd part ({} elements)", c);
+        c /= 2;
+      }
+      work.push_back(group(e).all_gather_v(reinterpret_cast<float*>(buf + r.begin), counts));
+    }
+  }
+  for (auto& w : work) w->wait();
+}
+
 }  // namespace dstrain::parallel

@@ -50,6 +50,10 @@ class ZeroSharding {
   // The parameter all-gather after a sharded optimizer step: the whole of both buffers, in
   // place, in pieces of at most `piece` elements launched together. Nothing at stage 0.
   void gather_buffers(float* dense, float* expert, int64_t piece) const;
+  // The same for 16-bit buffers (the bf16 / fp16 compute copies under mixed precision): half
+  // the bytes of the fp32 gather. Elements travel in pairs (the partitions and the pieces are
+  // even), as floats.
+  void gather_buffers(uint16_t* dense, uint16_t* expert, int64_t piece) const;
 
  private:
   int stage_ = 0;

@@ -1,9 +1,13 @@
 // The kernel interface: every piece of math the model needs, forward and backward, behind one
 // abstract class so the same model code runs on the CPU backend (BLAS + OpenMP, also the test
 // oracle) and, later, the CUDA backend. Conventions (docs/design.md §6.1): outputs first, inputs
-// next, sizes and scalars last; all tensors row-major fp32 on the backend's device; no op
-// allocates — scratch an op needs is declared up front (reserve_attention) and owned by the
-// backend; the backend object owns its threads (and, on GPU, its stream).
+// next, sizes and scalars last; tensors row-major on the backend's device, fp32 unless an op
+// takes a typed view (DType: the GEMMs' inputs and conversions); the memory they live in comes
+// from the backend (allocate), and the host reads it only through copy_to_host; no op allocates
+// — scratch an op needs is declared up front (reserve_attention) and owned by the backend; the
+// backend object owns its threads (and, on GPU, its stream: every op is ordered on it, and
+// copy_to_host waits for what came before). Reductions inside ops accumulate in fp32 (or wider)
+// whatever the storage type. The contract: docs/design.md §6.1.
 //
 // Shape letters: N tokens (= B*S), B sequences, S positions, H hidden, nh heads, dqk / dv head
 // widths, dr RoPE width, I an MLP width, E routed experts, k experts per token, V vocabulary.
@@ -15,6 +19,23 @@
 #include <string>
 
 namespace dstrain::kernels {
+
+// Storage types. Low-precision values are 16-bit patterns (uint16_t): bf16 (8-bit exponent) and
+// IEEE fp16; conversions from fp32 round to nearest even.
+enum class DType : uint8_t { kF32, kBF16, kF16 };
+inline int64_t dtype_size(DType t) { return t == DType::kF32 ? 4 : 2; }
+const char* to_string(DType t);
+
+// A typed view of device memory: the pointer and the type of its elements.
+struct ConstView {
+  const void* data = nullptr;
+  DType dtype = DType::kF32;
+};
+struct View {
+  void* data = nullptr;
+  DType dtype = DType::kF32;
+};
+inline ConstView f32(const float* p) { return {p, DType::kF32}; }
 
 enum class ScoringFunc : uint8_t { kSigmoid, kSoftmax };
 enum class TopkMethod : uint8_t { kNoauxTc, kGreedy, kGroupLimitedGreedy };
@@ -44,6 +65,18 @@ class Backend {
   virtual std::string name() const = 0;
   virtual int num_threads() const = 0;
 
+  // Device memory (host memory on the CPU backend), 64-byte aligned, uninitialised; bytes may be 0.
+  virtual void* allocate(int64_t bytes) = 0;
+  virtual void deallocate(void* p) = 0;
+  // The only way the host reads or writes device memory: waits for the ops before it.
+  virtual void copy_to_host(void* host, const void* src, int64_t bytes) = 0;
+  virtual void copy_from_host(void* dst, const void* host, int64_t bytes) = 0;
+  // Waits until every op issued so far has finished.
+  virtual void synchronize() = 0;
+
+  // dst[i] = src[i] converted (fp32 -> bf16 / fp16 rounds to nearest even; the other way is exact).
+  virtual void convert(View dst, ConstView src, int64_t n) = 0;
+
   // C[M,N] = alpha * op(A) * op(B) + beta * C; op(A) is [M,K], op(B) is [K,N]; row-major,
   // A is [M,K] (or [K,M] when trans_a), B is [K,N] (or [N,K] when trans_b).
   virtual void gemm(float* C, const float* A, const float* B, int64_t M, int64_t N, int64_t K,
@@ -53,6 +86,16 @@ class Backend {
   virtual void gemm_grouped(float* const* C, const float* const* A, const float* const* B,
                             const int64_t* M, const int64_t* N, const int64_t* K, int64_t count,
                             bool trans_a, bool trans_b, float alpha, float beta) = 0;
+  // The same two with typed inputs: A and B of one dtype (fp32, bf16 or fp16), products
+  // accumulated in fp32, C fp32. Low-precision problems run one after another, each on all
+  // threads.
+  virtual void gemm(float* C, ConstView A, ConstView B, int64_t M, int64_t N, int64_t K, bool trans_a,
+                    bool trans_b, float alpha, float beta) = 0;
+  virtual void gemm_grouped(float* const* C, const void* const* A, const void* const* B, DType dtype,
+                            const int64_t* M, const int64_t* N, const int64_t* K, int64_t count,
+                            bool trans_a, bool trans_b, float alpha, float beta) = 0;
+  // The instruction set or kernel the low-precision GEMMs of this backend use (for reports).
+  virtual std::string lowp_gemm_implementation(DType dtype) = 0;
 
   // y = w * x * rstd, rstd = 1/sqrt(mean(x^2) + eps); x, y [rows, C]; rstd [rows] saved.
   virtual void rmsnorm_forward(float* y, float* rstd, const float* x, const float* w, int64_t rows,
@@ -154,6 +197,38 @@ class Backend {
 
 enum class GemmLibrary { kOpenBlas, kOneDnn };
 const char* to_string(GemmLibrary lib);
+
+// Device memory from a backend, freed with it (RAII).
+class DeviceBuffer {
+ public:
+  DeviceBuffer() = default;
+  DeviceBuffer(Backend& be, int64_t bytes) : be_(&be), p_(be.allocate(bytes)), bytes_(bytes) {}
+  DeviceBuffer(DeviceBuffer&& o) noexcept : be_(o.be_), p_(o.p_), bytes_(o.bytes_) { o.p_ = nullptr, o.bytes_ = 0; }
+  DeviceBuffer& operator=(DeviceBuffer&& o) noexcept {
+    if (this != &o) {
+      release();
+      be_ = o.be_, p_ = o.p_, bytes_ = o.bytes_;
+      o.p_ = nullptr, o.bytes_ = 0;
+    }
+    return *this;
+  }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  ~DeviceBuffer() { release(); }
+  void* data() const { return p_; }
+  template <class T>
+  T* as() const { return static_cast<T*>(p_); }
+  int64_t bytes() const { return bytes_; }
+
+ private:
+  void release() {
+    if (p_) be_->deallocate(p_);
+    p_ = nullptr;
+  }
+  Backend* be_ = nullptr;
+  void* p_ = nullptr;
+  int64_t bytes_ = 0;
+};
 
 // num_threads <= 0: all cores (OMP_NUM_THREADS if set).
 std::unique_ptr<Backend> make_cpu_backend(int num_threads = 0,
