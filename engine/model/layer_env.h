@@ -229,17 +229,27 @@ inline bool low_precision(const LayerEnv& env, const WeightRef& W) {
   return W.lp && env.cast && env.cast->active();
 }
 
-// Linear layer helpers over [rows, in] x W[out, in]^T (HF layout), on the backend.
+// Linear layer helpers over [rows, in] x W[out, in]^T (HF layout), on the backend. `xc`, when
+// given, is x already converted to the compute type (an input several GEMMs read: convert it
+// once, into ComputeCast slot kPinned); otherwise each call converts x itself.
+inline constexpr int kPinned = 2;  // the ComputeCast slot of inputs converted once for several GEMMs
+// x in the compute type, converted into the pinned slot, when W's GEMMs run in low precision.
+inline kernels::ConstView pin_input(const LayerEnv& env, const WeightRef& W, const float* x, int64_t n) {
+  if (!low_precision(env, W)) return {};
+  return (*env.cast)(kPinned, x, n);
+}
 // y = x W^T (+ b); beta = 1 accumulates into y.
 inline void linear_forward(const LayerEnv& env, float* y, const float* x, const WeightRef& W, int64_t rows,
-                           int64_t out, int64_t in, float beta = 0.0f) {
+                           int64_t out, int64_t in, float beta = 0.0f, kernels::ConstView xc = {}) {
   if (!low_precision(env, W)) return env.be->gemm(y, x, W.w, rows, out, in, false, true, 1.0f, beta);
-  env.be->gemm(y, (*env.cast)(0, x, rows * in), {W.lp, env.cast->dtype()}, rows, out, in, false, true, 1.0f, beta);
+  if (!xc.data) xc = (*env.cast)(0, x, rows * in);
+  env.be->gemm(y, xc, {W.lp, env.cast->dtype()}, rows, out, in, false, true, 1.0f, beta);
 }
 // dx (= or +=) dy W;  dW += dy^T x (deferred to W while a WeightGradDeferral is active; its
 // inputs are converted when it runs). dW is W.g unless given.
 inline void linear_backward(const LayerEnv& env, float* dx, const float* dy, const float* x, const WeightRef& W,
-                            int64_t rows, int64_t out, int64_t in, float dx_beta = 0.0f, float* dW = nullptr) {
+                            int64_t rows, int64_t out, int64_t in, float dx_beta = 0.0f, float* dW = nullptr,
+                            kernels::ConstView xc = {}) {
   kernels::Backend& be = *env.be;
   if (!dW) dW = W.g;
   const bool lp = low_precision(env, W);
@@ -258,8 +268,8 @@ inline void linear_backward(const LayerEnv& env, float* dx, const float* dy, con
     });
     return;
   }
-  if (lp) be.gemm(dW, dyc, (*cast)(1, x, rows * in), out, in, rows, true, false, 1.0f, 1.0f);
-  else be.gemm(dW, dy, x, out, in, rows, true, false, 1.0f, 1.0f);
+  if (!lp) return be.gemm(dW, dy, x, out, in, rows, true, false, 1.0f, 1.0f);
+  be.gemm(dW, dyc, xc.data ? xc : (*cast)(1, x, rows * in), out, in, rows, true, false, 1.0f, 1.0f);
 }
 // Bias: y[r] += b;  db += sum_r dy[r]  (as ones^T dy).
 inline void bias_forward(kernels::Backend& be, float* y, const float* b, int64_t rows, int64_t n) {

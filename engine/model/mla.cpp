@@ -102,20 +102,21 @@ void MlaAttention::forward(float* out, const float* a, int64_t B, int64_t S) {
   scratch.reset();
   // Query: q = RMSNorm(a W_qa^T) W_qb^T (or a W_q^T), [N, nh*dqk], then Q = [q_nope ; rope(q_pe)].
   float* q = scratch.take(N * nh_ * dqk_);
+  const kernels::ConstView ac = pin_input(env_, kv_a_, a, N * H_);  // a feeds three GEMMs: converted once
   if (lora_) {
-    linear_forward(env_, cq_.data(), a, q_a_, N, rq_, H_);
+    linear_forward(env_, cq_.data(), a, q_a_, N, rq_, H_, 0.0f, ac);
     if (q_a_bias_) bias_forward(be, cq_.data(), q_a_bias_.w, N, rq_);
     be.rmsnorm_forward(cqn_.data(), rstd_q_.data(), cq_.data(), q_a_norm_.w, N, rq_, 1e-6f);
     linear_forward(env_, q, cqn_.data(), q_b_, N, nh_ * dqk_, rq_);
   } else {
-    linear_forward(env_, q, a, q_, N, nh_ * dqk_, H_);
+    linear_forward(env_, q, a, q_, N, nh_ * dqk_, H_, 0.0f, ac);
   }
   be.copy_strided(Q_.data(), dqk_, q, dqk_, N * nh_, dn_);
   be.rope_forward(Q_.data() + dn_, nh_ * dqk_, dqk_, q + dn_, nh_ * dqk_, dqk_, rope_->cos.data(),
                   rope_->sin.data(), N, S, nh_, dr_, env_.cfg->rope_interleave);
   // Compressed KV: c_kv = a W_kva[:r_kv]^T, k_pe = a W_kva[r_kv:]^T (two GEMMs on row blocks).
-  linear_forward(env_, ckv_.data(), a, kv_a_, N, rkv_, H_);
-  linear_forward(env_, kpe_.data(), a, kv_a_.rows(rkv_, H_), N, dr_, H_);
+  linear_forward(env_, ckv_.data(), a, kv_a_, N, rkv_, H_, 0.0f, ac);
+  linear_forward(env_, kpe_.data(), a, kv_a_.rows(rkv_, H_), N, dr_, H_, 0.0f, ac);
   if (kv_a_bias_) {
     bias_forward(be, ckv_.data(), kv_a_bias_.w, N, rkv_);
     bias_forward(be, kpe_.data(), kv_a_bias_.w + rkv_, N, dr_);
@@ -181,18 +182,19 @@ void MlaAttention::backward(float* da, const float* dout, const float* a, int64_
     bias_backward(be, kv_a_bias_.g + rkv_, dkpe, env_.ones, N, dr_);
   }
   env_.poll();
-  linear_backward(env_, da, dckv, a, kv_a_, N, rkv_, H_);
-  linear_backward(env_, da, dkpe, a, kv_a_.rows(rkv_, H_), N, dr_, H_, 1.0f);
+  const kernels::ConstView ac = pin_input(env_, kv_a_, a, N * H_);  // the weight GEMMs' common input
+  linear_backward(env_, da, dckv, a, kv_a_, N, rkv_, H_, 0.0f, nullptr, ac);
+  linear_backward(env_, da, dkpe, a, kv_a_.rows(rkv_, H_), N, dr_, H_, 1.0f, nullptr, ac);
   env_.poll();
   if (lora_) {
     float* dcq = scratch.take(N * rq_);
     be.rmsnorm_backward(dcq, q_a_norm_.g, dcqn, cq_.data(), q_a_norm_.w, rstd_q_.data(), N, rq_);
     if (q_a_bias_) bias_backward(be, q_a_bias_.g, dcq, env_.ones, N, rq_);
-    linear_backward(env_, da, dcq, a, q_a_, N, rq_, H_, 1.0f);
+    linear_backward(env_, da, dcq, a, q_a_, N, rq_, H_, 1.0f, nullptr, ac);
   } else {
     // Column-parallel q_proj: its input gradient is partial; reduce it alone, then add.
     float* daq = scratch.take(N * H_);
-    linear_backward(env_, daq, dq, a, q_, N, nh_ * dqk_, H_);
+    linear_backward(env_, daq, dq, a, q_, N, nh_ * dqk_, H_, 0.0f, nullptr, ac);
     env_.coll->tp_all_reduce(daq, N * H_);
     be.add(da, daq, N * H_);
   }

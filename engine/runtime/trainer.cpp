@@ -292,6 +292,7 @@ StepResult Trainer::train_step(int64_t step) {
   const double scale = scaler_ ? scaler_->scale() : 1.0;
   r.grad_norm = global_grad_norm() / scale;
   if (scaler_) {
+    r.lr = schedule_.lr(step - scaler_->state().skipped);  // what the step runs with, unless skipped
     const LossScaler::Update u = scaler_->update(!std::isfinite(r.grad_norm));  // throws at the minimum scale
     r.loss_scale = u.attempted;
     r.skipped_steps = scaler_->state().skipped;

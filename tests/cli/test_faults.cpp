@@ -221,19 +221,7 @@ TEST(Faults, KilledRankEndsTheJob) {
   EXPECT_EQ(run(kCkpt + " verify " + dir + "/run").rc, 0);
 }
 
-// 7. Keys that are accepted but not implemented yet are refused, not silently ignored.
-TEST(Faults, UnimplementedPrecisionIsRefused) {
-  for (const std::string key : {"bf16.enabled", "fp16.enabled"}) {
-    const Result r = run(kDstrain + " configs/tiny.yaml --set train_steps=2 --set " + key + "=true");
-    EXPECT_EQ(r.rc, 1) << key;
-    EXPECT_NE(r.err.find(key + ": true, but"), std::string::npos) << r.err;
-    EXPECT_NE(r.err.find("is not implemented yet"), std::string::npos) << r.err;
-  }
-  // --dry-run still plans them (the memory figures of bf16 are what a user wants to see).
-  EXPECT_EQ(run(kDstrain + " configs/tiny.yaml --dry-run --set bf16.enabled=true").rc, 0);
-}
-
-// 8. The data format is told from the file, a mismatch is refused; a checkpoint resumed on data
+// 7. The data format is told from the file, a mismatch is refused; a checkpoint resumed on data
 // with another tokenizer is refused unless checkpoint.allow_data_change.
 TEST(Faults, DataFormatIsDetectedAndTokenizerChangesAreRefused) {
   const std::string dir = fresh("data");
@@ -261,7 +249,7 @@ TEST(Faults, DataFormatIsDetectedAndTokenizerChangesAreRefused) {
   EXPECT_EQ(r.rc, 0) << r.err;  // the checkpoint of step 6 was trained on the BPE data
 }
 
-// 9. Empty configs and directories are refused with or without --set; configs that cannot fit
+// 8. Empty configs and directories are refused with or without --set; configs that cannot fit
 // in memory end within seconds with the figure, not with bad_alloc after minutes.
 TEST(Faults, EmptyConfigsAndImpossibleSizesEndAtOnce) {
   const std::string dir = fresh("sizes");
@@ -288,7 +276,7 @@ TEST(Faults, EmptyConfigsAndImpossibleSizesEndAtOnce) {
   }
 }
 
-// 10. mpirun -np 4 on this host: the threads are shared out, and the log says so.
+// 9. mpirun -np 4 on this host: the threads are shared out, and the log says so.
 TEST(Faults, RanksOnOneHostShareItsCores) {
   const std::string dir = fresh("threads");
   const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
@@ -302,7 +290,7 @@ TEST(Faults, RanksOnOneHostShareItsCores) {
   EXPECT_NE(r.out.find("for 4 ranks on this host"), std::string::npos) << r.out;
 }
 
-// 11. The smaller ones.
+// 10. The smaller ones.
 TEST(Faults, ToolsAndMessagesSayWhatHappened) {
   const std::string dir = fresh("small");
   // dsrun --help is dsrun's, not mpirun's.

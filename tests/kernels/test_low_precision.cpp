@@ -11,6 +11,7 @@
 #include <random>
 #include <vector>
 
+#include "dstrain/kernels/backend.h"
 #include "kernels/cpu/low_precision.h"
 
 namespace dstrain::kernels::cpu {
@@ -144,6 +145,81 @@ TEST(LowPrecision, GemmOnRoundedInputsAccumulatesInFp32) {
   EXPECT_EQ(c, std::vector<float>(4, 1.5f));  // K = 0: C = beta C
   EXPECT_FALSE(gemm.implementation(64, 64, 64, false, true, LowPrecision::kBf16).empty());
   EXPECT_FALSE(onednn_isa().empty());
+}
+
+// The typed interface of kernels::Backend (docs/design.md §6.1): conversions by view type, the
+// GEMMs on low-precision views (fixed shapes and the experts' run-time shapes) equal to the
+// building blocks above, device memory and the host copies.
+TEST(BackendTyped, ConvertGemmAndGroupedGemmMatchTheBuildingBlocks) {
+  auto be = make_cpu_backend(2);
+  std::mt19937 rng(5);
+  std::normal_distribution<float> d(0.f, 1.f);
+  for (const DType t : {DType::kBF16, DType::kF16}) {
+    const LowPrecision p = t == DType::kBF16 ? LowPrecision::kBf16 : LowPrecision::kFp16;
+    // Conversions: over several of the backend's blocks, against the scalar code.
+    std::vector<float> x(10007), back(x.size());
+    for (auto& v : x) v = d(rng) * 100.0f;
+    std::vector<uint16_t> h(x.size());
+    be->convert({h.data(), t}, f32(x.data()), int64_t(x.size()));
+    be->convert({back.data(), DType::kF32}, {h.data(), t}, int64_t(x.size()));
+    for (size_t i = 0; i < x.size(); ++i) {
+      const uint16_t want = p == LowPrecision::kBf16 ? to_bf16(x[i]) : to_fp16(x[i]);
+      ASSERT_EQ(h[i], want) << i;
+      ASSERT_EQ(back[i], p == LowPrecision::kBf16 ? from_bf16(want) : from_fp16(want)) << i;
+    }
+    EXPECT_THROW(be->convert({h.data(), DType::kBF16}, {h.data(), DType::kF16}, 4), std::invalid_argument);
+    // A typed GEMM equals the fp32 GEMM of the widened inputs to fp32 accumulation.
+    const int64_t M = 33, N = 70, K = 129;
+    std::vector<float> a(M * K), b(N * K), c(M * N), ref(M * N);
+    for (auto& v : a) v = d(rng);
+    for (auto& v : b) v = d(rng);
+    std::vector<uint16_t> ah(a.size()), bh(b.size());
+    be->convert({ah.data(), t}, f32(a.data()), int64_t(a.size()));
+    be->convert({bh.data(), t}, f32(b.data()), int64_t(b.size()));
+    std::vector<float> aw(a.size()), bw(b.size());
+    be->convert({aw.data(), DType::kF32}, {ah.data(), t}, int64_t(a.size()));
+    be->convert({bw.data(), DType::kF32}, {bh.data(), t}, int64_t(b.size()));
+    be->gemm(c.data(), ConstView{ah.data(), t}, ConstView{bh.data(), t}, M, N, K, false, true, 1.0f, 0.0f);
+    be->gemm(ref.data(), aw.data(), bw.data(), M, N, K, false, true, 1.0f, 0.0f);
+    for (int64_t i = 0; i < M * N; ++i) {
+      double mag = 0;
+      for (int64_t k = 0; k < K; ++k) mag += std::fabs(double(aw[i / N * K + k]) * bw[i % N * K + k]);
+      ASSERT_NEAR(c[i], ref[i], 1e-5 * mag) << to_string(t) << " " << i;
+    }
+    // fp32 views take the fp32 path: bitwise the plain GEMM.
+    std::vector<float> c32(M * N);
+    be->gemm(c32.data(), f32(aw.data()), f32(bw.data()), M, N, K, false, true, 1.0f, 0.0f);
+    EXPECT_EQ(c32, ref);
+    EXPECT_THROW(be->gemm(c.data(), f32(a.data()), ConstView{bh.data(), t}, M, N, K, false, true, 1.0f, 0.0f),
+                 std::invalid_argument);
+    // Grouped, with row counts that change from call to call (run-time shapes), beta 1
+    // accumulating: each problem equals its own typed GEMM.
+    for (const int64_t rows0 : {int64_t(3), int64_t(13)}) {  // rows0 + rows0 + 5 <= M
+      const int64_t rows[3] = {rows0, 0, rows0 + 5};
+      std::vector<float> g(size_t((rows[0] + rows[2]) * N), 1.0f), single = g;
+      std::vector<float*> C = {g.data(), g.data(), g.data() + rows[0] * N};
+      std::vector<const void*> A = {ah.data(), ah.data(), ah.data() + rows[0] * K}, B = {bh.data(), bh.data(), bh.data()};
+      const int64_t Ms[3] = {rows[0], rows[1], rows[2]}, Ns[3] = {N, N, N}, Ks[3] = {K, K, K};
+      be->gemm_grouped(C.data(), A.data(), B.data(), t, Ms, Ns, Ks, 3, false, true, 1.0f, 1.0f);
+      be->gemm(single.data(), ConstView{ah.data(), t}, ConstView{bh.data(), t}, rows[0], N, K, false, true, 1.0f, 1.0f);
+      be->gemm(single.data() + rows[0] * N, ConstView{ah.data() + rows[0] * K, t}, ConstView{bh.data(), t}, rows[2], N,
+               K, false, true, 1.0f, 1.0f);
+      for (size_t i = 0; i < g.size(); ++i) ASSERT_NEAR(g[i], single[i], 1e-4 * (1 + std::fabs(single[i]))) << i;
+    }
+    EXPECT_FALSE(be->lowp_gemm_implementation(t).empty());
+  }
+  // Device memory: aligned, and the host reads and writes it only by copies.
+  DeviceBuffer buf(*be, 1000);
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(buf.data()) % 64, 0u);
+  std::vector<int32_t> in(250), out(250);
+  for (int i = 0; i < 250; ++i) in[size_t(i)] = i * 7 - 3;
+  be->copy_from_host(buf.data(), in.data(), 1000);
+  be->synchronize();
+  be->copy_to_host(out.data(), buf.data(), 1000);
+  EXPECT_EQ(out, in);
+  DeviceBuffer moved = std::move(buf);
+  EXPECT_EQ(buf.data(), nullptr);
+  EXPECT_EQ(moved.bytes(), 1000);
 }
 
 }  // namespace
