@@ -160,7 +160,7 @@ inline TokenPart token_part(int64_t N, int tp_size, int tp_rank) {
 // the GEMM runs (a recomputation, a deferred weight-gradient GEMM). fp32 converts nothing.
 class ComputeCast {
  public:
-  static constexpr int kSlots = 3;
+  static constexpr int kSlots = 6;  // GEMM inputs (0, 1), an input pinned for several GEMMs (2), Q K V (3-5)
   ComputeCast(kernels::Backend& be, kernels::DType dtype) : be_(be), dtype_(dtype) {}
   kernels::DType dtype() const { return dtype_; }
   bool active() const { return dtype_ != kernels::DType::kF32; }
@@ -172,7 +172,11 @@ class ComputeCast {
     be_.convert({b.data(), dtype_}, kernels::f32(x), n);
     return {b.data(), dtype_};
   }
-  int64_t bytes() const { return buf_[0].bytes() + buf_[1].bytes() + buf_[2].bytes(); }
+  int64_t bytes() const {
+    int64_t n = 0;
+    for (const auto& b : buf_) n += b.bytes();
+    return n;
+  }
 
  private:
   kernels::Backend& be_;

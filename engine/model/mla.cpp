@@ -84,6 +84,26 @@ void MlaAttention::recompute_selective(int64_t B, int64_t S) {
   const int64_t N = B * S;
   if (lora_) be.rmsnorm_forward(cqn_.data(), rstd_q_.data(), cq_.data(), q_a_norm_.w, N, rq_, 1e-6f);
   be.rmsnorm_forward(ckvn_.data(), rstd_kv_.data(), ckv_.data(), kv_a_norm_.w, N, rkv_, 1e-6f);
+  attention_core(B, S);
+}
+
+// Under bf16 / fp16 the attention core runs on Q, K, V rounded to the compute type where the
+// backend has 16-bit attention (docs/design.md §6.10); fp32 otherwise.
+bool MlaAttention::low_precision_attention() const {
+  return env_.cast && env_.cast->active() && env_.be->low_precision_attention(env_.cast->dtype());
+}
+
+kernels::ConstView MlaAttention::qkv(int which, int64_t N) const {
+  const ActBuf& b = which == 0 ? Q_ : which == 1 ? K_ : V_;
+  return (*env_.cast)(3 + which, b.data(), N * nh_ * (which == 2 ? dv_ : dqk_));
+}
+
+void MlaAttention::attention_core(int64_t B, int64_t S) {
+  kernels::Backend& be = *env_.be;
+  const int64_t N = B * S;
+  if (low_precision_attention())
+    return be.attention_forward(O_.data(), lse_.data(), qkv(0, N), qkv(1, N), qkv(2, N), B, S, nh_, dqk_, dv_,
+                                rope_->attention_scale);
   be.attention_forward(O_.data(), lse_.data(), Q_.data(), K_.data(), V_.data(), B, S, nh_, dqk_, dv_,
                        rope_->attention_scale);
 }
@@ -129,8 +149,7 @@ void MlaAttention::forward(float* out, const float* a, int64_t B, int64_t S) {
   // One rope key for all heads: head stride 0 on the input broadcasts it.
   be.rope_forward(K_.data() + dn_, nh_ * dqk_, dqk_, kpe_.data(), dr_, 0, rope_->cos.data(),
                   rope_->sin.data(), N, S, nh_, dr_, env_.cfg->rope_interleave);
-  be.attention_forward(O_.data(), lse_.data(), Q_.data(), K_.data(), V_.data(), B, S, nh_, dqk_,
-                       dv_, rope_->attention_scale);
+  attention_core(B, S);
   linear_forward(env_, out, O_.data(), o_, N, H_, nh_ * dv_);  // row-parallel: this rank's heads' part
 }
 
@@ -150,8 +169,12 @@ void MlaAttention::backward(float* da, const float* dout, const float* a, int64_
   float* dK = scratch.take(N * nh_ * dqk_);
   float* dV = scratch.take(N * nh_ * dv_);
   env_.poll();
-  be.attention_backward(dQ, dK, dV, dO, Q_.data(), K_.data(), V_.data(), O_.data(), lse_.data(), B,
-                        S, nh_, dqk_, dv_, rope_->attention_scale);
+  if (low_precision_attention())
+    be.attention_backward(dQ, dK, dV, dO, (*env_.cast)(kPinned, dO, N * nh_ * dv_), qkv(0, N), qkv(1, N), qkv(2, N),
+                          O_.data(), lse_.data(), B, S, nh_, dqk_, dv_, rope_->attention_scale);
+  else
+    be.attention_backward(dQ, dK, dV, dO, Q_.data(), K_.data(), V_.data(), O_.data(), lse_.data(), B, S, nh_, dqk_,
+                          dv_, rope_->attention_scale);
   // KV branch: dkv = [dk_nope | dv] per head; dk_pe sums the rope-inverted keys over heads.
   float* dkv = scratch.take(N * nh_ * kv_w);
   be.copy_strided(dkv, kv_w, dK, dqk_, N * nh_, dn_);

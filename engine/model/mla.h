@@ -35,6 +35,9 @@ class MlaAttention {
   int64_t scratch_floats(int64_t N) const;  // forward and backward temporaries
 
  private:
+  bool low_precision_attention() const;
+  kernels::ConstView qkv(int which, int64_t N) const;  // Q, K or V in the compute type
+  void attention_core(int64_t B, int64_t S);            // O and lse from Q, K, V
   LayerEnv env_;
   const RopeTables* rope_;
   int64_t H_, nh_, dn_, dr_, dv_, dqk_, rq_, rkv_;

@@ -6,11 +6,13 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <initializer_list>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
 #include "dstrain/kernels/backend.h"
+#include "kernels/cpu/attention_lp.h"
 #include "kernels/cpu/blas_gemm.h"
 #include "kernels/cpu/cpu_ops.h"
 #include "kernels/cpu/low_precision.h"
@@ -175,7 +177,45 @@ class CpuBackend final : public Backend {
   void reserve_attention(int64_t S) override {
     const int64_t n = cpu::attention_workspace_floats(S, threads_);
     if (int64_t(attention_ws_.size()) < n) attention_ws_.assign(size_t(n), 0.0f);
+    if (int64_t(attention_ws16_.size()) < n) attention_ws16_.assign(size_t(n), 0);
     attention_s_ = std::max(attention_s_, S);
+  }
+  const cpu::TileGemm& tile_gemm(DType t) const { return t == DType::kBF16 ? tile_bf16_ : tile_fp16_; }
+  bool low_precision_attention(DType t) const override {
+    return t != DType::kF32 && tile_gemm(t).available();
+  }
+  void attention_forward(float* O, float* lse, ConstView Q, ConstView K, ConstView V, int64_t B, int64_t S,
+                         int64_t nh, int64_t dqk, int64_t dv, float scale) override {
+    if (Q.dtype == DType::kF32)
+      return attention_forward(O, lse, static_cast<const float*>(Q.data), static_cast<const float*>(K.data),
+                               static_cast<const float*>(V.data), B, S, nh, dqk, dv, scale);
+    check_lowp_attention(Q.dtype, {K.dtype, V.dtype});
+    check_attention(S);
+    cpu::attention_forward_lp(O, lse, static_cast<const uint16_t*>(Q.data), static_cast<const uint16_t*>(K.data),
+                              static_cast<const uint16_t*>(V.data), B, S, nh, dqk, dv, scale, attention_ws_.data(),
+                              attention_ws16_.data(), threads_, tile_gemm(Q.dtype), low(Q.dtype));
+  }
+  void attention_backward(float* dQ, float* dK, float* dV, const float* dO, ConstView dO_lp, ConstView Q, ConstView K,
+                          ConstView V, const float* O, const float* lse, int64_t B, int64_t S, int64_t nh,
+                          int64_t dqk, int64_t dv, float scale) override {
+    if (Q.dtype == DType::kF32)
+      return attention_backward(dQ, dK, dV, dO, static_cast<const float*>(Q.data), static_cast<const float*>(K.data),
+                                static_cast<const float*>(V.data), O, lse, B, S, nh, dqk, dv, scale);
+    check_lowp_attention(Q.dtype, {K.dtype, V.dtype, dO_lp.dtype});
+    check_attention(S);
+    cpu::attention_backward_lp(dQ, dK, dV, dO, static_cast<const uint16_t*>(dO_lp.data),
+                               static_cast<const uint16_t*>(Q.data), static_cast<const uint16_t*>(K.data),
+                               static_cast<const uint16_t*>(V.data), O, lse, B, S, nh, dqk, dv, scale,
+                               attention_ws_.data(), attention_ws16_.data(), threads_, tile_gemm(Q.dtype),
+                               low(Q.dtype));
+  }
+  void check_lowp_attention(DType t, std::initializer_list<DType> others) const {
+    for (DType o : others)
+      if (o != t) throw std::invalid_argument(std::string("attention on views of two types: ") + to_string(t) +
+                                              " and " + to_string(o));
+    if (!low_precision_attention(t))
+      throw std::invalid_argument(std::string("no ") + to_string(t) + " attention on this CPU (oneDNN has no " +
+                                  to_string(t) + " matmul for it): pass fp32 views");
   }
   void attention_forward(float* O, float* lse, const float* Q, const float* K, const float* V,
                          int64_t B, int64_t S, int64_t nh, int64_t dqk, int64_t dv,
@@ -269,6 +309,8 @@ class CpuBackend final : public Backend {
   GemmLibrary gemm_;
   cpu::LowPrecisionGemm lowp_;
   std::vector<float> attention_ws_;  // per-thread score blocks (reserve_attention)
+  std::vector<uint16_t> attention_ws16_;  // and their 16-bit roundings (low-precision attention)
+  cpu::TileGemm tile_bf16_{cpu::LowPrecision::kBf16}, tile_fp16_{cpu::LowPrecision::kFp16};
   int64_t attention_s_ = 0;
 };
 

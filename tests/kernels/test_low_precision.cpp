@@ -222,5 +222,55 @@ TEST(BackendTyped, ConvertGemmAndGroupedGemmMatchTheBuildingBlocks) {
   EXPECT_EQ(moved.bytes(), 1000);
 }
 
+// 16-bit attention (bf16 where oneDNN has a native matmul) against the fp32 kernel on the same
+// rounded Q, K, V (and dO): the only differences are the rounding of P and dS before their
+// GEMMs, so outputs and gradients agree to a few bf16 ulps of their scale; the log-sum-exp,
+// from fp32 scores of exactly representable inputs, to fp32 accuracy. Several query tiles,
+// an odd sequence length, dqk != dv.
+TEST(BackendTyped, LowPrecisionAttentionMatchesFp32OnRoundedInputs) {
+  auto be = make_cpu_backend(2);
+  if (!be->low_precision_attention(DType::kBF16)) GTEST_SKIP() << "no bf16 matmul on this CPU";
+  EXPECT_FALSE(be->low_precision_attention(DType::kF32));
+  const int64_t B = 2, S = 150, nh = 3, dqk = 40, dv = 24, N = B * S;
+  const float scale = 1.0f / std::sqrt(float(dqk));
+  be->reserve_attention(S);
+  std::mt19937 rng(3);
+  std::normal_distribution<float> d(0.f, 1.f);
+  const auto rounded = [&](int64_t n, std::vector<uint16_t>& h) {
+    std::vector<float> x(static_cast<size_t>(n));
+    for (auto& v : x) v = 2.0f * d(rng);
+    h.resize(x.size());
+    be->convert({h.data(), DType::kBF16}, f32(x.data()), n);
+    be->convert({x.data(), DType::kF32}, {h.data(), DType::kBF16}, n);
+    return x;
+  };
+  std::vector<uint16_t> q16, k16, v16, do16;
+  const auto Q = rounded(N * nh * dqk, q16), K = rounded(N * nh * dqk, k16), V = rounded(N * nh * dv, v16);
+  const auto dO = rounded(N * nh * dv, do16);
+  std::vector<float> O(size_t(N * nh * dv)), lse(size_t(N * nh)), O32 = O, lse32 = lse;
+  const ConstView q{q16.data(), DType::kBF16}, k{k16.data(), DType::kBF16}, v{v16.data(), DType::kBF16};
+  be->attention_forward(O.data(), lse.data(), q, k, v, B, S, nh, dqk, dv, scale);
+  be->attention_forward(O32.data(), lse32.data(), Q.data(), K.data(), V.data(), B, S, nh, dqk, dv, scale);
+  const auto close = [](const std::vector<float>& got, const std::vector<float>& want, double rel, const char* what) {
+    double scale = 0;
+    for (float w : want) scale = std::max(scale, double(std::fabs(w)));
+    for (size_t i = 0; i < want.size(); ++i) ASSERT_NEAR(got[i], want[i], rel * scale) << what << " " << i;
+  };
+  close(lse, lse32, 1e-5, "lse");
+  close(O, O32, std::ldexp(1.0, -7), "O");  // P rounded to bf16 (8 significant bits) before P V
+  std::vector<float> dQ(Q.size()), dK(K.size()), dV(V.size()), dQ32 = dQ, dK32 = dK, dV32 = dV;
+  be->attention_backward(dQ.data(), dK.data(), dV.data(), dO.data(), {do16.data(), DType::kBF16}, q, k, v, O32.data(),
+                         lse32.data(), B, S, nh, dqk, dv, scale);
+  be->attention_backward(dQ32.data(), dK32.data(), dV32.data(), dO.data(), Q.data(), K.data(), V.data(), O32.data(),
+                         lse32.data(), B, S, nh, dqk, dv, scale);
+  close(dV, dV32, std::ldexp(1.0, -7), "dV");
+  close(dQ, dQ32, std::ldexp(1.0, -6), "dQ");  // dS rounded too: a difference of two terms
+  close(dK, dK32, std::ldexp(1.0, -6), "dK");
+  // Mixed view types are refused.
+  EXPECT_THROW(be->attention_forward(O.data(), lse.data(), q, k, ConstView{v16.data(), DType::kF16}, B, S, nh, dqk, dv,
+                                     scale),
+               std::invalid_argument);
+}
+
 }  // namespace
 }  // namespace dstrain::kernels::cpu

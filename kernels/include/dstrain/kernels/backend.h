@@ -130,6 +130,18 @@ class Backend {
                                   const float* lse, int64_t B, int64_t S, int64_t nh, int64_t dqk,
                                   int64_t dv, float scale) = 0;
 
+  // The same on 16-bit Q, K, V (views of one type, for which low_precision_attention is true):
+  // every GEMM on 16-bit operands with fp32 accumulation — the probabilities and the score
+  // gradients rounded to the type just before the GEMMs that read them — and softmax, lse and
+  // the row sums rowsum(dO * O) in fp32 (dO: fp32; dO_lp: the same in the 16-bit type). fp32
+  // views run the fp32 kernels above.
+  virtual bool low_precision_attention(DType dtype) const = 0;
+  virtual void attention_forward(float* O, float* lse, ConstView Q, ConstView K, ConstView V, int64_t B, int64_t S,
+                                 int64_t nh, int64_t dqk, int64_t dv, float scale) = 0;
+  virtual void attention_backward(float* dQ, float* dK, float* dV, const float* dO, ConstView dO_lp, ConstView Q,
+                                  ConstView K, ConstView V, const float* O, const float* lse, int64_t B, int64_t S,
+                                  int64_t nh, int64_t dqk, int64_t dv, float scale) = 0;
+
   // M = silu(G) * U with GU [N, 2I] = [G | U] per row; M [N, I].
   virtual void swiglu_forward(float* M, const float* GU, int64_t N, int64_t I) = 0;
   virtual void swiglu_backward(float* dGU, const float* dM, const float* GU, int64_t N, int64_t I) = 0;

@@ -1,0 +1,47 @@
+// Causal attention on 16-bit Q, K, V (docs/design.md §6.8): the same tiling as the fp32 kernel
+// of cpu_ops.h — per (sequence, head) query tiles of kAttnTile rows, a tile's scores against the
+// keys it may see, masked softmax in place, then P V — with every GEMM on 16-bit operands and
+// fp32 accumulation: the scores and their gradient are formed in fp32, softmax, log-sum-exp and
+// the row sums D = rowsum(dO * O) stay fp32, and the probabilities P and the score gradients dS
+// are rounded to the 16-bit type just before the GEMMs that read them (as flash attention does
+// on GPUs). The tile GEMMs run inside the OpenMP region, one per thread, through oneDNN matmul
+// primitives with run-time shapes and strides (oneDNN runs them on the calling thread).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+
+#include "kernels/cpu/low_precision.h"
+
+namespace dstrain::kernels::cpu {
+
+// C[M,N] (row stride ldc, fp32) = op(A) op(B) (+ C when accumulate) for 16-bit A and B with row
+// strides lda, ldb (A is [M,K] or, when ta, [K,M]; B is [K,N] or, when tb, [N,K]). Callable from
+// several threads at once.
+class TileGemm {
+ public:
+  explicit TileGemm(LowPrecision p);
+  ~TileGemm();
+  // Whether oneDNN has a native matmul for this type on this CPU (bf16 on AVX512-BF16 and AMX;
+  // fp16 only on AVX512-FP16 / AMX-FP16).
+  bool available() const;
+  void run(float* C, int64_t ldc, const uint16_t* A, int64_t lda, const uint16_t* B, int64_t ldb, int64_t M,
+           int64_t N, int64_t K, bool ta, bool tb, bool accumulate) const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+// Scratch: the fp32 workspace of the fp32 kernel (attention_workspace_floats) and, per thread,
+// two kAttnTile x S blocks of 16-bit values (attention_workspace_floats(S, threads) uint16_t).
+void attention_forward_lp(float* O, float* lse, const uint16_t* Q, const uint16_t* K, const uint16_t* V, int64_t B,
+                          int64_t S, int64_t nh, int64_t dqk, int64_t dv, float scale, float* ws, uint16_t* ws16,
+                          int ws_threads, const TileGemm& gemm, LowPrecision p);
+// dO (fp32) gives the row sums D with O; dO16 is the same gradient in the 16-bit type for the GEMMs.
+void attention_backward_lp(float* dQ, float* dK, float* dV, const float* dO, const uint16_t* dO16, const uint16_t* Q,
+                           const uint16_t* K, const uint16_t* V, const float* O, const float* lse, int64_t B, int64_t S,
+                           int64_t nh, int64_t dqk, int64_t dv, float scale, float* ws, uint16_t* ws16, int ws_threads,
+                           const TileGemm& gemm, LowPrecision p);
+
+}  // namespace dstrain::kernels::cpu
