@@ -291,7 +291,7 @@ int64_t DeepSeekModel::workspace_bytes() const {
   int64_t floats = scratch_.capacity() + int64_t(dz_.size() + dh_.size() + tmp1_.size() + tmp2_.size() +
                                                  ones_.size() + loss_rows_.size() + full_.size());
   for (const auto& m : mtp_) floats += int64_t(m->dh.size());
-  int64_t bytes = floats * int64_t(sizeof(float));
+  int64_t bytes = floats * int64_t(sizeof(float)) + cast_->bytes();  // (the conversions grow in the first step)
   for (const auto& l : layers_)
     if (l->moe()) bytes += l->moe()->ep_backward_bytes();
   for (const auto& m : mtp_)

@@ -126,10 +126,29 @@ ActivationMemory instance_activation_memory(const config::ModelConfig& m, const 
   // ones, per-row losses (last stage), the sequence-parallel gathers.
   const int64_t work = scratch + N * H + rows * H + 2 * N * H + N + (s.has_head ? N : 0) + (sp ? 3 * N * H : 0) +
                        ep_backward;
+  // Under bf16 / fp16 the GEMMs' conversion workspaces (engine/model/layer_env.h, ComputeCast),
+  // each as large as the largest input it converted (balanced routing for the experts' rows):
+  // slot 0 a GEMM input or output gradient, slot 1 a weight-gradient GEMM's input, slot 2 an
+  // input several GEMMs share or the attention's output gradient, slots 3-5 Q, K and V.
+  int64_t cast = 0;
+  if (s.compute_bytes == 2) {
+    const int64_t nh = m.num_attention_heads / tp, dn = m.qk_nope_head_dim, dv = m.v_head_dim,
+                  dqk = dn + m.qk_rope_head_dim, rq = m.q_lora_rank.value_or(0), rkv = m.kv_lora_rank;
+    const int64_t w = m.intermediate_size / tp, ws = m.num_shared() * m.moe_intermediate_size / tp;
+    const int64_t nk = (N + tp - 1) / tp * m.num_experts_per_tok, I = m.moe_intermediate_size;
+    const bool moe = m.num_routed() > 0;
+    const int64_t slot0 = std::max({N * nh * dqk, N * nh * (dn + dv), N * H, N * rq, N * rkv + N * m.qk_rope_head_dim,
+                                    N * 2 * w, N * 2 * ws, moe ? nk * 2 * I : 0, moe ? nk * H : 0,
+                                    s.has_head ? N * Vl : 0});
+    const int64_t slot1 = std::max({N * H, N * rq, N * rkv, N * nh * dv, N * w, N * ws, moe ? nk * I : 0,
+                                    moe ? nk * H : 0, s.has_head && m.num_nextn_predict_layers > 0 ? N * 2 * H : 0});
+    const int64_t slot2 = std::max(N * H, N * nh * dv);
+    cast = slot0 + slot1 + slot2 + N * nh * (2 * dqk + dv);
+  }
   ActivationMemory out;
   out.kept = 4.0 * double(kept + dyn_kept + model);
   out.recomputed = 4.0 * double(shared + dyn_shared_max);
-  out.workspace = 4.0 * double(work);
+  out.workspace = 4.0 * double(work) + double(s.compute_bytes == 2 ? 2 * cast : 0);
   return out;
 }
 

@@ -50,6 +50,7 @@ struct InstanceShape {
   int tp = 1, ep = 1;
   bool sequence_parallel = false;  // only with tp > 1
   config::ActivationCheckpointingConfig checkpointing;
+  int64_t compute_bytes = 4;  // 2 under bf16 / fp16: the GEMMs' conversion workspaces join the workspace
 };
 
 ActivationMemory instance_activation_memory(const config::ModelConfig& m, const InstanceShape& s);

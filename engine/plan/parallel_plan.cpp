@@ -61,6 +61,7 @@ ActivationMemory ParallelPlan::instance_activations(int virtual_stage, int64_t m
   s.tp = degrees.tp, s.ep = degrees.ep;
   s.sequence_parallel = config.parallel.sequence_parallel && degrees.tp > 1;
   s.checkpointing = config.activation_checkpointing;
+  s.compute_bytes = config.precision() == config::Precision::kFp32 ? 4 : 2;
   return instance_activation_memory(config.model, s);
 }
 

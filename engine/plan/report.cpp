@@ -172,8 +172,12 @@ void memory_section(std::ostringstream& o, const ParallelPlan& p) {
   const config::TrainConfig& c = p.config;
   const bool sp = c.parallel.sequence_parallel && p.degrees.tp > 1;
   const auto& ac = c.activation_checkpointing;
-  o << fmt::format("  activations per rank (fp32) for one micro-batch of {} x {} tokens{}; {}:\n", p.batch.micro,
-                   c.seq_length,
+  o << fmt::format("  activations per rank ({}) for one micro-batch of {} x {} tokens{}; {}:\n",
+                   c.precision() == config::Precision::kFp32
+                       ? "fp32"
+                       : fmt::format("{}: saved activations in fp32, the GEMMs' {} conversions in the workspace",
+                                     config::to_string(c.precision()), config::to_string(c.precision())),
+                   p.batch.micro, c.seq_length,
                    p.degrees.tp > 1 ? fmt::format(" (tensor parallel {}{})", p.degrees.tp,
                                                   sp ? ", sequence parallel" : ", norm and residual regions whole")
                                     : "",

@@ -111,7 +111,11 @@ TEST(Recompute, MeasuredActivationMemoryMatchesThePlan) {
           "--set model.num_hidden_layers=4" + kFull},
       {2, " --set parallel.pipeline=2 --set parallel.pipeline_schedule=zb-h1" + kFull},
       {2, " --set parallel.tensor=2 --set parallel.sequence_parallel=true" + kSelective},
-      {2, " --set parallel.expert=2"}};
+      {2, " --set parallel.expert=2"},
+      // bf16 adds the GEMMs' conversion workspaces to the plan and to what the model holds.
+      {1, " --set bf16.enabled=true"},
+      {2, " --set bf16.enabled=true --set parallel.tensor=2 --set parallel.sequence_parallel=true" + kFull},
+      {2, " --set fp16.enabled=true --set parallel.pipeline=2"}};
   const std::regex line(R"(activation memory on rank 0 after the first step: .* \(plan .*, ([-+][0-9.]+)%\))");
   for (const auto& [np, layout] : layouts) {
     const Result r = run((np > 1 ? mpirun(np) : "") + train_cmd(dir, "run", 1, "--resume none" + batch + layout));
