@@ -10,9 +10,9 @@ int64_t aligned(int64_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 }  // namespace
 
 int64_t RecomputeArena::bytes() const {
-  int64_t floats = int64_t(region.capacity());
+  int64_t floats = 0;
   for (const auto& v : slots) floats += int64_t(v->capacity());
-  return floats * int64_t(sizeof(float));
+  return region.bytes() + floats * int64_t(sizeof(float));
 }
 
 ActivationStore::ActivationStore(std::shared_ptr<RecomputeArena> arena)
@@ -51,24 +51,26 @@ std::vector<float>* ActivationStore::take_dynamic(bool selective) {
   return slots[dyn_slot_++].get();
 }
 
-void ActivationStore::finalize() {
+void ActivationStore::finalize(kernels::Backend& be) {
   DS_CHECK(!final_, "activation store finalised twice");
-  kept_.assign(size_t(kept_used_), 0.0f);
-  if (int64_t(arena_->region.size()) < shared_max_) {  // grows: what it held is gone
-    arena_->region.assign(size_t(shared_max_), 0.0f);
+  kept_ = kernels::DeviceBuffer(be, kept_used_ * int64_t(sizeof(float)));
+  be.fill(kept_.as<float>(), 0.0f, kept_used_);
+  if (arena_->region.bytes() < shared_max_ * int64_t(sizeof(float))) {  // grows: what it held is gone
+    arena_->region = kernels::DeviceBuffer(be, shared_max_ * int64_t(sizeof(float)));
+    be.fill(arena_->data(), 0.0f, shared_max_);
     arena_->holder = nullptr;
   }
   final_ = true;
 }
 
 int64_t ActivationStore::kept_bytes() const {
-  int64_t floats = int64_t(kept_.size());
+  int64_t floats = 0;
   for (const auto& v : kept_dyn_) floats += int64_t(v->capacity());
-  return floats * int64_t(sizeof(float));
+  return kept_.bytes() + floats * int64_t(sizeof(float));
 }
 
 void ActivationStore::mark_volatile(WeightGradDeferral& d) const {
-  d.add_volatile(&arena_->region);  // by vector: a later instance may grow it
+  d.add_volatile(&arena_->region);  // by buffer: a later instance may grow (replace) it
   for (const auto& v : arena_->slots) d.add_volatile(v.get());
 }
 

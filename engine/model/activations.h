@@ -18,6 +18,7 @@
 #include <memory>
 #include <vector>
 
+#include "dstrain/kernels/backend.h"
 #include "engine/common/error.h"
 #include "engine/config/train_config.h"
 
@@ -36,7 +37,8 @@ class WeightGradDeferral;
 // hold now. Shared by the stores of the model instances one rank runs one at a time; it grows
 // when a store needs more (ActBuf resolves its address on each use).
 struct RecomputeArena {
-  std::vector<float> region;
+  kernels::DeviceBuffer region;  // from the backend (docs/design.md §6.1)
+  float* data() const { return region.as<float>(); }
   std::vector<std::unique_ptr<std::vector<float>>> slots;
   const void* holder = nullptr;  // the layer whose forward or recomputation wrote them last
   int64_t bytes() const;
@@ -72,8 +74,8 @@ class ActivationStore {
   // A buffer whose size is only known at run time (the expert-parallel receive side), placed
   // by the same rule: the recomputing layers share one vector per slot.
   std::vector<float>* take_dynamic(bool selective = false);
-  // Allocates both regions; no take after this.
-  void finalize();
+  // Allocates both regions through the backend (zero-filled); no take after this.
+  void finalize(kernels::Backend& be);
 
   // Bytes held: the kept buffers (private region and kept dynamic vectors) and the arena's
   // (region and slots, at the vectors' current capacity; shared with other stores maybe).
@@ -96,7 +98,7 @@ class ActivationStore {
   bool final_ = false;
   int64_t kept_used_ = 0, shared_used_ = 0, shared_max_ = 0;
   size_t dyn_slot_ = 0;
-  std::vector<float> kept_;
+  kernels::DeviceBuffer kept_;
   std::vector<std::unique_ptr<std::vector<float>>> kept_dyn_;
   std::shared_ptr<RecomputeArena> arena_;
 };
@@ -104,7 +106,7 @@ class ActivationStore {
 inline float* ActBuf::data() const {
   DS_CHECK(store_ == nullptr || store_->final_, "activation buffer used before its store was finalised");
   if (!store_) return nullptr;
-  return (shared_ ? store_->arena_->region.data() : const_cast<float*>(store_->kept_.data())) + off_;
+  return (shared_ ? store_->arena_->data() : store_->kept_.as<float>()) + off_;
 }
 
 }  // namespace dstrain::model

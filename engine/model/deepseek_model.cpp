@@ -226,8 +226,8 @@ DeepSeekModel::DeepSeekModel(const config::ModelConfig& cfg, kernels::Backend& b
     mtp_.push_back(std::make_unique<Mtp>(mtp_env_, k, B, S, Vl_, &rope_));
     scratch = std::max({scratch, mtp_.back()->layer->scratch_floats(N), 2 * N * H_ + 64});
   }
-  scratch_.reserve(scratch);
-  acts_.finalize();
+  scratch_.reserve(be_, scratch);
+  acts_.finalize(be_);
   ids_.resize(N), local_ids_.resize(N), targets_.resize(N);
   hidden_.assign(size_t(end_ - first_ + 1), std::vector<float>(rows_ * H_));
   if (has_head_) {

@@ -19,22 +19,27 @@
 
 namespace dstrain::model {
 
-// Bump allocator over one buffer, reset by each backward (temporaries never outlive a layer).
+// Bump allocator over one buffer from the backend, reset by each backward (temporaries never
+// outlive a layer).
 class Scratch {
  public:
-  void reserve(int64_t floats) { buf_.resize(std::max<int64_t>(int64_t(buf_.size()), floats)); }
+  void reserve(kernels::Backend& be, int64_t floats) {
+    if (floats <= capacity()) return;
+    buf_ = kernels::DeviceBuffer(be, floats * int64_t(sizeof(float)));
+    be.fill(buf_.as<float>(), 0.0f, floats);
+  }
   void reset() { used_ = 0; }
   float* take(int64_t n) {
-    DS_CHECK(used_ + n <= int64_t(buf_.size()), "scratch overflow: {} + {} > {}", used_, n, buf_.size());
-    float* p = buf_.data() + used_;
+    DS_CHECK(used_ + n <= capacity(), "scratch overflow: {} + {} > {}", used_, n, capacity());
+    float* p = buf_.as<float>() + used_;
     used_ += (n + 15) / 16 * 16;  // keep 64-byte alignment of later takes
     return p;
   }
-  int64_t capacity() const { return int64_t(buf_.size()); }
-  const float* data() const { return buf_.data(); }
+  int64_t capacity() const { return buf_.bytes() / int64_t(sizeof(float)); }
+  const float* data() const { return buf_.as<float>(); }
 
  private:
-  std::vector<float> buf_;
+  kernels::DeviceBuffer buf_;
   int64_t used_ = 0;
 };
 
@@ -77,6 +82,8 @@ class WeightGradDeferral {
   }
   // The same for a vector that may be resized (and moved) between now and a keep().
   void add_volatile(const std::vector<float>* v) { volatile_vectors_.push_back(v); }
+  // And for a device buffer that may be replaced by a larger one.
+  void add_volatile(const kernels::DeviceBuffer* b) { volatile_buffers_.push_back(b); }
   // n floats at p as W will read them: p itself, or a copy (kept alive with the queued GEMM)
   // when they lie in a volatile range.
   struct Kept {
@@ -88,6 +95,8 @@ class WeightGradDeferral {
     bool copy = false;
     for (const auto& [b, e] : volatile_) copy = copy || overlaps(b, e);
     for (const std::vector<float>* v : volatile_vectors_) copy = copy || overlaps(v->data(), v->data() + v->size());
+    for (const kernels::DeviceBuffer* b : volatile_buffers_)
+      copy = copy || overlaps(b->as<float>(), b->as<float>() + b->bytes() / int64_t(sizeof(float)));
     if (!copy) return {nullptr, p};
     // Several queued GEMMs read the same input (a layer's normed input feeds three): one copy,
     // shared while the bytes there are still those copied.
@@ -117,6 +126,7 @@ class WeightGradDeferral {
   std::vector<std::function<void()>> ops_;
   std::vector<std::pair<const float*, const float*>> volatile_;
   std::vector<const std::vector<float>*> volatile_vectors_;
+  std::vector<const kernels::DeviceBuffer*> volatile_buffers_;
   std::vector<std::pair<const float*, std::shared_ptr<std::vector<float>>>> copies_;  // queued since run()
   int64_t copied_ = 0, held_ = 0, peak_held_ = 0;
 };
