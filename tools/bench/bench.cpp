@@ -286,7 +286,8 @@ int bench_checkpoint(int argc, char** argv) {
   const std::string preset = arg_str(argc, argv, "--preset", "medium");
   const std::string dir = arg_str(argc, argv, "--dir", "/tmp/dstrain-bench-ckpt");
   config::TrainConfig cfg = config::load_config_file("configs/" + preset + ".yaml",
-                                                     {"checkpoint.dir=" + dir, "checkpoint.keep_last=1"});
+                                                     {"checkpoint.dir=" + dir, "checkpoint.keep_last=1",
+                                                      "bf16.enabled=false", "fp16.enabled=false"});
   const plan::ParallelPlan plan = plan::make_plan(cfg, 1);
   const runtime::RankEngine engine = runtime::build_rank_engine(
       plan, runtime::RankGroups(plan),
