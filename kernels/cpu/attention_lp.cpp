@@ -111,16 +111,8 @@ void attention_forward_lp(float* O, float* lse, const uint16_t* Q, const uint16_
         for (int64_t r = 0; r < rows; ++r) {
           float* pr = P + r * keys;
           const int64_t visible = i0 + r + 1;
-          for (int64_t j = 0; j < visible; ++j) pr[j] *= scale;
-          float m = pr[0];
-          for (int64_t j = 1; j < visible; ++j) m = std::max(m, pr[j]);
-          float sum = 0;
-#pragma omp simd reduction(+ : sum)
-          for (int64_t j = 0; j < visible; ++j) sum += (pr[j] = vexp(pr[j] - m));
-          const float inv = 1.0f / sum;
-          for (int64_t j = 0; j < visible; ++j) pr[j] *= inv;
-          for (int64_t j = visible; j < keys; ++j) pr[j] = 0;
-          lse[(b * nh + h) * S + i0 + r] = m + std::log(sum);
+          for (int64_t j = 0; j < visible; ++j) pr[j] *= scale;  // (the fp32 kernel scales in its GEMM)
+          lse[(b * nh + h) * S + i0 + r] = causal_softmax_row(pr, visible, keys);
           convert_to(P16 + r * keys, pr, keys, p);
         }
         gemm.run(O + b * S * vs + h * dv + i0 * vs, vs, P16, keys, Vb, vs, rows, dv, keys, false, false, false);
@@ -161,12 +153,8 @@ void attention_backward_lp(float* dQ, float* dK, float* dV, const float* dO, con
           for (int64_t d = 0; d < dv; ++d) Di += dout[d] * o[d];
           float* pr = P + r * keys;
           float* dp = dP + r * keys;
-#pragma omp simd
-          for (int64_t j = 0; j < visible; ++j) {
-            pr[j] = vexp(pr[j] * scale - L);
-            dp[j] = pr[j] * (dp[j] - Di) * scale;  // dS, scaled for dQ and dK
-          }
-          for (int64_t j = visible; j < keys; ++j) pr[j] = dp[j] = 0;
+          for (int64_t j = 0; j < visible; ++j) pr[j] *= scale;
+          causal_softmax_grad_row(pr, dp, visible, keys, L, Di, scale);
           convert_to(P16 + r * keys, pr, keys, p);
           convert_to(dS16 + r * keys, dp, keys, p);
         }

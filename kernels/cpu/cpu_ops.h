@@ -157,6 +157,33 @@ T* attention_block(T* ws, int64_t S) {
   return ws + int64_t(omp_get_thread_num()) * 2 * kAttnTile * S;
 }
 
+// One query row of a score tile in place: its first `visible` scores become the causal softmax,
+// the rest of the row's `keys` zero; returns the row's log-sum-exp.
+template <class T>
+T causal_softmax_row(T* p, int64_t visible, int64_t keys) {
+  T m = p[0];
+  for (int64_t j = 1; j < visible; ++j) m = std::max(m, p[j]);
+  T sum = 0;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t j = 0; j < visible; ++j) sum += (p[j] = vexp(p[j] - m));
+  const T inv = T(1) / sum;
+  for (int64_t j = 0; j < visible; ++j) p[j] *= inv;
+  for (int64_t j = visible; j < keys; ++j) p[j] = 0;
+  return m + std::log(sum);
+}
+
+// Backward of one row: from the scaled scores p and dP = dO V^T in dp, the probabilities
+// p = exp(p - L) and dS = p (dp - D) scale (scaled for dQ and dK) in place, zero past `visible`.
+template <class T>
+void causal_softmax_grad_row(T* p, T* dp, int64_t visible, int64_t keys, T L, T D, T scale) {
+#pragma omp simd
+  for (int64_t j = 0; j < visible; ++j) {
+    p[j] = vexp(p[j] - L);
+    dp[j] = p[j] * (dp[j] - D) * scale;
+  }
+  for (int64_t j = visible; j < keys; ++j) p[j] = dp[j] = 0;
+}
+
 // ws: attention_workspace_floats(S, ws_threads) elements.
 template <class T>
 void attention_forward(T* O, T* lse, const T* Q, const T* K, const T* V, int64_t B, int64_t S,
@@ -173,19 +200,8 @@ void attention_forward(T* O, T* lse, const T* Q, const T* K, const T* V, int64_t
         const T* Vb = V + b * S * vs + h * dv;
         T* P = attention_block(ws, S);
         blas_gemm_ld(P, keys, Qb + i0 * qs, qs, Kb, qs, rows, keys, dqk, false, true, scale, T(0));
-        for (int64_t r = 0; r < rows; ++r) {
-          T* p = P + r * keys;
-          const int64_t visible = i0 + r + 1;
-          T m = p[0];
-          for (int64_t j = 1; j < visible; ++j) m = std::max(m, p[j]);
-          T sum = 0;
-#pragma omp simd reduction(+ : sum)
-          for (int64_t j = 0; j < visible; ++j) sum += (p[j] = vexp(p[j] - m));
-          const T inv = T(1) / sum;
-          for (int64_t j = 0; j < visible; ++j) p[j] *= inv;
-          for (int64_t j = visible; j < keys; ++j) p[j] = 0;
-          lse[(b * nh + h) * S + i0 + r] = m + std::log(sum);
-        }
+        for (int64_t r = 0; r < rows; ++r)
+          lse[(b * nh + h) * S + i0 + r] = causal_softmax_row(P + r * keys, i0 + r + 1, keys);
         blas_gemm_ld(O + b * S * vs + h * dv + i0 * vs, vs, P, keys, Vb, vs, rows, dv, keys, false,
                      false, T(1), T(0));
       }
@@ -221,14 +237,7 @@ void attention_backward(T* dQ, T* dK, T* dV, const T* dO, const T* Q, const T* K
           const T* o = O + vo + i * vs;
           T Di = 0;
           for (int64_t d = 0; d < dv; ++d) Di += dout[d] * o[d];
-          T* p = P + r * keys;
-          T* dp = dP + r * keys;
-#pragma omp simd
-          for (int64_t j = 0; j < visible; ++j) {
-            p[j] = vexp(p[j] - L);
-            dp[j] = p[j] * (dp[j] - Di) * scale;  // dS, scaled for dQ and dK
-          }
-          for (int64_t j = visible; j < keys; ++j) p[j] = dp[j] = 0;
+          causal_softmax_grad_row(P + r * keys, dP + r * keys, visible, keys, L, Di, scale);
         }
         blas_gemm_ld(dQ + qo + i0 * qs, qs, dP, keys, K + qo, qs, rows, dqk, keys, false, false, T(1), T(0));
         blas_gemm_ld(dK + qo, qs, dP, keys, Q + qo + i0 * qs, qs, keys, dqk, rows, true, false, T(1), T(1));
