@@ -291,8 +291,11 @@ StepResult Trainer::train_step(int64_t step) {
   // non-finite (DeepSpeed checks the same way).
   const double scale = scaler_ ? scaler_->scale() : 1.0;
   r.grad_norm = global_grad_norm() / scale;
+  // DeepSpeed counts only the steps taken: a skipped step advances neither the schedule nor
+  // AdamW's bias correction.
+  const int64_t taken = step - (scaler_ ? scaler_->state().skipped : 0);
+  r.lr = schedule_.lr(taken);  // what the step runs with (a skipped step logs it too)
   if (scaler_) {
-    r.lr = schedule_.lr(step - scaler_->state().skipped);  // what the step runs with, unless skipped
     const LossScaler::Update u = scaler_->update(!std::isfinite(r.grad_norm));  // throws at the minimum scale
     r.loss_scale = u.attempted;
     r.skipped_steps = scaler_->state().skipped;
@@ -305,10 +308,6 @@ StepResult Trainer::train_step(int64_t step) {
   }
   r.diverged = divergence(step, r);  // checked before the optimizer touches anything
   if (!r.diverged.empty()) return r;
-  // DeepSpeed counts only the steps taken: a skipped step advances neither the schedule nor
-  // AdamW's bias correction.
-  const int64_t taken = step - (scaler_ ? scaler_->state().skipped : 0);
-  r.lr = schedule_.lr(taken);
   // Unscaling and clipping fused into AdamW's gradient factor.
   adam_->step(r.lr, taken + 1, clip_factor(r.grad_norm, cfg_.gradient_clipping) / scale);
   model::ParamStore& params = *engine_.params;
