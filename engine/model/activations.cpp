@@ -5,8 +5,8 @@
 namespace dstrain::model {
 
 namespace {
-constexpr int64_t kAlign = 16;  // floats: every buffer starts 64-byte aligned within its region
-int64_t aligned(int64_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
+constexpr int64_t kAlign = 64;  // bytes: every buffer starts 64-byte aligned within its region
+int64_t aligned(int64_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; }
 }  // namespace
 
 int64_t RecomputeArena::bytes() const {
@@ -25,19 +25,20 @@ void ActivationStore::begin_layer(Recompute mode) {
   dyn_slot_ = 0;
 }
 
-ActBuf ActivationStore::take(int64_t n, bool selective) {
+ActBuf ActivationStore::take(int64_t n, bool selective, kernels::DType dtype) {
   DS_CHECK(!final_ && n >= 0, "activation store: take({}) after finalise", n);
   ActBuf b;
   b.store_ = this;
   b.n_ = n;
+  b.dtype_ = dtype;
   b.shared_ = recomputes(selective);
   if (b.shared_) {
     b.off_ = shared_used_;
-    shared_used_ += aligned(n);
+    shared_used_ += aligned(b.bytes());
     shared_max_ = std::max(shared_max_, shared_used_);
   } else {
     b.off_ = kept_used_;
-    kept_used_ += aligned(n);
+    kept_used_ += aligned(b.bytes());
   }
   return b;
 }
@@ -53,11 +54,12 @@ std::vector<float>* ActivationStore::take_dynamic(bool selective) {
 
 void ActivationStore::finalize(kernels::Backend& be) {
   DS_CHECK(!final_, "activation store finalised twice");
-  kept_ = kernels::DeviceBuffer(be, kept_used_ * int64_t(sizeof(float)));
-  be.fill(kept_.as<float>(), 0.0f, kept_used_);
-  if (arena_->region.bytes() < shared_max_ * int64_t(sizeof(float))) {  // grows: what it held is gone
-    arena_->region = kernels::DeviceBuffer(be, shared_max_ * int64_t(sizeof(float)));
-    be.fill(arena_->data(), 0.0f, shared_max_);
+  // Sizes are multiples of 64 bytes: zero-filled as floats (zero bits are zero in every dtype).
+  kept_ = kernels::DeviceBuffer(be, kept_used_);
+  be.fill(kept_.as<float>(), 0.0f, kept_used_ / int64_t(sizeof(float)));
+  if (arena_->region.bytes() < shared_max_) {  // grows: what it held is gone
+    arena_->region = kernels::DeviceBuffer(be, shared_max_);
+    be.fill(arena_->data(), 0.0f, shared_max_ / int64_t(sizeof(float)));
     arena_->holder = nullptr;
   }
   final_ = true;

@@ -44,19 +44,26 @@ struct RecomputeArena {
   int64_t bytes() const;
 };
 
-// A fixed-size float buffer placed by an ActivationStore; data() is valid once the store is
-// finalised (the layers only take buffers while they are built, and touch them after).
+// A fixed-size buffer of n elements of one dtype placed by an ActivationStore; its address is
+// valid once the store is finalised (the layers only take buffers while they are built, and
+// touch them after). fp32 buffers are read through data(); a 16-bit one — a GEMM-only input
+// kept in the compute type under bf16 / fp16 (docs/design.md §6.10) — through view().
 class ActBuf {
  public:
-  float* data() const;
+  float* data() const;  // fp32 buffers only
+  kernels::View view() const { return {raw(), dtype_}; }
+  void* raw() const;
   int64_t size() const { return n_; }
+  kernels::DType dtype() const { return dtype_; }
+  int64_t bytes() const { return n_ * kernels::dtype_size(dtype_); }
   bool recomputed() const { return shared_; }
 
  private:
   friend class ActivationStore;
   const ActivationStore* store_ = nullptr;
   bool shared_ = false;
-  int64_t off_ = 0, n_ = 0;
+  kernels::DType dtype_ = kernels::DType::kF32;
+  int64_t off_ = 0, n_ = 0;  // offset in bytes
 };
 
 class ActivationStore {
@@ -69,8 +76,8 @@ class ActivationStore {
   // The buffers taken from now on belong to a new layer with this recomputation mode.
   void begin_layer(Recompute mode);
   Recompute mode() const { return mode_; }
-  // n floats; `selective`: part of the selective set (recomputed under kSelective).
-  ActBuf take(int64_t n, bool selective = false);
+  // n elements of `dtype`; `selective`: part of the selective set (recomputed under kSelective).
+  ActBuf take(int64_t n, bool selective = false, kernels::DType dtype = kernels::DType::kF32);
   // A buffer whose size is only known at run time (the expert-parallel receive side), placed
   // by the same rule: the recomputing layers share one vector per slot.
   std::vector<float>* take_dynamic(bool selective = false);
@@ -96,17 +103,22 @@ class ActivationStore {
   }
   Recompute mode_ = Recompute::kNone;
   bool final_ = false;
-  int64_t kept_used_ = 0, shared_used_ = 0, shared_max_ = 0;
+  int64_t kept_used_ = 0, shared_used_ = 0, shared_max_ = 0;  // bytes
   size_t dyn_slot_ = 0;
   kernels::DeviceBuffer kept_;
   std::vector<std::unique_ptr<std::vector<float>>> kept_dyn_;
   std::shared_ptr<RecomputeArena> arena_;
 };
 
-inline float* ActBuf::data() const {
+inline void* ActBuf::raw() const {
   DS_CHECK(store_ == nullptr || store_->final_, "activation buffer used before its store was finalised");
   if (!store_) return nullptr;
-  return (shared_ ? store_->arena_->data() : store_->kept_.as<float>()) + off_;
+  return static_cast<char*>(shared_ ? store_->arena_->region.data() : store_->kept_.data()) + off_;
+}
+
+inline float* ActBuf::data() const {
+  DS_CHECK(dtype_ == kernels::DType::kF32, "a 16-bit activation buffer read as fp32");
+  return static_cast<float*>(raw());
 }
 
 }  // namespace dstrain::model

@@ -89,6 +89,7 @@ void DecoderLayer::forward(float* h_out, const float* h_in, int64_t B, int64_t S
   be.rmsnorm_forward(u_.data(), rstd2_.data(), h_mid_.data(), post_norm_.w, n, H_, eps_);
   const float* u_full = gathered(u_.data(), env_.full[0]);
   float* ffn = env_.sp ? env_.full[1] : h_out;
+  env_.scratch->reset();  // the attention's temporaries are dead
   if (moe_) moe_->forward(ffn, u_full, env_.sp ? u_.data() : u_full + part_.first * H_, part_, B, S, scale);
   else mlp_->forward(ffn, u_full, N_);
   reduce_into(h_out, ffn);
@@ -111,6 +112,7 @@ void DecoderLayer::recompute(float* h_out, const float* h_in, int64_t B, int64_t
   be.rmsnorm_forward(a_.data(), rstd1_.data(), h_in, in_norm_.w, rows_, H_, eps_);
   be.rmsnorm_forward(u_.data(), rstd2_.data(), h_mid_.data(), post_norm_.w, rows_, H_, eps_);
   attn_.recompute_selective(B, S);
+  env_.scratch->reset();
   if (moe_) moe_->recompute_selective(u_.data() + (env_.sp ? 0 : part_.first * H_), N_);
   else mlp_->recompute_selective(N_);
 }

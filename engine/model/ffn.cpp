@@ -15,16 +15,23 @@ SwiGluMlp::SwiGluMlp(const LayerEnv& env, const std::string& prefix, int64_t wid
   DS_CHECK(p.param(prefix + "up_proj.weight") == gate_up_.w + w_ * H_,
            "{}gate_proj and up_proj must be adjacent in the flat buffer", prefix);
   GU_ = env.acts->take(max_tokens * 2 * w_);
-  M_ = env.acts->take(max_tokens * w_, true);
+  M_ = env.acts->take(max_tokens * w_, true, gemm_input_dtype(env));  // read by down_proj's GEMMs only
 }
 
-void SwiGluMlp::recompute_selective(int64_t N) { env_.be->swiglu_forward(M_.data(), GU_.data(), N, w_); }
+// M = swiglu(GU) on N rows into the saved M (staged in scratch when M is 16-bit).
+void SwiGluMlp::activate(int64_t N) {
+  float* m = M_.dtype() == kernels::DType::kF32 ? M_.data() : env_.scratch->take(N * w_);
+  env_.be->swiglu_forward(m, GU_.data(), N, w_);
+  if (M_.dtype() != kernels::DType::kF32) env_.be->convert(M_.view(), kernels::f32(m), N * w_);
+}
+
+void SwiGluMlp::recompute_selective(int64_t N) { activate(N); }
 
 void SwiGluMlp::forward(float* out, const float* u, int64_t N) {
-  kernels::Backend& be = *env_.be;
   linear_forward(env_, GU_.data(), u, gate_up_, N, 2 * w_, H_);
-  be.swiglu_forward(M_.data(), GU_.data(), N, w_);
-  linear_forward(env_, out, M_.data(), down_, N, H_, w_);  // row-parallel: this rank's part of the sum
+  activate(N);
+  // row-parallel: this rank's part of the sum
+  linear_forward(env_, out, f32_input(M_), down_, N, H_, w_, 0.0f, lp_input(M_));
 }
 
 void SwiGluMlp::backward(float* du, const float* dout, const float* u, int64_t N, float beta) {
@@ -32,7 +39,7 @@ void SwiGluMlp::backward(float* du, const float* dout, const float* u, int64_t N
   Scratch& scratch = *env_.scratch;
   float* dM = scratch.take(N * w_);
   float* dGU = scratch.take(N * 2 * w_);
-  linear_backward(env_, dM, dout, M_.data(), down_, N, H_, w_);
+  linear_backward(env_, dM, dout, f32_input(M_), down_, N, H_, w_, 0.0f, nullptr, lp_input(M_));
   env_.poll();
   be.swiglu_backward(dGU, dM, GU_.data(), N, w_);
   // Column-parallel gate/up: the input gradient is this rank's part (the caller sums over TP).
@@ -71,15 +78,17 @@ MoeLayer::MoeLayer(const LayerEnv& env, const std::string& prefix, int64_t B, in
     shared_ = std::make_unique<SwiGluMlp>(env, mlp + "shared_experts.",
                                           m.num_shared() * I_ / env.tp_size, N);
   N = token_part(B * S, env.tp_size, 0).count;  // the most tokens this rank routes
+  ep_ = env.coll->ep_size();
   ActivationStore& st = *env.acts;
   scores_ = st.take(N * E_), w_ = st.take(N * k_), dscores_ = st.take(N * E_);
   // Under expert parallelism the dispatched rows are only sent: never read by backward.
-  Xp_ = st.take(N * k_ * H_, true), GUp_ = st.take(N * k_ * 2 * I_), Mp_ = st.take(N * k_ * I_, true);
+  const kernels::DType lp = gemm_input_dtype(env);
+  Xp_ = st.take(N * k_ * H_, true, ep_ == 1 ? lp : kernels::DType::kF32), GUp_ = st.take(N * k_ * 2 * I_);
+  Mp_ = st.take(N * k_ * I_, true, lp);
   Yp_ = st.take(N * k_ * H_);
   idx_.resize(N * k_), pos_.resize(N * k_), src_.resize(N * k_);
   counts_.assign(E_, 0), offsets_.assign(E_ + 1, 0);
   stats_.loads.assign(E_, 0);
-  ep_ = env.coll->ep_size();
   DS_CHECK(E_ % ep_ == 0, "{} experts over {} expert-parallel ranks", E_, ep_);
   El_ = E_ / ep_, e0_ = env.coll->ep_rank() * El_;
   if (ep_ > 1) {  // sized for balanced routing (as many rows received as sent); grown when a step needs more
@@ -98,13 +107,27 @@ int64_t MoeLayer::ep_backward_bytes() const {
                                           dMe_.capacity() + dGUe_.capacity());
 }
 
+void MoeLayer::dispatch_rows(const float* u_part, int64_t rows) {
+  float* x = Xp_.dtype() == kernels::DType::kF32 ? Xp_.data() : env_.scratch->take(rows * H_);
+  env_.be->gather_rows(x, u_part, src_.data(), rows, H_);
+  if (Xp_.dtype() != kernels::DType::kF32) env_.be->convert(Xp_.view(), kernels::f32(x), rows * H_);
+}
+
+void MoeLayer::swiglu_into(kernels::View M, const float* GU, int64_t rows) {
+  const bool f32 = M.dtype == kernels::DType::kF32;
+  float* m = f32 ? static_cast<float*>(M.data) : env_.scratch->take(rows * I_);
+  env_.be->swiglu_forward(m, GU, rows, I_);
+  if (!f32) env_.be->convert(M, kernels::f32(m), rows * I_);
+}
+
 void MoeLayer::recompute_selective(const float* u_part, int64_t N) {
   kernels::Backend& be = *env_.be;
+  env_.scratch->reset();
   if (shared_) shared_->recompute_selective(N);
   if (ep_ == 1) {
     const int64_t rows = token_part(N, env_.tp_size, env_.tp_rank).count * k_;
-    be.gather_rows(Xp_.data(), u_part, src_.data(), rows, H_);
-    be.swiglu_forward(Mp_.data(), GUp_.data(), rows, I_);
+    dispatch_rows(u_part, rows);
+    swiglu_into(Mp_.view(), GUp_.data(), rows);
   } else {  // the shared vectors hold another layer's rows: sized for this one's again
     Xe_->resize(size_t(recv_total_ * H_)), Me_->resize(size_t(recv_total_ * I_));
     be.gather_rows(Xe_->data(), Xr_->data(), to_source_.data(), recv_total_, H_);
@@ -197,9 +220,10 @@ void MoeLayer::forward(float* out_full, const float* u_full, const float* u_part
   env_.scratch->reset();
   route(u_part, n);
   balance_loss(part, B, S, scale);
-  be.gather_rows(Xp_.data(), u_part, src_.data(), rows, H_);
+  dispatch_rows(u_part, rows);
   if (ep_ == 1) {
-    experts_forward(Xp_.data(), GUp_.data(), Mp_.data(), Yp_.data(), counts_.data(), offsets_.data(), 0, E_, rows);
+    experts_forward({Xp_.raw(), Xp_.dtype()}, GUp_.data(), Mp_.view(), Yp_.data(), counts_.data(), offsets_.data(), 0,
+                    E_, rows);
     if (shared_) shared_->forward(out_full, u_full, N);
     else be.fill(out_full, 0.0f, N * H_);
     be.moe_combine(out_full + part.first * H_, Yp_.data(), w_.data(), pos_.data(), n, k_, H_);
@@ -216,8 +240,8 @@ void MoeLayer::forward(float* out_full, const float* u_full, const float* u_part
   else be.fill(out_full, 0.0f, N * H_);
   if (dispatch) dispatch->wait();
   be.gather_rows(Xe_->data(), Xr_->data(), to_source_.data(), recv, H_);
-  experts_forward(Xe_->data(), GUe_->data(), Me_->data(), Ye_->data(), ecounts_.data(), eoffsets_.data(), e0_, El_,
-                  recv);
+  experts_forward(kernels::f32(Xe_->data()), GUe_->data(), {Me_->data(), kernels::DType::kF32}, Ye_->data(),
+                  ecounts_.data(), eoffsets_.data(), e0_, El_, recv);
   be.gather_rows(Yr_->data(), Ye_->data(), to_expert_.data(), recv, H_);
   auto combine = env_.coll->ep_all_to_all_v(Yp_.data(), scaled(send_rows_, H_), Yr_->data(), scaled(recv_rows_, H_));
   if (combine) combine->wait();
@@ -278,8 +302,9 @@ void MoeLayer::plan_exchange(int64_t rows) {
 namespace {
 
 // The experts' GEMMs of one kind, launched as one grouped call. A holds rows of one activation
-// buffer `a` (fp32; converted to the compute type at launch); B rows of another activation
-// buffer `b`, or — when b is null — a weight (`Bw`, `Blp`: the fp32 and low-precision copies).
+// buffer `a`; B rows of another activation buffer `b`, or — when b is null — a weight (`Bw`,
+// `Blp`: the fp32 and low-precision copies). An fp32 activation buffer is converted to the
+// compute type at launch; one already in it (a saved 16-bit activation) is read as it is.
 struct Group {
   std::vector<float*> C;
   std::vector<int64_t> A, B;  // element offsets into a and b (or the weights' pointers, below)
@@ -293,19 +318,25 @@ struct Group {
     add(c, a, 0, m, n, k);
     Bw.push_back(w.w), Blp.push_back(w.lp);
   }
-  // C = op(A) op(B) (+ beta C) with A from `a` [a_len floats] and B from `b` [b_len] or the weights.
-  void run(const LayerEnv& env, const float* a, int64_t a_len, const float* b, int64_t b_len, bool ta, bool tb,
-           float beta) const {
+  // C = op(A) op(B) (+ beta C) with A from `a` [a_len elements] and B from `b` [b_len] or,
+  // when b.data is null, the weights.
+  void run(const LayerEnv& env, kernels::ConstView a, int64_t a_len, kernels::ConstView b, int64_t b_len, bool ta,
+           bool tb, float beta) const {
     if (C.empty()) return;
-    const bool lp = env.cast && env.cast->active() && (b || Blp[0]);
+    const bool lp = env.cast && env.cast->active() && (b.data || Blp[0]);
     const kernels::DType t = lp ? env.cast->dtype() : kernels::DType::kF32;
     const int64_t es = kernels::dtype_size(t);
-    const char* ab = static_cast<const char*>(lp ? (*env.cast)(0, a, a_len).data : a);
-    const char* bb = !b ? nullptr : static_cast<const char*>(lp ? (*env.cast)(1, b, b_len).data : b);
+    const auto typed = [&](kernels::ConstView v, int slot, int64_t len) {
+      if (v.dtype == t) return static_cast<const char*>(v.data);
+      DS_CHECK(lp && v.dtype == kernels::DType::kF32, "expert GEMM input of another compute type");
+      return static_cast<const char*>((*env.cast)(slot, static_cast<const float*>(v.data), len).data);
+    };
+    const char* ab = typed(a, 0, a_len);
+    const char* bb = b.data ? typed(b, 1, b_len) : nullptr;
     std::vector<const void*> pa(C.size()), pb(C.size());
     for (size_t i = 0; i < C.size(); ++i) {
       pa[i] = ab + A[i] * es;
-      pb[i] = b ? static_cast<const void*>(bb + B[i] * es) : lp ? static_cast<const void*>(Blp[i]) : Bw[i];
+      pb[i] = bb ? static_cast<const void*>(bb + B[i] * es) : lp ? static_cast<const void*>(Blp[i]) : Bw[i];
     }
     env.be->gemm_grouped(C.data(), pa.data(), pb.data(), t, M.data(), N.data(), K.data(), int64_t(C.size()), ta, tb,
                          1.0f, beta);
@@ -313,13 +344,18 @@ struct Group {
 };
 
 // The experts' weight gradients dW_e += dY_e^T X_e (A: rows of dY in `dy` [a_len], B: rows of X
-// in `x` [b_len]) now, or — under a WeightGradDeferral — later, from copies of dy and x.
-void run_weight_grads(const LayerEnv& env, Group g, const float* dy, int64_t a_len, const float* x, int64_t b_len) {
+// in `x` [b_len elements]) now, or — under a WeightGradDeferral — later, from copies of dy and x
+// where later kernels overwrite them.
+void run_weight_grads(const LayerEnv& env, Group g, const float* dy, int64_t a_len, kernels::ConstView x,
+                      int64_t b_len) {
   if (g.C.empty()) return;
   WeightGradDeferral* d = WeightGradDeferral::active();
-  if (!d) return g.run(env, dy, a_len, x, b_len, true, false, 1.0f);
-  auto dyc = d->keep(dy, a_len), xc = d->keep(x, b_len);
-  d->push([env, g = std::move(g), dyc, xc, a_len, b_len] { g.run(env, dyc.data, a_len, xc.data, b_len, true, false, 1.0f); });
+  if (!d) return g.run(env, kernels::f32(dy), a_len, x, b_len, true, false, 1.0f);
+  auto dyc = d->keep(dy, a_len);
+  auto xc = d->keep(x, b_len * kernels::dtype_size(x.dtype));
+  d->push([env, g = std::move(g), dyc, xc, a_len, b_len] {
+    g.run(env, kernels::f32(dyc.data), a_len, xc.view, b_len, true, false, 1.0f);
+  });
 }
 
 thread_local WeightGradDeferral* g_active_deferral = nullptr;
@@ -333,9 +369,8 @@ WeightGradDeferral::Scope::~Scope() { g_active_deferral = prev_; }
 // Experts [e_first, e_first + ne) on rows X grouped by expert (cnt[e - e_first] rows from
 // off[e - e_first]): GU = X W_gu^T, M = swiglu(GU), Y = M W_d^T, as grouped GEMMs. Experts this
 // rank does not hold (no parameters) are skipped.
-void MoeLayer::experts_forward(const float* X, float* GU, float* M, float* Y, const int64_t* cnt, const int64_t* off,
-                               int64_t e_first, int64_t ne, int64_t rows) {
-  kernels::Backend& be = *env_.be;
+void MoeLayer::experts_forward(kernels::ConstView X, float* GU, kernels::View M, float* Y, const int64_t* cnt,
+                               const int64_t* off, int64_t e_first, int64_t ne, int64_t rows) {
   Group g1, g2;
   for (int64_t i = 0; i < ne; ++i) {
     const int64_t e = e_first + i, o = off[i], c = cnt[i];
@@ -344,14 +379,14 @@ void MoeLayer::experts_forward(const float* X, float* GU, float* M, float* Y, co
     g2.add(Y + o * H_, o * I_, down_[size_t(e)], c, H_, I_);
   }
   if (g1.C.empty()) return;
-  g1.run(env_, X, rows * H_, nullptr, 0, false, true, 0.0f);
-  be.swiglu_forward(M, GU, rows, I_);
-  g2.run(env_, M, rows * I_, nullptr, 0, false, true, 0.0f);
+  g1.run(env_, X, rows * H_, {}, 0, false, true, 0.0f);
+  swiglu_into(M, GU, rows);
+  g2.run(env_, {M.data, M.dtype}, rows * I_, {}, 0, false, true, 0.0f);
 }
 
 // Backward of experts_forward: dX from dY, the weight gradients accumulated (or queued under a
 // WeightGradDeferral). dM [rows, I] and dGU [rows, 2I] are work buffers; dX may be dY.
-void MoeLayer::experts_backward(float* dX, const float* dY, const float* X, const float* GU, const float* M,
+void MoeLayer::experts_backward(float* dX, const float* dY, kernels::ConstView X, const float* GU, kernels::ConstView M,
                                 float* dM, float* dGU, const int64_t* cnt, const int64_t* off, int64_t e_first,
                                 int64_t ne, int64_t rows) {
   kernels::Backend& be = *env_.be;
@@ -363,7 +398,7 @@ void MoeLayer::experts_backward(float* dX, const float* dY, const float* X, cons
     gdWd.add(down_[size_t(e)].g, o * H_, o * I_, H_, I_, c);    // dW_d += dY^T M
   }
   if (gdM.C.empty()) return;
-  gdM.run(env_, dY, rows * H_, nullptr, 0, false, false, 0.0f);
+  gdM.run(env_, kernels::f32(dY), rows * H_, {}, 0, false, false, 0.0f);
   env_.poll();
   run_weight_grads(env_, gdWd, dY, rows * H_, M, rows * I_);
   env_.poll();
@@ -375,7 +410,7 @@ void MoeLayer::experts_backward(float* dX, const float* dY, const float* X, cons
     gdX.add(dX + o * H_, o * 2 * I_, gate_up_[size_t(e)], c, H_, 2 * I_);  // dX = dGU W_gu
     gdWgu.add(gate_up_[size_t(e)].g, o * 2 * I_, o * H_, 2 * I_, H_, c);    // dW_gu += dGU^T X
   }
-  gdX.run(env_, dGU, rows * 2 * I_, nullptr, 0, false, false, 0.0f);
+  gdX.run(env_, kernels::f32(dGU), rows * 2 * I_, {}, 0, false, false, 0.0f);
   env_.poll();
   run_weight_grads(env_, gdWgu, dGU, rows * 2 * I_, X, rows * H_);
   env_.poll();
@@ -395,8 +430,8 @@ void MoeLayer::backward(float* du_full, const float* dout_full, const float* u_f
     float* dMp = scratch.take(rows * I_);
     float* dGUp = scratch.take(rows * 2 * I_);
     if (rows > 0 && counts_.size() > 0)
-      experts_backward(dXp, dYp, Xp_.data(), GUp_.data(), Mp_.data(), dMp, dGUp, counts_.data(), offsets_.data(), 0,
-                       E_, rows);
+      experts_backward(dXp, dYp, {Xp_.raw(), Xp_.dtype()}, GUp_.data(), {Mp_.raw(), Mp_.dtype()}, dMp, dGUp,
+                       counts_.data(), offsets_.data(), 0, E_, rows);
     if (shared_) shared_->backward(du_full, dout_full, u_full, N, 0.0f);
     else be.fill(du_full, 0.0f, N * H_);
   } else {
@@ -411,8 +446,8 @@ void MoeLayer::backward(float* du_full, const float* dout_full, const float* u_f
     else be.fill(du_full, 0.0f, N * H_);
     if (out) out->wait();
     be.gather_rows(dYe_.data(), dYr_.data(), to_source_.data(), recv, H_);
-    experts_backward(dXe_.data(), dYe_.data(), Xe_->data(), GUe_->data(), Me_->data(), dMe_.data(), dGUe_.data(),
-                     ecounts_.data(), eoffsets_.data(), e0_, El_, recv);
+    experts_backward(dXe_.data(), dYe_.data(), kernels::f32(Xe_->data()), GUe_->data(), kernels::f32(Me_->data()),
+                     dMe_.data(), dGUe_.data(), ecounts_.data(), eoffsets_.data(), e0_, El_, recv);
     be.gather_rows(dXr_.data(), dXe_.data(), to_expert_.data(), recv, H_);
     auto back = env_.coll->ep_all_to_all_v(dXp, scaled(send_rows_, H_), dXr_.data(), scaled(recv_rows_, H_));
     if (back) back->wait();

@@ -25,8 +25,9 @@ class SwiGluMlp {
  private:
   LayerEnv env_;
   int64_t H_, w_;
+  void activate(int64_t N);  // M = swiglu(GU)
   WeightRef gate_up_, down_;
-  ActBuf GU_, M_;  // M: selective
+  ActBuf GU_, M_;  // M: selective; in the compute type under bf16 / fp16
 };
 
 // Everything a forward measures for training-time rules: the balance loss of this call and the
@@ -84,10 +85,13 @@ class MoeLayer {
   void route(const float* u, int64_t n);
   void balance_loss(TokenPart part, int64_t B, int64_t S, const LossScale& scale);
   void plan_exchange(int64_t rows);
-  void experts_forward(const float* X, float* GU, float* M, float* Y, const int64_t* cnt, const int64_t* off,
-                       int64_t e_first, int64_t ne, int64_t rows);
-  void experts_backward(float* dX, const float* dY, const float* X, const float* GU, const float* M, float* dM,
-                        float* dGU, const int64_t* cnt, const int64_t* off, int64_t e_first, int64_t ne, int64_t rows);
+  void dispatch_rows(const float* u_part, int64_t rows);  // Xp = the rows of u_part in expert order
+  void swiglu_into(kernels::View M, const float* GU, int64_t rows);
+  void experts_forward(kernels::ConstView X, float* GU, kernels::View M, float* Y, const int64_t* cnt,
+                       const int64_t* off, int64_t e_first, int64_t ne, int64_t rows);
+  void experts_backward(float* dX, const float* dY, kernels::ConstView X, const float* GU, kernels::ConstView M,
+                        float* dM, float* dGU, const int64_t* cnt, const int64_t* off, int64_t e_first, int64_t ne,
+                        int64_t rows);
   static std::vector<int64_t> scaled(const std::vector<int64_t>& rows, int64_t width);
 
   LayerEnv env_;
@@ -98,7 +102,8 @@ class MoeLayer {
   std::vector<WeightRef> gate_up_, down_;  // per expert
   std::unique_ptr<SwiGluMlp> shared_;
   // Saved: router outputs, the dispatch plan and the experts' activations (rows sorted by expert);
-  // the selective set: Xp (the dispatched rows) and Mp.
+  // the selective set: Xp (the dispatched rows) and Mp. Under bf16 / fp16 both are kept in the
+  // compute type (only GEMMs read them; Xp stays fp32 under expert parallelism, where it is sent).
   ActBuf scores_, w_, dscores_, Xp_, GUp_, Mp_, Yp_;
   std::vector<int32_t> idx_, pos_, src_;
   std::vector<int32_t> idx_host_;  // the selection, copied to the host for the dispatch plan

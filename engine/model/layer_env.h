@@ -87,33 +87,44 @@ class WeightGradDeferral {
   // n floats at p as W will read them: p itself, or a copy (kept alive with the queued GEMM)
   // when they lie in a volatile range.
   struct Kept {
-    std::shared_ptr<std::vector<float>> copy;
+    std::shared_ptr<std::vector<char>> copy;
     const float* data = nullptr;
   };
   Kept keep(const float* p, int64_t n) {
-    const auto overlaps = [&](const float* b, const float* e) { return p < e && p + n > b; };
+    KeptView k = keep(kernels::f32(p), n * int64_t(sizeof(float)));
+    return {k.copy, static_cast<const float*>(k.view.data)};
+  }
+  // The same for `bytes` bytes of a typed buffer (a 16-bit saved activation).
+  struct KeptView {
+    std::shared_ptr<std::vector<char>> copy;
+    kernels::ConstView view;
+  };
+  KeptView keep(kernels::ConstView v, int64_t bytes) {
+    const char* p = static_cast<const char*>(v.data);
+    const auto overlaps = [&](const void* b, const void* e) {
+      return p < static_cast<const char*>(e) && p + bytes > static_cast<const char*>(b);
+    };
     bool copy = false;
     for (const auto& [b, e] : volatile_) copy = copy || overlaps(b, e);
-    for (const std::vector<float>* v : volatile_vectors_) copy = copy || overlaps(v->data(), v->data() + v->size());
+    for (const std::vector<float>* w : volatile_vectors_) copy = copy || overlaps(w->data(), w->data() + w->size());
     for (const kernels::DeviceBuffer* b : volatile_buffers_)
-      copy = copy || overlaps(b->as<float>(), b->as<float>() + b->bytes() / int64_t(sizeof(float)));
-    if (!copy) return {nullptr, p};
+      copy = copy || overlaps(b->data(), static_cast<const char*>(b->data()) + b->bytes());
+    if (!copy) return {nullptr, v};
     // Several queued GEMMs read the same input (a layer's normed input feeds three): one copy,
     // shared while the bytes there are still those copied.
     for (const auto& [q, c] : copies_)
-      if (q == p && int64_t(c->size()) == n && std::memcmp(c->data(), p, size_t(n) * sizeof(float)) == 0)
-        return {c, c->data()};
-    Kept k{std::make_shared<std::vector<float>>(p, p + n), nullptr};
-    k.data = k.copy->data();
-    copies_.emplace_back(p, k.copy);
-    copied_ += n;
-    held_ += n;
+      if (q == p && int64_t(c->size()) == bytes && std::memcmp(c->data(), p, size_t(bytes)) == 0)
+        return {c, {c->data(), v.dtype}};
+    auto c = std::make_shared<std::vector<char>>(p, p + bytes);
+    copies_.emplace_back(p, c);
+    copied_ += bytes;
+    held_ += bytes;
     peak_held_ = std::max(peak_held_, held_);
-    return k;
+    return {c, {c->data(), v.dtype}};
   }
-  int64_t copied_floats() const { return copied_; }
-  // The most floats of copies queued at once (held from B until W ran them).
-  int64_t peak_held_floats() const { return peak_held_; }
+  int64_t copied_bytes() const { return copied_; }
+  // The most bytes of copies queued at once (held from B until W ran them).
+  int64_t peak_held_bytes() const { return peak_held_; }
   void run() {
     for (auto& op : ops_) op();
     ops_.clear();
@@ -127,8 +138,8 @@ class WeightGradDeferral {
   std::vector<std::pair<const float*, const float*>> volatile_;
   std::vector<const std::vector<float>*> volatile_vectors_;
   std::vector<const kernels::DeviceBuffer*> volatile_buffers_;
-  std::vector<std::pair<const float*, std::shared_ptr<std::vector<float>>>> copies_;  // queued since run()
-  int64_t copied_ = 0, held_ = 0, peak_held_ = 0;
+  std::vector<std::pair<const char*, std::shared_ptr<std::vector<char>>>> copies_;  // queued since run()
+  int64_t copied_ = 0, held_ = 0, peak_held_ = 0;  // bytes
 };
 
 // Shared by the model and its layers; `observer` may change between backward passes (a
@@ -170,7 +181,7 @@ inline TokenPart token_part(int64_t N, int tp_size, int tp_rank) {
 // the GEMM runs (a recomputation, a deferred weight-gradient GEMM). fp32 converts nothing.
 class ComputeCast {
  public:
-  static constexpr int kSlots = 6;  // GEMM inputs (0, 1), an input pinned for several GEMMs (2), Q K V (3-5)
+  static constexpr int kSlots = 3;  // GEMM inputs (0, 1), an input pinned for several GEMMs (2)
   ComputeCast(kernels::Backend& be, kernels::DType dtype) : be_(be), dtype_(dtype) {}
   kernels::DType dtype() const { return dtype_; }
   bool active() const { return dtype_ != kernels::DType::kF32; }
@@ -243,9 +254,35 @@ inline bool low_precision(const LayerEnv& env, const WeightRef& W) {
   return W.lp && env.cast && env.cast->active();
 }
 
+// The dtype a saved activation that only GEMMs read is kept in (docs/design.md §6.10): the
+// compute type under bf16 / fp16 (the GEMMs read it as it is, backward included), else fp32.
+inline kernels::DType gemm_input_dtype(const LayerEnv& env) {
+  return env.cast && env.cast->active() ? env.cast->dtype() : kernels::DType::kF32;
+}
+// A saved buffer as a linear helper's (x, xc) pair: fp32 through x, 16-bit through xc.
+inline const float* f32_input(const ActBuf& b) { return b.dtype() == kernels::DType::kF32 ? b.data() : nullptr; }
+inline kernels::ConstView lp_input(const ActBuf& b) {
+  if (b.dtype() == kernels::DType::kF32) return {};
+  return {b.raw(), b.dtype()};
+}
+// What f32_staging(dst) gave, now written, into dst (rounded to nearest even for 16 bits).
+inline void store_activation(const LayerEnv& env, const ActBuf& dst, const float* staged) {
+  if (dst.dtype() == kernels::DType::kF32) {
+    DS_CHECK(staged == dst.data(), "an fp32 activation is written in place");
+    return;
+  }
+  env.be->convert(dst.view(), kernels::f32(staged), dst.size());
+}
+// Where a kernel writing fp32 puts what goes into `dst`: dst itself when fp32, else n floats of
+// scratch (store_activation then rounds them into dst).
+inline float* f32_staging(const LayerEnv& env, const ActBuf& dst) {
+  return dst.dtype() == kernels::DType::kF32 ? dst.data() : env.scratch->take(dst.size());
+}
+
 // Linear layer helpers over [rows, in] x W[out, in]^T (HF layout), on the backend. `xc`, when
-// given, is x already converted to the compute type (an input several GEMMs read: convert it
-// once, into ComputeCast slot kPinned); otherwise each call converts x itself.
+// given, is x already in the compute type: an input several GEMMs read, converted once into
+// ComputeCast slot kPinned, or a saved activation kept in the compute type — then x is null
+// (the input exists in 16 bits only); otherwise each call converts x itself.
 inline constexpr int kPinned = 2;  // the ComputeCast slot of inputs converted once for several GEMMs
 // x in the compute type, converted into the pinned slot, when W's GEMMs run in low precision.
 inline kernels::ConstView pin_input(const LayerEnv& env, const WeightRef& W, const float* x, int64_t n) {
@@ -267,6 +304,7 @@ inline void linear_backward(const LayerEnv& env, float* dx, const float* dy, con
   kernels::Backend& be = *env.be;
   if (!dW) dW = W.g;
   const bool lp = low_precision(env, W);
+  DS_CHECK(x || (lp && xc.data), "linear_backward: a 16-bit-only input to an fp32 GEMM");
   ComputeCast* cast = env.cast;
   kernels::ConstView dyc = kernels::f32(dy);
   if (lp) dyc = (*cast)(0, dy, rows * out);
@@ -275,7 +313,15 @@ inline void linear_backward(const LayerEnv& env, float* dx, const float* dy, con
     else be.gemm(dx, dy, W.w, rows, in, out, false, false, 1.0f, dx_beta);
   }
   if (WeightGradDeferral* d = WeightGradDeferral::active()) {
-    auto dyk = d->keep(dy, rows * out), xk = d->keep(x, rows * in);
+    auto dyk = d->keep(dy, rows * out);
+    if (!x) {  // a saved 16-bit activation: read in place, or copied if recomputation overwrites it
+      auto xk = d->keep(xc, rows * in * kernels::dtype_size(xc.dtype));
+      d->push([&be, cast, dW, dyk, xk, rows, out, in] {
+        be.gemm(dW, (*cast)(0, dyk.data, rows * out), xk.view, out, in, rows, true, false, 1.0f, 1.0f);
+      });
+      return;
+    }
+    auto xk = d->keep(x, rows * in);
     d->push([&be, lp, cast, dW, dyk, xk, rows, out, in] {
       if (lp) be.gemm(dW, (*cast)(0, dyk.data, rows * out), (*cast)(1, xk.data, rows * in), out, in, rows, true, false, 1.0f, 1.0f);
       else be.gemm(dW, dyk.data, xk.data, out, in, rows, true, false, 1.0f, 1.0f);

@@ -1,6 +1,7 @@
 #include "engine/model/mla.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 
 namespace dstrain::model {
@@ -73,46 +74,60 @@ MlaAttention::MlaAttention(const LayerEnv& env, const std::string& prefix, int64
   }
   const int64_t N = B * S;
   ActivationStore& st = *env.acts;
-  cq_ = st.take(N * rq_), rstd_q_ = st.take(lora_ ? N : 0), cqn_ = st.take(N * rq_, true);
-  ckv_ = st.take(N * rkv_), kpe_ = st.take(N * dr_), rstd_kv_ = st.take(N), ckvn_ = st.take(N * rkv_, true);
-  Q_ = st.take(N * nh_ * dqk_), K_ = st.take(N * nh_ * dqk_), V_ = st.take(N * nh_ * dv_);
+  // Under bf16 / fp16 what only GEMMs read is kept in the compute type: the normed latents and
+  // Q, K, V (docs/design.md §6.10).
+  const kernels::DType lp = gemm_input_dtype(env);
+  cq_ = st.take(N * rq_), rstd_q_ = st.take(lora_ ? N : 0), cqn_ = st.take(N * rq_, true, lp);
+  ckv_ = st.take(N * rkv_), kpe_ = st.take(N * dr_), rstd_kv_ = st.take(N), ckvn_ = st.take(N * rkv_, true, lp);
+  Q_ = st.take(N * nh_ * dqk_, false, lp), K_ = st.take(N * nh_ * dqk_, false, lp), V_ = st.take(N * nh_ * dv_, false, lp);
   O_ = st.take(N * nh_ * dv_, true), lse_ = st.take(N * nh_, true);
 }
 
+// A normed latent (cqn or ckvn) into its saved buffer, through scratch when that is 16-bit.
+void MlaAttention::norm_latent(const ActBuf& out, float* rstd, const float* x, const float* w, int64_t N, int64_t d) {
+  float* y = f32_staging(env_, out);
+  env_.be->rmsnorm_forward(y, rstd, x, w, N, d, 1e-6f);
+  store_activation(env_, out, y);
+}
+
 void MlaAttention::recompute_selective(int64_t B, int64_t S) {
-  kernels::Backend& be = *env_.be;
   const int64_t N = B * S;
-  if (lora_) be.rmsnorm_forward(cqn_.data(), rstd_q_.data(), cq_.data(), q_a_norm_.w, N, rq_, 1e-6f);
-  be.rmsnorm_forward(ckvn_.data(), rstd_kv_.data(), ckv_.data(), kv_a_norm_.w, N, rkv_, 1e-6f);
+  env_.scratch->reset();
+  if (lora_) norm_latent(cqn_, rstd_q_.data(), cq_.data(), q_a_norm_.w, N, rq_);
+  norm_latent(ckvn_, rstd_kv_.data(), ckv_.data(), kv_a_norm_.w, N, rkv_);
   attention_core(B, S);
 }
 
-// Under bf16 / fp16 the attention core runs on Q, K, V rounded to the compute type where the
-// backend has 16-bit attention (docs/design.md §6.10); fp32 otherwise.
-bool MlaAttention::low_precision_attention() const {
-  return env_.cast && env_.cast->active() && env_.be->low_precision_attention(env_.cast->dtype());
-}
-
-kernels::ConstView MlaAttention::qkv(int which, int64_t N) const {
-  const ActBuf& b = which == 0 ? Q_ : which == 1 ? K_ : V_;
-  return (*env_.cast)(3 + which, b.data(), N * nh_ * (which == 2 ? dv_ : dqk_));
+// Q, K, V as the attention kernels read them: the saved buffers, in the compute type under
+// bf16 / fp16 — or, where the backend has no 16-bit attention for that type, widened back to
+// fp32 into scratch (the same rounded values, fp32 kernels: docs/design.md §6.10).
+std::array<kernels::ConstView, 3> MlaAttention::qkv_for_attention() {
+  const ActBuf* b[3] = {&Q_, &K_, &V_};
+  std::array<kernels::ConstView, 3> out;
+  const bool widen = Q_.dtype() != kernels::DType::kF32 && !env_.be->low_precision_attention(Q_.dtype());
+  for (int i = 0; i < 3; ++i) {
+    out[size_t(i)] = {b[i]->raw(), b[i]->dtype()};
+    if (!widen) continue;
+    float* w = env_.scratch->take(b[i]->size());
+    env_.be->convert({w, kernels::DType::kF32}, out[size_t(i)], b[i]->size());
+    out[size_t(i)] = kernels::f32(w);
+  }
+  return out;
 }
 
 void MlaAttention::attention_core(int64_t B, int64_t S) {
-  kernels::Backend& be = *env_.be;
-  const int64_t N = B * S;
-  if (low_precision_attention())
-    return be.attention_forward(O_.data(), lse_.data(), qkv(0, N), qkv(1, N), qkv(2, N), B, S, nh_, dqk_, dv_,
-                                rope_->attention_scale);
-  be.attention_forward(O_.data(), lse_.data(), Q_.data(), K_.data(), V_.data(), B, S, nh_, dqk_, dv_,
-                       rope_->attention_scale);
+  const auto [q, k, v] = qkv_for_attention();
+  env_.be->attention_forward(O_.data(), lse_.data(), q, k, v, B, S, nh_, dqk_, dv_, rope_->attention_scale);
 }
 
 int64_t MlaAttention::scratch_floats(int64_t N) const {
-  // backward: dO, dQ, dK, dV, dkv, dkpe, dckvn, dckv, dq, dcqn, dcq (+ alignment slack)
+  // backward: dO, dQ, dK, dV, dkv, dkpe, dckvn, dckv, dq, dcqn, dcq (+ alignment slack); the
+  // forward's staging (q, kv, Q, K, V, a normed latent) takes less. Q, K, V widened for fp32
+  // attention kernels (a 16-bit type the backend has no attention for) come on top.
+  const bool widen = Q_.dtype() != kernels::DType::kF32 && !env_.be->low_precision_attention(Q_.dtype());
   return N * (nh_ * dv_ * 2 + nh_ * dqk_ * 3 + nh_ * (dn_ + dv_) + dr_ + 2 * rkv_ + 2 * rq_ +
-              (lora_ ? 0 : H_)) +
-         16 * 12;
+              (lora_ ? 0 : H_) + (widen ? nh_ * (2 * dqk_ + dv_) : 0)) +
+         16 * 15;
 }
 
 void MlaAttention::forward(float* out, const float* a, int64_t B, int64_t S) {
@@ -126,14 +141,16 @@ void MlaAttention::forward(float* out, const float* a, int64_t B, int64_t S) {
   if (lora_) {
     linear_forward(env_, cq_.data(), a, q_a_, N, rq_, H_, 0.0f, ac);
     if (q_a_bias_) bias_forward(be, cq_.data(), q_a_bias_.w, N, rq_);
-    be.rmsnorm_forward(cqn_.data(), rstd_q_.data(), cq_.data(), q_a_norm_.w, N, rq_, 1e-6f);
-    linear_forward(env_, q, cqn_.data(), q_b_, N, nh_ * dqk_, rq_);
+    norm_latent(cqn_, rstd_q_.data(), cq_.data(), q_a_norm_.w, N, rq_);
+    linear_forward(env_, q, f32_input(cqn_), q_b_, N, nh_ * dqk_, rq_, 0.0f, lp_input(cqn_));
   } else {
     linear_forward(env_, q, a, q_, N, nh_ * dqk_, H_, 0.0f, ac);
   }
-  be.copy_strided(Q_.data(), dqk_, q, dqk_, N * nh_, dn_);
-  be.rope_forward(Q_.data() + dn_, nh_ * dqk_, dqk_, q + dn_, nh_ * dqk_, dqk_, rope_->cos.data(),
+  float* Qs = f32_staging(env_, Q_);
+  be.copy_strided(Qs, dqk_, q, dqk_, N * nh_, dn_);
+  be.rope_forward(Qs + dn_, nh_ * dqk_, dqk_, q + dn_, nh_ * dqk_, dqk_, rope_->cos.data(),
                   rope_->sin.data(), N, S, nh_, dr_, env_.cfg->rope_interleave);
+  store_activation(env_, Q_, Qs);
   // Compressed KV: c_kv = a W_kva[:r_kv]^T, k_pe = a W_kva[r_kv:]^T (two GEMMs on row blocks).
   linear_forward(env_, ckv_.data(), a, kv_a_, N, rkv_, H_, 0.0f, ac);
   linear_forward(env_, kpe_.data(), a, kv_a_.rows(rkv_, H_), N, dr_, H_, 0.0f, ac);
@@ -141,14 +158,18 @@ void MlaAttention::forward(float* out, const float* a, int64_t B, int64_t S) {
     bias_forward(be, ckv_.data(), kv_a_bias_.w, N, rkv_);
     bias_forward(be, kpe_.data(), kv_a_bias_.w + rkv_, N, dr_);
   }
-  be.rmsnorm_forward(ckvn_.data(), rstd_kv_.data(), ckv_.data(), kv_a_norm_.w, N, rkv_, 1e-6f);
+  norm_latent(ckvn_, rstd_kv_.data(), ckv_.data(), kv_a_norm_.w, N, rkv_);
   float* kv = scratch.take(N * nh_ * kv_w);
-  linear_forward(env_, kv, ckvn_.data(), kv_b_, N, nh_ * kv_w, rkv_);
-  be.copy_strided(K_.data(), dqk_, kv, kv_w, N * nh_, dn_);
-  be.copy_strided(V_.data(), dv_, kv + dn_, kv_w, N * nh_, dv_);
+  linear_forward(env_, kv, f32_input(ckvn_), kv_b_, N, nh_ * kv_w, rkv_, 0.0f, lp_input(ckvn_));
+  float* Ks = f32_staging(env_, K_);
+  float* Vs = f32_staging(env_, V_);
+  be.copy_strided(Ks, dqk_, kv, kv_w, N * nh_, dn_);
+  be.copy_strided(Vs, dv_, kv + dn_, kv_w, N * nh_, dv_);
   // One rope key for all heads: head stride 0 on the input broadcasts it.
-  be.rope_forward(K_.data() + dn_, nh_ * dqk_, dqk_, kpe_.data(), dr_, 0, rope_->cos.data(),
+  be.rope_forward(Ks + dn_, nh_ * dqk_, dqk_, kpe_.data(), dr_, 0, rope_->cos.data(),
                   rope_->sin.data(), N, S, nh_, dr_, env_.cfg->rope_interleave);
+  store_activation(env_, K_, Ks);
+  store_activation(env_, V_, Vs);
   attention_core(B, S);
   linear_forward(env_, out, O_.data(), o_, N, H_, nh_ * dv_);  // row-parallel: this rank's heads' part
 }
@@ -169,12 +190,12 @@ void MlaAttention::backward(float* da, const float* dout, const float* a, int64_
   float* dK = scratch.take(N * nh_ * dqk_);
   float* dV = scratch.take(N * nh_ * dv_);
   env_.poll();
-  if (low_precision_attention())
-    be.attention_backward(dQ, dK, dV, dO, (*env_.cast)(kPinned, dO, N * nh_ * dv_), qkv(0, N), qkv(1, N), qkv(2, N),
-                          O_.data(), lse_.data(), B, S, nh_, dqk_, dv_, rope_->attention_scale);
-  else
-    be.attention_backward(dQ, dK, dV, dO, Q_.data(), K_.data(), V_.data(), O_.data(), lse_.data(), B, S, nh_, dqk_,
-                          dv_, rope_->attention_scale);
+  {
+    const auto [q, k, v] = qkv_for_attention();
+    const kernels::ConstView dOc = q.dtype == kernels::DType::kF32 ? kernels::f32(dO) : (*env_.cast)(kPinned, dO, N * nh_ * dv_);
+    be.attention_backward(dQ, dK, dV, dO, dOc, q, k, v, O_.data(), lse_.data(), B, S, nh_, dqk_, dv_,
+                          rope_->attention_scale);
+  }
   // KV branch: dkv = [dk_nope | dv] per head; dk_pe sums the rope-inverted keys over heads.
   float* dkv = scratch.take(N * nh_ * kv_w);
   be.copy_strided(dkv, kv_w, dK, dqk_, N * nh_, dn_);
@@ -189,13 +210,13 @@ void MlaAttention::backward(float* da, const float* dout, const float* a, int64_
   be.rope_backward(dkpe, dr_, 0, dK + dn_, nh_ * dqk_, dqk_, rope_->cos.data(), rope_->sin.data(),
                    N, S, nh_, dr_, env_.cfg->rope_interleave, true);
   env_.poll();
-  linear_backward(env_, dckvn, dkv, ckvn_.data(), kv_b_, N, nh_ * kv_w, rkv_);
+  linear_backward(env_, dckvn, dkv, f32_input(ckvn_), kv_b_, N, nh_ * kv_w, rkv_, 0.0f, nullptr, lp_input(ckvn_));
   // Query branch: dq = [dq_nope | rope^-1(dq_pe)].
   float* dq = scratch.take(N * nh_ * dqk_);
   be.copy_strided(dq, dqk_, dQ, dqk_, N * nh_, dn_);
   be.rope_backward(dq + dn_, nh_ * dqk_, dqk_, dQ + dn_, nh_ * dqk_, dqk_, rope_->cos.data(),
                    rope_->sin.data(), N, S, nh_, dr_, env_.cfg->rope_interleave, false);
-  if (lora_) linear_backward(env_, dcqn, dq, cqn_.data(), q_b_, N, nh_ * dqk_, rq_);
+  if (lora_) linear_backward(env_, dcqn, dq, f32_input(cqn_), q_b_, N, nh_ * dqk_, rq_, 0.0f, nullptr, lp_input(cqn_));
   // Head-sharded compute gave partial gradients of the replicated activations (docs/model.md §10.1).
   env_.coll->tp_all_reduce(dckvn, latent);
   float* dckv = scratch.take(N * rkv_);

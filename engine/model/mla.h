@@ -1,6 +1,7 @@
 // Multi-head latent attention (docs/model.md §3.4), forward and backward, on this rank's heads.
 #pragma once
 
+#include <array>
 #include <vector>
 
 #include "engine/model/layer_env.h"
@@ -35,9 +36,9 @@ class MlaAttention {
   int64_t scratch_floats(int64_t N) const;  // forward and backward temporaries
 
  private:
-  bool low_precision_attention() const;
-  kernels::ConstView qkv(int which, int64_t N) const;  // Q, K or V in the compute type
-  void attention_core(int64_t B, int64_t S);            // O and lse from Q, K, V
+  std::array<kernels::ConstView, 3> qkv_for_attention();  // Q, K, V as attention reads them
+  void attention_core(int64_t B, int64_t S);                        // O and lse from Q, K, V
+  void norm_latent(const ActBuf& out, float* rstd, const float* x, const float* w, int64_t N, int64_t d);
   LayerEnv env_;
   const RopeTables* rope_;
   int64_t H_, nh_, dn_, dr_, dv_, dqk_, rq_, rkv_;
@@ -45,7 +46,7 @@ class MlaAttention {
   WeightRef q_a_, q_a_norm_, q_b_, q_, kv_a_, kv_a_norm_, kv_b_, o_;
   WeightRef q_a_bias_, kv_a_bias_, o_bias_;  // only with attention_bias
   // Saved for backward (per token): cq, rstd_q, cqn | ckv, kpe, rstd_kv, ckvn | Q, K, V, O | lse;
-  // the selective set: cqn, ckvn, O, lse.
+  // the selective set: cqn, ckvn, O, lse. cqn, ckvn, Q, K, V in the compute type under bf16 / fp16.
   ActBuf cq_, rstd_q_, cqn_, ckv_, kpe_, rstd_kv_, ckvn_, Q_, K_, V_, O_, lse_;
 };
 

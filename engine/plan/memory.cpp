@@ -27,43 +27,50 @@ MemoryEstimate estimate_memory(int64_t dense, int64_t expert, int64_t dp, int64_
 
 namespace {
 
-// Floats of the buffers of one decoder layer, by placement (engine/model/activations.h): kept
-// whatever the mode, in the selective set, and the layer's backward scratch.
+// The buffers of one decoder layer, by placement (engine/model/activations.h): kept whatever the
+// mode, in the selective set (bytes, each buffer 64-byte aligned), and the layer's backward
+// scratch (floats).
 struct LayerFloats {
-  int64_t always = 0, selective = 0;
-  int64_t dyn_always = 0, dyn_selective = 0;  // expert-parallel receive side (balanced)
-  int64_t scratch = 0, ep_backward = 0;
-  void take(int64_t n, bool sel = false) { (sel ? selective : always) += (n + 15) / 16 * 16; }
+  int64_t always = 0, selective = 0;          // bytes
+  int64_t dyn_always = 0, dyn_selective = 0;  // floats: the expert-parallel receive side (balanced)
+  int64_t scratch = 0, ep_backward = 0;       // floats
+  // n elements of `bytes` each (4: fp32; the GEMM-only buffers take the compute type's size).
+  void take(int64_t n, bool sel = false, int64_t bytes = 4) { (sel ? selective : always) += (n * bytes + 63) / 64 * 64; }
 };
 
 int64_t swiglu_scratch(int64_t N, int64_t w, int64_t H) { return N * (3 * w + H) + 64; }
 
 // `rows`: the layer's input rows on this rank (N, or N / tp with sequence parallelism); N: the
-// micro-batch's tokens.
-LayerFloats layer_floats(const config::ModelConfig& m, int64_t index, int64_t N, int64_t rows, int tp, int ep) {
+// micro-batch's tokens; cb: bytes per element of the compute type, which the buffers only GEMMs
+// read are kept in (docs/design.md §6.10).
+LayerFloats layer_floats(const config::ModelConfig& m, int64_t index, int64_t N, int64_t rows, int tp, int ep,
+                         int64_t cb, bool widen_qkv) {
   LayerFloats f;
   const int64_t H = m.hidden_size, nh = m.num_attention_heads / tp, dn = m.qk_nope_head_dim,
                 dr = m.qk_rope_head_dim, dv = m.v_head_dim, dqk = dn + dr, rkv = m.kv_lora_rank;
   const bool lora = m.q_lora_rank.has_value();
   const int64_t rq = m.q_lora_rank.value_or(0);
   // MLA (engine/model/mla.cpp), then the layer's norms and residual sum.
-  f.take(N * rq), f.take(lora ? N : 0), f.take(N * rq, true);
-  f.take(N * rkv), f.take(N * dr), f.take(N), f.take(N * rkv, true);
-  f.take(N * nh * dqk), f.take(N * nh * dqk), f.take(N * nh * dv);
+  f.take(N * rq), f.take(lora ? N : 0), f.take(N * rq, true, cb);
+  f.take(N * rkv), f.take(N * dr), f.take(N), f.take(N * rkv, true, cb);
+  f.take(N * nh * dqk, false, cb), f.take(N * nh * dqk, false, cb), f.take(N * nh * dv, false, cb);
   f.take(N * nh * dv, true), f.take(N * nh, true);
-  const int64_t attn_scratch = N * (nh * dv * 2 + nh * dqk * 3 + nh * (dn + dv) + dr + 2 * rkv + 2 * rq + (lora ? 0 : H)) + 16 * 12;
+  // (a backend without 16-bit attention for the type also widens Q, K, V there)
+  const int64_t attn_scratch = N * (nh * dv * 2 + nh * dqk * 3 + nh * (dn + dv) + dr + 2 * rkv + 2 * rq + (lora ? 0 : H) +
+                                    (widen_qkv ? nh * (2 * dqk + dv) : 0)) +
+                               16 * 15;
   int64_t ffn_scratch = 0;
   if (m.is_moe_layer(index)) {
     const int64_t E = m.num_routed(), k = m.num_experts_per_tok, I = m.moe_intermediate_size;
     int64_t shared_scratch = 0;
     if (m.num_shared() > 0) {
       const int64_t w = m.num_shared() * I / tp;
-      f.take(N * 2 * w), f.take(N * w, true);
+      f.take(N * 2 * w), f.take(N * w, true, cb);
       shared_scratch = swiglu_scratch(N, w, H);
     }
     const int64_t n = (N + tp - 1) / tp;  // the most tokens a rank routes
     f.take(n * E), f.take(n * k), f.take(n * E);
-    f.take(n * k * H, true), f.take(n * k * 2 * I), f.take(n * k * I, true), f.take(n * k * H);
+    f.take(n * k * H, true, ep == 1 ? cb : 4), f.take(n * k * 2 * I), f.take(n * k * I, true, cb), f.take(n * k * H);
     if (ep > 1) {
       const int64_t recv = n * k;  // balanced
       f.dyn_always += recv * H + recv * 2 * I;                // Xr, GUe
@@ -73,7 +80,7 @@ LayerFloats layer_floats(const config::ModelConfig& m, int64_t index, int64_t N,
     ffn_scratch = N * k * (2 * H + 3 * I) + N * (k + 2 * E) + E * H + shared_scratch + 192;
   } else {
     const int64_t w = m.intermediate_size / tp;
-    f.take(N * 2 * w), f.take(N * w, true);
+    f.take(N * 2 * w), f.take(N * w, true, cb);
     ffn_scratch = swiglu_scratch(N, w, H);
   }
   f.take(rows * H, true), f.take(rows), f.take(rows * H), f.take(rows * H, true), f.take(rows);
@@ -93,10 +100,12 @@ ActivationMemory instance_activation_memory(const config::ModelConfig& m, const 
   const config::ActivationCheckpointingConfig& ac = s.checkpointing;
   const bool full = ac.granularity == config::CheckpointGranularity::kFull;
   const int64_t recomputing = !ac.enabled ? 0 : ac.num_layers ? *ac.num_layers : s.end_layer - s.first_layer;
-  int64_t kept = 0, shared = 0, dyn_kept = 0, scratch = 0, ep_backward = 0;
+  const int64_t cb = s.compute_bytes;
+  const bool widen = cb == 2 && !s.attention_16bit;
+  int64_t kept = 0, shared = 0, dyn_kept = 0, scratch = 0, ep_backward = 0;  // kept, shared: bytes
   int64_t dyn_shared_max = 0;
   for (int64_t i = s.first_layer; i < s.end_layer; ++i) {
-    const LayerFloats f = layer_floats(m, i, N, rows, tp, s.ep);
+    const LayerFloats f = layer_floats(m, i, N, rows, tp, s.ep, cb, widen);
     scratch = std::max(scratch, f.scratch);
     ep_backward += f.ep_backward;
     if (i - s.first_layer >= recomputing) {
@@ -116,10 +125,10 @@ ActivationMemory instance_activation_memory(const config::ModelConfig& m, const 
     for (int64_t k = 1; k <= m.num_nextn_predict_layers; ++k) {  // MTP modules: their own buffers and layer
       const int64_t r = B * (S - k);
       model += 9 * r * H + 3 * r + r * Vl;
-      const LayerFloats f = layer_floats(m, m.num_hidden_layers + k - 1, r, r, tp, s.ep);
+      const LayerFloats f = layer_floats(m, m.num_hidden_layers + k - 1, r, r, tp, s.ep, cb, widen);
       kept += f.always + f.selective, dyn_kept += f.dyn_always + f.dyn_selective;
       ep_backward += f.ep_backward + r * H;  // and the module's running output gradient
-      scratch = std::max({scratch, layer_floats(m, m.num_hidden_layers + k - 1, N, N, tp, s.ep).scratch, 2 * N * H + 64});
+      scratch = std::max({scratch, layer_floats(m, m.num_hidden_layers + k - 1, N, N, tp, s.ep, cb, widen).scratch, 2 * N * H + 64});
     }
   }
   // Backward temporaries (engine/model/deepseek_model.cpp): scratch, dz, dh, two [N,H] buffers,
@@ -129,7 +138,7 @@ ActivationMemory instance_activation_memory(const config::ModelConfig& m, const 
   // Under bf16 / fp16 the GEMMs' conversion workspaces (engine/model/layer_env.h, ComputeCast),
   // each as large as the largest input it converted (balanced routing for the experts' rows):
   // slot 0 a GEMM input or output gradient, slot 1 a weight-gradient GEMM's input, slot 2 an
-  // input several GEMMs share or the attention's output gradient, slots 3-5 Q, K and V.
+  // input several GEMMs share or the attention's output gradient.
   int64_t cast = 0;
   if (s.compute_bytes == 2) {
     const int64_t nh = m.num_attention_heads / tp, dn = m.qk_nope_head_dim, dv = m.v_head_dim,
@@ -140,14 +149,16 @@ ActivationMemory instance_activation_memory(const config::ModelConfig& m, const 
     const int64_t slot0 = std::max({N * nh * dqk, N * nh * (dn + dv), N * H, N * rq, N * rkv + N * m.qk_rope_head_dim,
                                     N * 2 * w, N * 2 * ws, moe ? nk * 2 * I : 0, moe ? nk * H : 0,
                                     s.has_head ? N * Vl : 0});
-    const int64_t slot1 = std::max({N * H, N * rq, N * rkv, N * nh * dv, N * w, N * ws, moe ? nk * I : 0,
-                                    moe ? nk * H : 0, s.has_head && m.num_nextn_predict_layers > 0 ? N * 2 * H : 0});
+    // (the saved 16-bit inputs — normed latents, SwiGLU outputs, dispatched rows — need none)
+    const bool ep_rows = moe && s.ep > 1;  // the received rows are fp32
+    const int64_t slot1 = std::max({N * H, N * nh * dv, ep_rows ? nk * I : 0, ep_rows ? nk * H : 0,
+                                    s.has_head && m.num_nextn_predict_layers > 0 ? N * 2 * H : 0});
     const int64_t slot2 = std::max(N * H, N * nh * dv);
-    cast = slot0 + slot1 + slot2 + N * nh * (2 * dqk + dv);
+    cast = slot0 + slot1 + slot2;
   }
   ActivationMemory out;
-  out.kept = 4.0 * double(kept + dyn_kept + model);
-  out.recomputed = 4.0 * double(shared + dyn_shared_max);
+  out.kept = double(kept) + 4.0 * double(dyn_kept + model);
+  out.recomputed = double(shared) + 4.0 * double(dyn_shared_max);
   out.workspace = 4.0 * double(work) + double(s.compute_bytes == 2 ? 2 * cast : 0);
   return out;
 }

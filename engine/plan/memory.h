@@ -28,7 +28,8 @@ MemoryEstimate estimate_memory(int64_t dense, int64_t expert, int64_t dp, int64_
 // Activation memory of one model instance — one micro-batch of one (virtual) pipeline stage on
 // one rank — computed from the buffers the model allocates (docs/design.md §6.7), so that a run
 // that cannot fit is refused before anything is allocated and --dry-run shows what checkpointing
-// saves. fp32 storage; expert-parallel receive buffers at balanced routing (each rank receives
+// saves. fp32 storage, and the compute type for the buffers only GEMMs read under bf16 / fp16;
+// expert-parallel receive buffers at balanced routing (each rank receives
 // as many rows as it sends).
 struct ActivationMemory {
   double kept = 0;        // saved buffers alive from forward to backward (hidden states, head, MTP)
@@ -51,6 +52,7 @@ struct InstanceShape {
   bool sequence_parallel = false;  // only with tp > 1
   config::ActivationCheckpointingConfig checkpointing;
   int64_t compute_bytes = 4;  // 2 under bf16 / fp16: the GEMMs' conversion workspaces join the workspace
+  bool attention_16bit = true;  // under bf16 / fp16: false when the backend widens Q, K, V for fp32 attention
 };
 
 ActivationMemory instance_activation_memory(const config::ModelConfig& m, const InstanceShape& s);

@@ -52,7 +52,8 @@ MemoryEstimate ParallelPlan::memory(int stage, int zero_stage, config::Precision
                          precision);
 }
 
-ActivationMemory ParallelPlan::instance_activations(int virtual_stage, int64_t micro_batch) const {
+ActivationMemory ParallelPlan::instance_activations(int virtual_stage, int64_t micro_batch,
+                                                   bool attention_16bit) const {
   const StageRange& r = stages.at(size_t(virtual_stage));
   InstanceShape s;
   s.first_layer = r.first_layer, s.end_layer = r.end_layer;
@@ -62,6 +63,7 @@ ActivationMemory ParallelPlan::instance_activations(int virtual_stage, int64_t m
   s.sequence_parallel = config.parallel.sequence_parallel && degrees.tp > 1;
   s.checkpointing = config.activation_checkpointing;
   s.compute_bytes = config.precision() == config::Precision::kFp32 ? 4 : 2;
+  s.attention_16bit = attention_16bit;
   return instance_activation_memory(config.model, s);
 }
 
@@ -77,7 +79,7 @@ int ParallelPlan::chunk_in_flight(int pp, int chunk) const {
   return peak;
 }
 
-ActivationMemory ParallelPlan::activations(int pp, int64_t micro_batch) const {
+ActivationMemory ParallelPlan::activations(int pp, int64_t micro_batch, bool attention_16bit) const {
   // The runtime builds one instance per chunk up front and more as the schedule holds more
   // micro-batches of that chunk. The recomputed buffers live once per rank, shared by all its
   // instances (sized for the largest chunk's layers).
@@ -85,7 +87,7 @@ ActivationMemory ParallelPlan::activations(int pp, int64_t micro_batch) const {
   double recomputed = 0;
   const std::vector<int> vs = virtual_stages_of(pp);
   for (int c = 0; c < int(vs.size()); ++c) {
-    ActivationMemory m = instance_activations(vs[size_t(c)], micro_batch);
+    ActivationMemory m = instance_activations(vs[size_t(c)], micro_batch, attention_16bit);
     recomputed = std::max(recomputed, m.recomputed);
     m.recomputed = 0;
     out += m * double(chunk_in_flight(pp, c));

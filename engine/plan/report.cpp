@@ -175,8 +175,9 @@ void memory_section(std::ostringstream& o, const ParallelPlan& p) {
   o << fmt::format("  activations per rank ({}) for one micro-batch of {} x {} tokens{}; {}:\n",
                    c.precision() == config::Precision::kFp32
                        ? "fp32"
-                       : fmt::format("{}: saved activations in fp32, the GEMMs' {} conversions in the workspace",
-                                     config::to_string(c.precision()), config::to_string(c.precision())),
+                       : fmt::format("{0}: the GEMM-only saved activations in {0}, the rest in fp32; the GEMMs' {0} "
+                                     "conversions in the workspace; assuming {0} attention",
+                                     config::to_string(c.precision())),
                    p.batch.micro, c.seq_length,
                    p.degrees.tp > 1 ? fmt::format(" (tensor parallel {}{})", p.degrees.tp,
                                                   sp ? ", sequence parallel" : ", norm and residual regions whole")

@@ -134,10 +134,10 @@ int64_t PipelineRunner::saved_activation_bytes_held() const {
 }
 
 int64_t PipelineRunner::deferred_copy_bytes_peak() const {
-  int64_t floats = 0;
+  int64_t bytes = 0;
   for (const Chunk& ch : chunks_)
-    for (const auto& d : ch.deferred) floats += d->peak_held_floats();
-  return floats * int64_t(sizeof(float));
+    for (const auto& d : ch.deferred) bytes += d->peak_held_bytes();
+  return bytes;
 }
 
 int64_t PipelineRunner::activation_bytes_held() const {

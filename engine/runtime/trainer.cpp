@@ -544,7 +544,9 @@ TrainSummary Trainer::run() {
     if (step == start_step_ && rank_ == 0) {
       // What the first step allocated against what the plan said (docs/design.md §6.7).
       const double measured = double(engine_.pipeline->activation_bytes_held());
-      const double planned = plan_.activations(0).total();
+      const kernels::DType lp = compute_dtype(cfg_.precision());
+      const double planned =
+          plan_.activations(0, 0, lp == kernels::DType::kF32 || engine_.backend->low_precision_attention(lp)).total();
       const int64_t queued = engine_.pipeline->deferred_copy_bytes_peak();
       spdlog::info("activation memory on rank 0 after the first step: {} in {} model instance{}{} (plan {}, {:+.1f}%){}",
                    human_bytes(measured), engine_.pipeline->instances(), engine_.pipeline->instances() == 1 ? "" : "s",
