@@ -10,9 +10,9 @@ int64_t aligned(int64_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; 
 }  // namespace
 
 int64_t RecomputeArena::bytes() const {
-  int64_t floats = 0;
-  for (const auto& v : slots) floats += int64_t(v->capacity());
-  return region.bytes() + floats * int64_t(sizeof(float));
+  int64_t bytes = region.bytes();
+  for (const auto& v : slots) bytes += v->bytes();
+  return bytes;
 }
 
 ActivationStore::ActivationStore(std::shared_ptr<RecomputeArena> arena)
@@ -43,12 +43,12 @@ ActBuf ActivationStore::take(int64_t n, bool selective, kernels::DType dtype) {
   return b;
 }
 
-std::vector<float>* ActivationStore::take_dynamic(bool selective) {
+kernels::DeviceArray<float>* ActivationStore::take_dynamic(bool selective) {
   DS_CHECK(!final_, "activation store: take_dynamic after finalise");
-  if (!recomputes(selective)) return kept_dyn_.emplace_back(std::make_unique<std::vector<float>>()).get();
+  if (!recomputes(selective)) return kept_dyn_.emplace_back(std::make_unique<kernels::DeviceArray<float>>()).get();
   // The recomputing layers share by slot: the k-th dynamic buffer of each such layer.
   auto& slots = arena_->slots;
-  if (dyn_slot_ == slots.size()) slots.push_back(std::make_unique<std::vector<float>>());
+  if (dyn_slot_ == slots.size()) slots.push_back(std::make_unique<kernels::DeviceArray<float>>());
   return slots[dyn_slot_++].get();
 }
 
@@ -66,9 +66,9 @@ void ActivationStore::finalize(kernels::Backend& be) {
 }
 
 int64_t ActivationStore::kept_bytes() const {
-  int64_t floats = 0;
-  for (const auto& v : kept_dyn_) floats += int64_t(v->capacity());
-  return kept_.bytes() + floats * int64_t(sizeof(float));
+  int64_t bytes = kept_.bytes();
+  for (const auto& v : kept_dyn_) bytes += v->bytes();
+  return bytes;
 }
 
 void ActivationStore::mark_volatile(WeightGradDeferral& d) const {

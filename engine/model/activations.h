@@ -39,7 +39,7 @@ class WeightGradDeferral;
 struct RecomputeArena {
   kernels::DeviceBuffer region;  // from the backend (docs/design.md §6.1)
   float* data() const { return region.as<float>(); }
-  std::vector<std::unique_ptr<std::vector<float>>> slots;
+  std::vector<std::unique_ptr<kernels::DeviceArray<float>>> slots;
   const void* holder = nullptr;  // the layer whose forward or recomputation wrote them last
   int64_t bytes() const;
 };
@@ -79,8 +79,8 @@ class ActivationStore {
   // n elements of `dtype`; `selective`: part of the selective set (recomputed under kSelective).
   ActBuf take(int64_t n, bool selective = false, kernels::DType dtype = kernels::DType::kF32);
   // A buffer whose size is only known at run time (the expert-parallel receive side), placed
-  // by the same rule: the recomputing layers share one vector per slot.
-  std::vector<float>* take_dynamic(bool selective = false);
+  // by the same rule: the recomputing layers share one array per slot.
+  kernels::DeviceArray<float>* take_dynamic(bool selective = false);
   // Allocates both regions through the backend (zero-filled); no take after this.
   void finalize(kernels::Backend& be);
 
@@ -106,7 +106,7 @@ class ActivationStore {
   int64_t kept_used_ = 0, shared_used_ = 0, shared_max_ = 0;  // bytes
   size_t dyn_slot_ = 0;
   kernels::DeviceBuffer kept_;
-  std::vector<std::unique_ptr<std::vector<float>>> kept_dyn_;
+  std::vector<std::unique_ptr<kernels::DeviceArray<float>>> kept_dyn_;
   std::shared_ptr<RecomputeArena> arena_;
 };
 

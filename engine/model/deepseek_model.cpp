@@ -36,7 +36,7 @@ DecoderLayer::DecoderLayer(const LayerEnv& env, int64_t index, int64_t B, int64_
   ActivationStore& st = *env.acts;
   a_ = st.take(rows_ * H_, true), rstd1_ = st.take(rows_), h_mid_ = st.take(rows_ * H_);
   u_ = st.take(rows_ * H_, true), rstd2_ = st.take(rows_);
-  dw_.resize(H_);
+  dw_.resize(*env.be, H_);
 }
 
 int64_t DecoderLayer::scratch_floats(int64_t N) const {
@@ -68,7 +68,7 @@ void DecoderLayer::norm_backward(float* dx, const WeightRef& w, const float* dy,
                                  const float* rstd) {
   kernels::Backend& be = *env_.be;
   if (!env_.sp) return be.rmsnorm_backward(dx, w.g, dy, x, w.w, rstd, rows_, H_);
-  std::fill(dw_.begin(), dw_.end(), 0.0f);
+  be.fill(dw_.data(), 0.0f, H_);
   be.rmsnorm_backward(dx, dw_.data(), dy, x, w.w, rstd, rows_, H_);
   env_.coll->tp_all_reduce(dw_.data(), H_);
   be.add(w.g, dw_.data(), H_);
@@ -152,8 +152,9 @@ struct DeepSeekModel::Mtp {
   int64_t depth = 1, n = 0;  // module k, sequence length S - k
   WeightRef enorm, hnorm, eh_proj, head_norm;
   std::unique_ptr<DecoderLayer> layer;
-  std::vector<int32_t> ids, targets;
-  std::vector<float> e, en, rstd_e, hprev, hn, rstd_h, cat, m, h, z, rstd_z, logits, dh;
+  std::vector<int32_t> ids_host, targets_host;
+  kernels::DeviceArray<int32_t> ids, targets;
+  kernels::DeviceArray<float> e, en, rstd_e, hprev, hn, rstd_h, cat, m, h, z, rstd_z, logits, dh;
 
   Mtp(const LayerEnv& env, int64_t k, int64_t B, int64_t S, int64_t Vl, const RopeTables* rope)
       : depth(k), n(S - k) {
@@ -165,11 +166,13 @@ struct DeepSeekModel::Mtp {
     eh_proj.bind(*env.params, p + "eh_proj.weight");
     head_norm.bind(*env.params, p + "shared_head.norm.weight");
     layer = std::make_unique<DecoderLayer>(env, index, B, n, rope);
-    ids.resize(rows), targets.resize(rows);
-    for (auto* v : {&e, &en, &hprev, &hn, &m, &h, &z, &dh}) v->resize(rows * H);
-    rstd_e.resize(rows), rstd_h.resize(rows), rstd_z.resize(rows);
-    cat.resize(rows * 2 * H);
-    logits.resize(rows * Vl);
+    kernels::Backend& be = *env.be;
+    ids_host.resize(size_t(rows)), targets_host.resize(size_t(rows));
+    ids.resize(be, rows), targets.resize(be, rows);
+    for (auto* v : {&e, &en, &hprev, &hn, &m, &h, &z, &dh}) v->resize(be, rows * H);
+    rstd_e.resize(be, rows), rstd_h.resize(be, rows), rstd_z.resize(be, rows);
+    cat.resize(be, rows * 2 * H);
+    logits.resize(be, rows * Vl);
   }
   int64_t saved_floats() const {  // besides its decoder layer's buffers (in the activation store)
     int64_t total = 0;
@@ -193,12 +196,13 @@ DeepSeekModel::DeepSeekModel(const config::ModelConfig& cfg, kernels::Backend& b
   v0_ = std::min(V_, coll.tp_rank() * block), Vl_ = std::min(V_, v0_ + block) - v0_;
   part_ = token_part(N, tp_, coll.tp_rank());
   rows_ = sp_ ? part_.count : N;
-  ones_.assign(N, 1.0f);
+  ones_.resize(be_, N);
+  be_.fill(ones_.data(), 1.0f, N);
   cast_ = std::make_unique<ComputeCast>(be_, params.compute_dtype());
   env_ = LayerEnv{&cfg_, &be_, &coll_, &params, &scratch_, &acts_, ones_.data(), &progress_, tp_, coll.tp_rank(), sp_, {},
                   cast_.get()};
   if (sp_) {  // the layers' three shared [N, H] buffers
-    full_.resize(3 * N * H_);
+    full_.resize(be_, 3 * N * H_);
     for (int i = 0; i < 3; ++i) env_.full[i] = full_.data() + i * N * H_;
   }
   mtp_env_ = env_;
@@ -230,14 +234,16 @@ DeepSeekModel::DeepSeekModel(const config::ModelConfig& cfg, kernels::Backend& b
   }
   scratch_.reserve(be_, scratch);
   acts_.finalize(be_);
-  ids_.resize(N), local_ids_.resize(N), targets_.resize(N);
-  hidden_.assign(size_t(end_ - first_ + 1), std::vector<float>(rows_ * H_));
+  ids_host_.resize(size_t(N)), local_ids_host_.resize(size_t(N)), targets_host_.resize(size_t(N));
+  local_ids_.resize(be_, N), targets_.resize(be_, N);
+  for (int64_t i = first_; i <= end_; ++i) hidden_.emplace_back(be_, rows_ * H_);
   if (has_head_) {
-    z_.resize(rows_ * H_), rstd_f_.resize(rows_), logits_.resize(N * Vl_), loss_rows_.resize(N);
-    if (sp_) z_full_.resize(N * H_);
+    z_.resize(be_, rows_ * H_), rstd_f_.resize(be_, rows_), logits_.resize(be_, N * Vl_), loss_rows_.resize(be_, N);
+    if (sp_) z_full_.resize(be_, N * H_);
   }
-  if (tp_ > 1) row_max_.resize(N), row_sums_.resize(2 * N);
-  dz_.resize(N * H_), dh_.resize(rows_ * H_), tmp1_.resize(N * H_), tmp2_.resize(N * H_), norm_dw_.resize(H_);
+  if (tp_ > 1) row_max_.resize(be_, N), row_sums_.resize(be_, 2 * N);
+  dz_.resize(be_, N * H_), dh_.resize(be_, rows_ * H_), tmp1_.resize(be_, N * H_), tmp2_.resize(be_, N * H_);
+  norm_dw_.resize(be_, H_);
 }
 
 DeepSeekModel::~DeepSeekModel() = default;
@@ -245,9 +251,9 @@ DeepSeekModel::~DeepSeekModel() = default;
 void DeepSeekModel::mark_workspace_volatile(WeightGradDeferral& d) const {
   d.add_volatile(scratch_.data(), scratch_.capacity());
   acts_.mark_volatile(d);  // a recomputing layer's buffers are rewritten by the next one's backward
-  for (const std::vector<float>* v : {&dz_, &dh_, &tmp1_, &tmp2_, &full_}) d.add_volatile(v->data(), int64_t(v->size()));
+  for (const kernels::DeviceArray<float>* v : {&dz_, &dh_, &tmp1_, &tmp2_, &full_}) d.add_volatile(v->data(), v->size());
   // An MTP module's gradient buffer is its decoder layer's running output gradient.
-  for (const auto& m : mtp_) d.add_volatile(m->dh.data(), int64_t(m->dh.size()));
+  for (const auto& m : mtp_) d.add_volatile(m->dh.data(), m->dh.size());
 }
 
 std::vector<int64_t> DeepSeekModel::moe_layer_ids() const {
@@ -269,11 +275,17 @@ std::vector<MoeLayer*> DeepSeekModel::moe_layers() {
 }
 
 int64_t DeepSeekModel::saved_activation_bytes() const {
-  int64_t floats = int64_t(z_.size() + z_full_.size() + rstd_f_.size() + logits_.size()) +
-                   int64_t(ids_.size() * 3);
-  for (const auto& h : hidden_) floats += int64_t(h.size());
+  int64_t floats = z_.size() + z_full_.size() + rstd_f_.size() + logits_.size() + int64_t(ids_host_.size()) * 3;
+  for (const auto& h : hidden_) floats += h.size();
   for (const auto& m : mtp_) floats += m->saved_floats();
   return floats * int64_t(sizeof(float)) + acts_.kept_bytes() + acts_.recomputed_bytes();
+}
+
+std::vector<float> DeepSeekModel::hidden_state(int64_t i) const {
+  const kernels::DeviceArray<float>& h = hidden_.at(size_t(i - first_));
+  std::vector<float> out(size_t(h.size()));
+  be_.copy_to_host(out.data(), h.data(), h.size() * int64_t(sizeof(float)));
+  return out;
 }
 
 int64_t DeepSeekModel::own_activation_bytes() const {
@@ -290,9 +302,9 @@ int64_t DeepSeekModel::residual_region_bytes() const {
 }
 
 int64_t DeepSeekModel::workspace_bytes() const {
-  int64_t floats = scratch_.capacity() + int64_t(dz_.size() + dh_.size() + tmp1_.size() + tmp2_.size() +
-                                                 ones_.size() + loss_rows_.size() + full_.size());
-  for (const auto& m : mtp_) floats += int64_t(m->dh.size());
+  int64_t floats = scratch_.capacity() + dz_.size() + dh_.size() + tmp1_.size() + tmp2_.size() + ones_.size() +
+                   loss_rows_.size() + full_.size();
+  for (const auto& m : mtp_) floats += m->dh.size();
   int64_t bytes = floats * int64_t(sizeof(float)) + cast_->bytes();  // (the conversions grow in the first step)
   for (const auto& l : layers_)
     if (l->moe()) bytes += l->moe()->ep_backward_bytes();
@@ -323,7 +335,10 @@ double DeepSeekModel::head_loss(float* logits, const float* z, const int32_t* ta
                                 double loss_scale) {
   const double grad_scale = weight * loss_scale;
   linear_forward(env_, logits, z, lm_head_, rows, Vl_, H_);
-  if (keep_logits_ && logits == logits_.data()) kept_logits_.assign(logits, logits + rows * Vl_);
+  if (keep_logits_ && logits == logits_.data()) {
+    kept_logits_.resize(size_t(rows * Vl_));
+    be_.copy_to_host(kept_logits_.data(), logits, rows * Vl_ * int64_t(sizeof(float)));
+  }
   if (tp_ == 1) {
     be_.cross_entropy(loss_rows_.data(), logits, targets, rows, V_, float(grad_scale));
   } else {
@@ -345,14 +360,16 @@ Losses DeepSeekModel::forward_stage(const int32_t* tokens, const float* h_in, co
   const int64_t N = B_ * S_;
   for (int64_t b = 0; b < B_; ++b)
     for (int64_t t = 0; t < S_; ++t) {
-      ids_[b * S_ + t] = tokens[b * (S_ + 1) + t];
-      targets_[b * S_ + t] = tokens[b * (S_ + 1) + t + 1];
+      ids_host_[size_t(b * S_ + t)] = tokens[b * (S_ + 1) + t];
+      targets_host_[size_t(b * S_ + t)] = tokens[b * (S_ + 1) + t + 1];
     }
-  map_ids(local_ids_.data(), ids_.data(), N);
+  map_ids(local_ids_host_.data(), ids_host_.data(), N);
+  be_.copy_from_host(local_ids_.data(), local_ids_host_.data(), N * int64_t(sizeof(int32_t)));
+  be_.copy_from_host(targets_.data(), targets_host_.data(), N * int64_t(sizeof(int32_t)));
   for (auto* moe : moe_layers()) moe->stats().aux_loss = 0.0;
   if (!has_embed_) {
     DS_CHECK(h_in, "a pipeline stage after the first needs the previous stage's output");
-    std::copy(h_in, h_in + rows_ * H_, hidden_[0].begin());
+    be_.copy_strided(hidden_[0].data(), H_, h_in, H_, rows_, H_);
   } else if (sp_) {  // the lookup's sum over the ranks, scattered by token parts
     be_.embedding_forward(tmp1_.data(), embed_.w, local_ids_.data(), N, H_);
     coll_.tp_reduce_scatter_rows(hidden_[0].data(), tmp1_.data(), rows_, H_);
@@ -385,11 +402,13 @@ void DeepSeekModel::mtp_forward(const int32_t* tokens, const LossScale& scale, L
     for (int64_t b = 0; b < B_; ++b) {
       be_.copy_strided(m.hprev.data() + b * n * H_, H_, prev + b * prev_len * H_, H_, n, H_);
       for (int64_t i = 0; i < n; ++i) {
-        m.ids[b * n + i] = tokens[b * (S_ + 1) + i + depth];
-        m.targets[b * n + i] = tokens[b * (S_ + 1) + i + depth + 1];
+        m.ids_host[size_t(b * n + i)] = tokens[b * (S_ + 1) + i + depth];
+        m.targets_host[size_t(b * n + i)] = tokens[b * (S_ + 1) + i + depth + 1];
       }
     }
-    map_ids(m.ids.data(), m.ids.data(), rows);  // only this rank's vocabulary rows are looked up
+    map_ids(m.ids_host.data(), m.ids_host.data(), rows);  // only this rank's vocabulary rows are looked up
+    be_.copy_from_host(m.ids.data(), m.ids_host.data(), rows * int64_t(sizeof(int32_t)));
+    be_.copy_from_host(m.targets.data(), m.targets_host.data(), rows * int64_t(sizeof(int32_t)));
     const float eps = float(cfg_.rms_norm_eps);
     embed(m.e.data(), m.ids.data(), rows);
     be_.rmsnorm_forward(m.en.data(), m.rstd_e.data(), m.e.data(), m.enorm.w, rows, H_, eps);
@@ -416,7 +435,7 @@ void DeepSeekModel::backward_stage(const float* dh_out) {
     if (!mtp_.empty()) mtp_backward(dz_.data());
     const float* dz = dz_.data() + (sp_ ? part_.first * H_ : 0);  // this rank's rows of the complete gradient
     if (sp_) {  // the final norm's weight gradient from this rank's tokens, summed over the ranks
-      std::fill(norm_dw_.begin(), norm_dw_.end(), 0.0f);
+      be_.fill(norm_dw_.data(), 0.0f, H_);
       be_.rmsnorm_backward(dh_.data(), norm_dw_.data(), dz, hidden_.back().data(), norm_.w, rstd_f_.data(), rows_, H_);
       coll_.tp_all_reduce(norm_dw_.data(), H_);
       be_.add(norm_.g, norm_dw_.data(), H_);
@@ -428,7 +447,7 @@ void DeepSeekModel::backward_stage(const float* dh_out) {
     for (int64_t l = L_ + D; l >= L_; --l) progress_.grads_final(l);
   } else {
     DS_CHECK(dh_out, "a pipeline stage before the last needs the next stage's input gradient");
-    std::copy(dh_out, dh_out + rows_ * H_, dh_.begin());
+    be_.copy_strided(dh_.data(), H_, dh_out, H_, rows_, H_);
   }
   for (int64_t j = int64_t(layers_.size()) - 1; j >= 0; --j) {
     layers_[size_t(j)]->backward(dh_.data(), hidden_[size_t(j)].data(), B_, S_, tmp1_.data(), tmp2_.data());
@@ -449,7 +468,7 @@ std::vector<int64_t> DeepSeekModel::backward_order(const config::ModelConfig& cf
 }
 
 void DeepSeekModel::mtp_backward(float* dz) {
-  for (auto& m : mtp_) be_.fill(m->dh.data(), 0.0f, int64_t(m->dh.size()));
+  for (auto& m : mtp_) be_.fill(m->dh.data(), 0.0f, m->dh.size());
   for (int64_t k = int64_t(mtp_.size()) - 1; k >= 0; --k) {
     Mtp& m = *mtp_[k];
     const int64_t n = m.n, rows = B_ * n;

@@ -54,7 +54,7 @@ class DecoderLayer {
   std::unique_ptr<SwiGluMlp> mlp_;
   std::unique_ptr<MoeLayer> moe_;
   ActBuf a_, rstd1_, h_mid_, u_, rstd2_;  // the normed inputs a and u: selective
-  std::vector<float> dw_;
+  kernels::DeviceArray<float> dw_;
 };
 
 // The part of the model one pipeline stage runs (docs/design.md §6.6): decoder layers
@@ -123,8 +123,9 @@ class DeepSeekModel {
   void keep_logits(bool on) { keep_logits_ = on; }
   const std::vector<float>& logits() const { return kept_logits_; }
 
-  // The hidden state entering decoder layer i (i = L: the last layer's output), this rank's rows.
-  const std::vector<float>& hidden_state(int64_t i) const { return hidden_.at(size_t(i - first_)); }
+  // The hidden state entering decoder layer i (i = L: the last layer's output), this rank's
+  // rows, copied to the host.
+  std::vector<float> hidden_state(int64_t i) const;
 
   // MoE layers in order (main model, then MTP), for load statistics and the bias update, and
   // their layer numbers (MTP module k: num_hidden_layers + k - 1).
@@ -160,7 +161,7 @@ class DeepSeekModel {
   Scratch scratch_;
   std::unique_ptr<ComputeCast> cast_;  // the GEMMs' conversions to the compute type
   ActivationStore acts_;
-  std::vector<float> ones_;
+  kernels::DeviceArray<float> ones_;
   std::vector<float> loss_host_;  // the per-row losses, copied to the host
   RopeTables rope_;
   int64_t B_, S_, H_, V_, L_;
@@ -174,10 +175,15 @@ class DeepSeekModel {
   WeightRef embed_, norm_, lm_head_;
   std::vector<std::unique_ptr<DecoderLayer>> layers_;
   std::vector<std::unique_ptr<Mtp>> mtp_;
-  std::vector<int32_t> ids_, local_ids_, targets_;
-  std::vector<std::vector<float>> hidden_;  // h_first ... h_end, [rows, H] each
-  std::vector<float> z_, z_full_, rstd_f_, logits_, loss_rows_, row_max_, row_sums_, dz_, dh_, tmp1_, tmp2_,
-      full_, norm_dw_, kept_logits_;
+  // The micro-batch's token ids and targets, made on the host from the batch and copied to the
+  // device (local_ids: rows of this rank's vocabulary shard, -1 for another rank's).
+  std::vector<int32_t> ids_host_, local_ids_host_, targets_host_;
+  kernels::DeviceArray<int32_t> local_ids_, targets_;
+  // This instance's own buffers, on the backend's device (docs/design.md §6.1).
+  std::vector<kernels::DeviceArray<float>> hidden_;  // h_first ... h_end, [rows, H] each
+  kernels::DeviceArray<float> z_, z_full_, rstd_f_, logits_, loss_rows_, row_max_, row_sums_, dz_, dh_, tmp1_, tmp2_,
+      full_, norm_dw_;
+  std::vector<float> kept_logits_;  // host copy
   bool keep_logits_ = false;
 };
 

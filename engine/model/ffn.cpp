@@ -94,17 +94,17 @@ MoeLayer::MoeLayer(const LayerEnv& env, const std::string& prefix, int64_t B, in
   if (ep_ > 1) {  // sized for balanced routing (as many rows received as sent); grown when a step needs more
     Xr_ = st.take_dynamic(), Xe_ = st.take_dynamic(true), GUe_ = st.take_dynamic(), Me_ = st.take_dynamic(true);
     Ye_ = st.take_dynamic(true), Yr_ = st.take_dynamic(true);
-    const size_t recv = size_t(N * k_);
-    for (std::vector<float>* v : {Xr_, Xe_, Ye_, Yr_, &dYr_, &dYe_, &dXe_, &dXr_}) v->reserve(recv * H_);
-    GUe_->reserve(recv * 2 * I_), dGUe_.reserve(recv * 2 * I_);  // reserve never shrinks a shared slot
-    Me_->reserve(recv * I_), dMe_.reserve(recv * I_);
+    kernels::Backend& be = *env.be;
+    const int64_t recv = N * k_;
+    for (kernels::DeviceArray<float>* v : {Xr_, Xe_, Ye_, Yr_, &dYr_, &dYe_, &dXe_, &dXr_}) v->reserve(be, recv * H_);
+    GUe_->reserve(be, recv * 2 * I_), dGUe_.reserve(be, recv * 2 * I_);  // reserve never shrinks a shared slot
+    Me_->reserve(be, recv * I_), dMe_.reserve(be, recv * I_);
   }
   bad_counts_at_ = fault_at(Fault::kEpBadCounts);
 }
 
 int64_t MoeLayer::ep_backward_bytes() const {
-  return int64_t(sizeof(float)) * int64_t(dYr_.capacity() + dYe_.capacity() + dXe_.capacity() + dXr_.capacity() +
-                                          dMe_.capacity() + dGUe_.capacity());
+  return dYr_.bytes() + dYe_.bytes() + dXe_.bytes() + dXr_.bytes() + dMe_.bytes() + dGUe_.bytes();
 }
 
 void MoeLayer::dispatch_rows(const float* u_part, int64_t rows) {
@@ -129,7 +129,7 @@ void MoeLayer::recompute_selective(const float* u_part, int64_t N) {
     dispatch_rows(u_part, rows);
     swiglu_into(Mp_.view(), GUp_.data(), rows);
   } else {  // the shared vectors hold another layer's rows: sized for this one's again
-    Xe_->resize(size_t(recv_total_ * H_)), Me_->resize(size_t(recv_total_ * I_));
+    Xe_->resize(be, recv_total_ * H_), Me_->resize(be, recv_total_ * I_);
     be.gather_rows(Xe_->data(), Xr_->data(), to_source_.data(), recv_total_, H_);
     be.swiglu_forward(Me_->data(), GUe_->data(), recv_total_, I_);
   }
@@ -233,8 +233,8 @@ void MoeLayer::forward(float* out_full, const float* u_full, const float* u_part
   // expert are already grouped by owner), run there grouped by local expert, and come back.
   plan_exchange(rows);
   const int64_t recv = recv_total_;
-  for (std::vector<float>* v : {Xr_, Xe_, Yr_, Ye_}) v->resize(size_t(recv * H_));
-  GUe_->resize(size_t(recv * 2 * I_)), Me_->resize(size_t(recv * I_));
+  for (kernels::DeviceArray<float>* v : {Xr_, Xe_, Yr_, Ye_}) v->resize(be, recv * H_);
+  GUe_->resize(be, recv * 2 * I_), Me_->resize(be, recv * I_);
   auto dispatch = env_.coll->ep_all_to_all_v(Xr_->data(), scaled(recv_rows_, H_), Xp_.data(), scaled(send_rows_, H_));
   if (shared_) shared_->forward(out_full, u_full, N);  // while the rows travel
   else be.fill(out_full, 0.0f, N * H_);
@@ -439,8 +439,8 @@ void MoeLayer::backward(float* du_full, const float* dout_full, const float* u_f
     // input gradients come back. The received-side buffers are this instance's, so that a
     // zero-bubble W queue can read them in place.
     const int64_t recv = recv_total_;
-    dYr_.resize(size_t(recv * H_)), dYe_.resize(dYr_.size()), dXe_.resize(dYr_.size()), dXr_.resize(dYr_.size());
-    dMe_.resize(size_t(recv * I_)), dGUe_.resize(size_t(recv * 2 * I_));
+    for (kernels::DeviceArray<float>* v : {&dYr_, &dYe_, &dXe_, &dXr_}) v->resize(be, recv * H_);
+    dMe_.resize(be, recv * I_), dGUe_.resize(be, recv * 2 * I_);
     auto out = env_.coll->ep_all_to_all_v(dYr_.data(), scaled(recv_rows_, H_), dYp, scaled(send_rows_, H_));
     if (shared_) shared_->backward(du_full, dout_full, u_full, N, 0.0f);  // while the gradients travel
     else be.fill(du_full, 0.0f, N * H_);

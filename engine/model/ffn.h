@@ -118,8 +118,9 @@ class MoeLayer {
   int64_t El_ = 0, e0_ = 0, recv_total_ = 0;
   std::vector<int64_t> send_rows_, recv_rows_, ecounts_, eoffsets_;
   std::vector<int32_t> to_source_, to_expert_;
-  std::vector<float> *Xr_ = nullptr, *Xe_ = nullptr, *GUe_ = nullptr, *Me_ = nullptr, *Ye_ = nullptr, *Yr_ = nullptr;
-  std::vector<float> dYr_, dYe_, dMe_, dGUe_, dXe_, dXr_;
+  kernels::DeviceArray<float> *Xr_ = nullptr, *Xe_ = nullptr, *GUe_ = nullptr, *Me_ = nullptr, *Ye_ = nullptr,
+                              *Yr_ = nullptr;
+  kernels::DeviceArray<float> dYr_, dYe_, dMe_, dGUe_, dXe_, dXr_;
   int64_t bad_counts_at_ = 0, forwards_ = 0;  // fault injection (Fault::kEpBadCounts)
   bool recomputing_ = false;
 };

@@ -80,8 +80,8 @@ class WeightGradDeferral {
   void add_volatile(const float* begin, int64_t n) {
     if (n > 0) volatile_.push_back({begin, begin + n});
   }
-  // The same for a vector that may be resized (and moved) between now and a keep().
-  void add_volatile(const std::vector<float>* v) { volatile_vectors_.push_back(v); }
+  // The same for an array that may be resized (and moved) between now and a keep().
+  void add_volatile(const kernels::DeviceArray<float>* v) { volatile_vectors_.push_back(v); }
   // And for a device buffer that may be replaced by a larger one.
   void add_volatile(const kernels::DeviceBuffer* b) { volatile_buffers_.push_back(b); }
   // n floats at p as W will read them: p itself, or a copy (kept alive with the queued GEMM)
@@ -106,7 +106,8 @@ class WeightGradDeferral {
     };
     bool copy = false;
     for (const auto& [b, e] : volatile_) copy = copy || overlaps(b, e);
-    for (const std::vector<float>* w : volatile_vectors_) copy = copy || overlaps(w->data(), w->data() + w->size());
+    for (const kernels::DeviceArray<float>* w : volatile_vectors_)
+      copy = copy || overlaps(w->data(), w->data() + w->size());
     for (const kernels::DeviceBuffer* b : volatile_buffers_)
       copy = copy || overlaps(b->data(), static_cast<const char*>(b->data()) + b->bytes());
     if (!copy) return {nullptr, v};
@@ -136,7 +137,7 @@ class WeightGradDeferral {
  private:
   std::vector<std::function<void()>> ops_;
   std::vector<std::pair<const float*, const float*>> volatile_;
-  std::vector<const std::vector<float>*> volatile_vectors_;
+  std::vector<const kernels::DeviceArray<float>*> volatile_vectors_;
   std::vector<const kernels::DeviceBuffer*> volatile_buffers_;
   std::vector<std::pair<const char*, std::shared_ptr<std::vector<char>>>> copies_;  // queued since run()
   int64_t copied_ = 0, held_ = 0, peak_held_ = 0;  // bytes

@@ -242,6 +242,35 @@ class DeviceBuffer {
   int64_t bytes_ = 0;
 };
 
+// n elements of T in device memory (a model instance's own buffers: hidden states, logits, the
+// backward's running gradients, the expert-parallel receive side). resize and reserve
+// reallocate — zero-filled, what it held gone — only when n exceeds the capacity, which never
+// shrinks. The host reads or writes the elements only through copy_to_host / copy_from_host.
+template <class T>
+class DeviceArray {
+ public:
+  DeviceArray() = default;
+  DeviceArray(Backend& be, int64_t n) { resize(be, n); }
+  void resize(Backend& be, int64_t n) {
+    reserve(be, n);
+    n_ = n;
+  }
+  void reserve(Backend& be, int64_t n) {
+    if (n <= capacity()) return;
+    const int64_t bytes = (n * int64_t(sizeof(T)) + 3) / 4 * 4;
+    buf_ = DeviceBuffer(be, bytes);
+    be.fill(buf_.as<float>(), 0.0f, bytes / 4);
+  }
+  T* data() const { return buf_.as<T>(); }
+  int64_t size() const { return n_; }
+  int64_t capacity() const { return buf_.bytes() / int64_t(sizeof(T)); }
+  int64_t bytes() const { return capacity() * int64_t(sizeof(T)); }
+
+ private:
+  DeviceBuffer buf_;
+  int64_t n_ = 0;
+};
+
 // num_threads <= 0: all cores (OMP_NUM_THREADS if set).
 std::unique_ptr<Backend> make_cpu_backend(int num_threads = 0,
                                           GemmLibrary gemm = GemmLibrary::kOneDnn);
