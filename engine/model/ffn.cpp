@@ -324,19 +324,23 @@ struct Group {
            bool tb, float beta) const {
     if (C.empty()) return;
     const bool lp = env.cast && env.cast->active() && (b.data || Blp[0]);
-    const kernels::DType t = lp ? env.cast->dtype() : kernels::DType::kF32;
+    const kernels::DType t = lp ? env.cast->gemm_dtype() : kernels::DType::kF32;
     const int64_t es = kernels::dtype_size(t);
     const auto typed = [&](kernels::ConstView v, int slot, int64_t len) {
-      if (v.dtype == t) return static_cast<const char*>(v.data);
-      DS_CHECK(lp && v.dtype == kernels::DType::kF32, "expert GEMM input of another compute type");
-      return static_cast<const char*>((*env.cast)(slot, static_cast<const float*>(v.data), len).data);
+      if (!lp) {
+        DS_CHECK(v.dtype == kernels::DType::kF32, "a 16-bit input to an fp32 expert GEMM");
+        return static_cast<const char*>(v.data);
+      }
+      if (v.dtype == kernels::DType::kF32)  // rounded to the compute type (and widened, where GEMMs take fp32)
+        return static_cast<const char*>((*env.cast)(slot, static_cast<const float*>(v.data), len).data);
+      return static_cast<const char*>(env.cast->gemm_input(slot, v, len).data);
     };
     const char* ab = typed(a, 0, a_len);
     const char* bb = b.data ? typed(b, 1, b_len) : nullptr;
     std::vector<const void*> pa(C.size()), pb(C.size());
     for (size_t i = 0; i < C.size(); ++i) {
       pa[i] = ab + A[i] * es;
-      pb[i] = bb ? static_cast<const void*>(bb + B[i] * es) : lp ? static_cast<const void*>(Blp[i]) : Bw[i];
+      pb[i] = bb ? static_cast<const void*>(bb + B[i] * es) : lp ? env.cast->weight(Bw[i], Blp[i]).data : Bw[i];
     }
     env.be->gemm_grouped(C.data(), pa.data(), pb.data(), t, M.data(), N.data(), K.data(), int64_t(C.size()), ta, tb,
                          1.0f, beta);

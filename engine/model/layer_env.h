@@ -180,20 +180,43 @@ inline TokenPart token_part(int64_t N, int tp_size, int tp_rank) {
 // one of a few device workspaces (grown to the largest call, during the first step), so a
 // GEMM's inputs are converted right before it: the same inputs give the same bits, wherever
 // the GEMM runs (a recomputation, a deferred weight-gradient GEMM). fp32 converts nothing.
+// Where the backend's 16-bit GEMMs are not native (Backend::low_precision_gemm_native: slower
+// than fp32 on this device) the GEMMs take fp32 operands holding the rounded values instead —
+// inputs rounded and widened here, the weights' fp32 buffer, which holds the rounded values —
+// the same products, accumulated in fp32.
 class ComputeCast {
  public:
   static constexpr int kSlots = 3;  // GEMM inputs (0, 1), an input pinned for several GEMMs (2)
-  ComputeCast(kernels::Backend& be, kernels::DType dtype) : be_(be), dtype_(dtype) {}
-  kernels::DType dtype() const { return dtype_; }
+  ComputeCast(kernels::Backend& be, kernels::DType dtype)
+      : be_(be), dtype_(dtype), widened_(dtype != kernels::DType::kF32 && !be.low_precision_gemm_native(dtype)) {}
+  kernels::DType dtype() const { return dtype_; }  // the storage type of compute copies and 16-bit activations
   bool active() const { return dtype_ != kernels::DType::kF32; }
-  // n floats at x in the compute type, in workspace `slot` (valid until the slot's next use).
+  bool widened() const { return widened_; }
+  // n floats at x rounded to the compute type, in workspace `slot` (valid until the slot's next
+  // use), as the GEMMs take them: 16-bit, or the rounded values in fp32 when widened.
   kernels::ConstView operator()(int slot, const float* x, int64_t n) {
-    kernels::DeviceBuffer& b = buf_[slot];
-    const int64_t bytes = n * kernels::dtype_size(dtype_);
-    if (b.bytes() < bytes) b = kernels::DeviceBuffer(be_, bytes);
-    be_.convert({b.data(), dtype_}, kernels::f32(x), n);
-    return {b.data(), dtype_};
+    char* b = grow(slot, n);
+    be_.convert({b, dtype_}, kernels::f32(x), n);
+    if (!widened_) return {b, dtype_};
+    float* w = wide(slot, n);
+    be_.convert({w, kernels::DType::kF32}, {b, dtype_}, n);
+    return kernels::f32(w);
   }
+  // A view of n elements (a saved activation, or what operator() gave) as the GEMMs take it:
+  // itself, or a 16-bit one widened into workspace `slot`.
+  kernels::ConstView gemm_input(int slot, kernels::ConstView v, int64_t n) {
+    if (!widened_ || v.dtype == kernels::DType::kF32) return v;
+    grow(slot, n);
+    float* w = wide(slot, n);
+    be_.convert({w, kernels::DType::kF32}, v, n);
+    return kernels::f32(w);
+  }
+  // A weight as the GEMMs take it: its compute copy, or its fp32 buffer when widened.
+  kernels::ConstView weight(const float* w, const uint16_t* lp) const {
+    if (widened_) return kernels::f32(w);
+    return {lp, dtype_};
+  }
+  kernels::DType gemm_dtype() const { return widened_ ? kernels::DType::kF32 : dtype_; }
   int64_t bytes() const {
     int64_t n = 0;
     for (const auto& b : buf_) n += b.bytes();
@@ -201,8 +224,18 @@ class ComputeCast {
   }
 
  private:
+  // A slot holds n 16-bit values, then (widened) n floats after the 64-byte-aligned 16-bit part.
+  static int64_t lp_bytes(int64_t n) { return (n * 2 + 63) / 64 * 64; }
+  char* grow(int slot, int64_t n) {
+    kernels::DeviceBuffer& b = buf_[slot];
+    const int64_t bytes = widened_ ? lp_bytes(n) + n * 4 : n * kernels::dtype_size(dtype_);
+    if (b.bytes() < bytes) b = kernels::DeviceBuffer(be_, bytes);
+    return static_cast<char*>(b.data());
+  }
+  float* wide(int slot, int64_t n) { return reinterpret_cast<float*>(static_cast<char*>(buf_[slot].data()) + lp_bytes(n)); }
   kernels::Backend& be_;
   kernels::DType dtype_;
+  bool widened_;
   kernels::DeviceBuffer buf_[kSlots];
 };
 
@@ -294,8 +327,8 @@ inline kernels::ConstView pin_input(const LayerEnv& env, const WeightRef& W, con
 inline void linear_forward(const LayerEnv& env, float* y, const float* x, const WeightRef& W, int64_t rows,
                            int64_t out, int64_t in, float beta = 0.0f, kernels::ConstView xc = {}) {
   if (!low_precision(env, W)) return env.be->gemm(y, x, W.w, rows, out, in, false, true, 1.0f, beta);
-  if (!xc.data) xc = (*env.cast)(0, x, rows * in);
-  env.be->gemm(y, xc, {W.lp, env.cast->dtype()}, rows, out, in, false, true, 1.0f, beta);
+  xc = xc.data ? env.cast->gemm_input(0, xc, rows * in) : (*env.cast)(0, x, rows * in);
+  env.be->gemm(y, xc, env.cast->weight(W.w, W.lp), rows, out, in, false, true, 1.0f, beta);
 }
 // dx (= or +=) dy W;  dW += dy^T x (deferred to W while a WeightGradDeferral is active; its
 // inputs are converted when it runs). dW is W.g unless given.
@@ -310,7 +343,7 @@ inline void linear_backward(const LayerEnv& env, float* dx, const float* dy, con
   kernels::ConstView dyc = kernels::f32(dy);
   if (lp) dyc = (*cast)(0, dy, rows * out);
   if (dx) {
-    if (lp) be.gemm(dx, dyc, {W.lp, cast->dtype()}, rows, in, out, false, false, 1.0f, dx_beta);
+    if (lp) be.gemm(dx, dyc, cast->weight(W.w, W.lp), rows, in, out, false, false, 1.0f, dx_beta);
     else be.gemm(dx, dy, W.w, rows, in, out, false, false, 1.0f, dx_beta);
   }
   if (WeightGradDeferral* d = WeightGradDeferral::active()) {
@@ -318,7 +351,8 @@ inline void linear_backward(const LayerEnv& env, float* dx, const float* dy, con
     if (!x) {  // a saved 16-bit activation: read in place, or copied if recomputation overwrites it
       auto xk = d->keep(xc, rows * in * kernels::dtype_size(xc.dtype));
       d->push([&be, cast, dW, dyk, xk, rows, out, in] {
-        be.gemm(dW, (*cast)(0, dyk.data, rows * out), xk.view, out, in, rows, true, false, 1.0f, 1.0f);
+        be.gemm(dW, (*cast)(0, dyk.data, rows * out), cast->gemm_input(1, xk.view, rows * in), out, in, rows, true,
+                false, 1.0f, 1.0f);
       });
       return;
     }
@@ -330,7 +364,8 @@ inline void linear_backward(const LayerEnv& env, float* dx, const float* dy, con
     return;
   }
   if (!lp) return be.gemm(dW, dy, x, out, in, rows, true, false, 1.0f, 1.0f);
-  be.gemm(dW, dyc, xc.data ? xc : (*cast)(1, x, rows * in), out, in, rows, true, false, 1.0f, 1.0f);
+  be.gemm(dW, dyc, xc.data ? cast->gemm_input(1, xc, rows * in) : (*cast)(1, x, rows * in), out, in, rows, true,
+          false, 1.0f, 1.0f);
 }
 // Bias: y[r] += b;  db += sum_r dy[r]  (as ones^T dy).
 inline void bias_forward(kernels::Backend& be, float* y, const float* b, int64_t rows, int64_t n) {

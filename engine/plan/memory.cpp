@@ -101,7 +101,7 @@ ActivationMemory instance_activation_memory(const config::ModelConfig& m, const 
   const bool full = ac.granularity == config::CheckpointGranularity::kFull;
   const int64_t recomputing = !ac.enabled ? 0 : ac.num_layers ? *ac.num_layers : s.end_layer - s.first_layer;
   const int64_t cb = s.compute_bytes;
-  const bool widen = cb == 2 && !s.attention_16bit;
+  const bool widen = cb == 2 && !s.native_16bit;
   int64_t kept = 0, shared = 0, dyn_kept = 0, scratch = 0, ep_backward = 0;  // kept, shared: bytes
   int64_t dyn_shared_max = 0;
   for (int64_t i = s.first_layer; i < s.end_layer; ++i) {
@@ -146,15 +146,18 @@ ActivationMemory instance_activation_memory(const config::ModelConfig& m, const 
     const int64_t w = m.intermediate_size / tp, ws = m.num_shared() * m.moe_intermediate_size / tp;
     const int64_t nk = (N + tp - 1) / tp * m.num_experts_per_tok, I = m.moe_intermediate_size;
     const bool moe = m.num_routed() > 0;
+    // The saved 16-bit inputs — normed latents, SwiGLU outputs, dispatched rows — need no slot,
+    // unless the GEMMs take widened inputs (then they are widened in slot 0 forward, 1 backward).
+    const bool wide = !s.native_16bit;
+    const int64_t saved16 = !wide ? 0 : std::max({N * rq, N * rkv, N * w, N * ws, moe ? nk * H : 0, moe ? nk * I : 0});
     const int64_t slot0 = std::max({N * nh * dqk, N * nh * (dn + dv), N * H, N * rq, N * rkv + N * m.qk_rope_head_dim,
                                     N * 2 * w, N * 2 * ws, moe ? nk * 2 * I : 0, moe ? nk * H : 0,
-                                    s.has_head ? N * Vl : 0});
-    // (the saved 16-bit inputs — normed latents, SwiGLU outputs, dispatched rows — need none)
+                                    s.has_head ? N * Vl : 0, saved16});
     const bool ep_rows = moe && s.ep > 1;  // the received rows are fp32
     const int64_t slot1 = std::max({N * H, N * nh * dv, ep_rows ? nk * I : 0, ep_rows ? nk * H : 0,
-                                    s.has_head && m.num_nextn_predict_layers > 0 ? N * 2 * H : 0});
+                                    s.has_head && m.num_nextn_predict_layers > 0 ? N * 2 * H : 0, saved16});
     const int64_t slot2 = std::max(N * H, N * nh * dv);
-    cast = slot0 + slot1 + slot2;
+    cast = (slot0 + slot1 + slot2) * (wide ? 3 : 1);  // widened: the 16-bit values and their fp32 copies
   }
   ActivationMemory out;
   out.kept = double(kept) + 4.0 * double(dyn_kept + model);

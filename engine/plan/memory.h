@@ -52,7 +52,7 @@ struct InstanceShape {
   bool sequence_parallel = false;  // only with tp > 1
   config::ActivationCheckpointingConfig checkpointing;
   int64_t compute_bytes = 4;  // 2 under bf16 / fp16: the GEMMs' conversion workspaces join the workspace
-  bool attention_16bit = true;  // under bf16 / fp16: false when the backend widens Q, K, V for fp32 attention
+  bool native_16bit = true;  // under bf16 / fp16: false where GEMMs and attention take widened fp32 inputs
 };
 
 ActivationMemory instance_activation_memory(const config::ModelConfig& m, const InstanceShape& s);

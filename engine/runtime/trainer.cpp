@@ -547,6 +547,7 @@ TrainSummary Trainer::run() {
       const kernels::DType lp = compute_dtype(cfg_.precision());
       const double planned =
           plan_.activations(0, 0, lp == kernels::DType::kF32 || engine_.backend->low_precision_attention(lp)).total();
+      // (16-bit attention implies native 16-bit GEMMs: docs/design.md §6.10)
       const int64_t queued = engine_.pipeline->deferred_copy_bytes_peak();
       spdlog::info("activation memory on rank 0 after the first step: {} in {} model instance{}{} (plan {}, {:+.1f}%){}",
                    human_bytes(measured), engine_.pipeline->instances(), engine_.pipeline->instances() == 1 ? "" : "s",

@@ -121,6 +121,7 @@ class CpuBackend final : public Backend {
       lowp_.run(C[i], static_cast<const uint16_t*>(A[i]), static_cast<const uint16_t*>(B[i]), M[i], N[i], K[i], ta,
                 tb, alpha, beta, low(dtype), true);
   }
+  bool low_precision_gemm_native(DType dtype) override { return dtype != DType::kF32 && lowp_.native(low(dtype)); }
   std::string lowp_gemm_implementation(DType dtype) override {
     if (dtype == DType::kF32) return to_string(gemm_);
     return lowp_.implementation(256, 256, 256, false, true, low(dtype)) + " (isa " + cpu::onednn_isa() + ")";
@@ -181,8 +182,9 @@ class CpuBackend final : public Backend {
     attention_s_ = std::max(attention_s_, S);
   }
   const cpu::TileGemm& tile_gemm(DType t) const { return t == DType::kBF16 ? tile_bf16_ : tile_fp16_; }
+  // The tile GEMMs are oneDNN matmuls too: 16-bit attention where the 16-bit GEMMs run natively.
   bool low_precision_attention(DType t) const override {
-    return t != DType::kF32 && tile_gemm(t).available();
+    return t != DType::kF32 && tile_gemm(t).available() && lowp_.native(low(t));
   }
   void attention_forward(float* O, float* lse, ConstView Q, ConstView K, ConstView V, int64_t B, int64_t S,
                          int64_t nh, int64_t dqk, int64_t dv, float scale) override {
@@ -307,7 +309,7 @@ class CpuBackend final : public Backend {
  private:
   int threads_ = 1;
   GemmLibrary gemm_;
-  cpu::LowPrecisionGemm lowp_;
+  mutable cpu::LowPrecisionGemm lowp_;  // (const queries may measure which path is faster, once)
   std::vector<float> attention_ws_;  // per-thread score blocks (reserve_attention)
   std::vector<uint16_t> attention_ws16_;  // and their 16-bit roundings (low-precision attention)
   cpu::TileGemm tile_bf16_{cpu::LowPrecision::kBf16}, tile_fp16_{cpu::LowPrecision::kFp16};

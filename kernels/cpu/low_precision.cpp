@@ -3,7 +3,10 @@
 #include <dnnl.h>
 #include <immintrin.h>
 
+#include <chrono>
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <dnnl.hpp>
 #include <optional>
@@ -89,20 +92,27 @@ void convert_from(float* out, const uint16_t* in, int64_t n, LowPrecision p) {
   for (; i < n; ++i) out[i] = from_fp16(in[i]);
 }
 
+namespace {
+struct LowPrecisionGemmEntry {
+  std::optional<dnnl::matmul> prim;  // empty: oneDNN has none for this type here (the fallback runs)
+  dnnl::memory::desc a, b, c;
+  std::string impl;
+  bool varying = false;  // run-time dimensions: the memory descriptors are made per call
+};
+}  // namespace
+
 struct LowPrecisionGemm::Impl {
   dnnl::engine engine{dnnl::engine::kind::cpu, 0};
   dnnl::stream stream{engine};
-  struct Entry {
-    std::optional<dnnl::matmul> prim;  // empty: oneDNN has none for this type here (the fallback runs)
-    dnnl::memory::desc a, b, c;
-    std::string impl;
-    bool varying = false;  // run-time dimensions: the memory descriptors are made per call
-  };
+  using Entry = LowPrecisionGemmEntry;
   using Key = std::tuple<int64_t, int64_t, int64_t, bool, bool, int, float, float>;
   std::map<Key, Entry> cache;
   mutable std::mutex mu;  // the cache
   std::mutex run_mu;      // the stream and `wide`
   std::vector<float> wide;  // the fallback's fp32 copies of A and B
+  std::mutex choice_mu;
+  std::optional<bool> native_[2];
+  double speedup_[2] = {0, 0};
 
   Entry& entry(int64_t M, int64_t N, int64_t K, bool ta, bool tb, LowPrecision p, float alpha, float beta,
                bool varying) {
@@ -141,6 +151,32 @@ struct LowPrecisionGemm::Impl {
 LowPrecisionGemm::LowPrecisionGemm() : impl_(std::make_unique<Impl>()) {}
 LowPrecisionGemm::~LowPrecisionGemm() = default;
 
+namespace {
+void run_native(dnnl::engine& engine, dnnl::stream& stream, const LowPrecisionGemmEntry& e, float* C, const uint16_t* A,
+                const uint16_t* B, int64_t M, int64_t N, int64_t K, bool ta, bool tb, LowPrecision p) {
+  using dt = dnnl::memory::data_type;
+  const dt in = p == LowPrecision::kBf16 ? dt::bf16 : dt::f16;
+  const auto desc = [&](const dnnl::memory::desc& fixed, int64_t r, int64_t c, bool t, dt type) {
+    return e.varying ? dnnl::memory::desc({r, c}, type, t ? dnnl::memory::dims{1, r} : dnnl::memory::dims{c, 1})
+                     : fixed;
+  };
+  dnnl::memory a(desc(e.a, M, K, ta, in), engine, const_cast<uint16_t*>(A)),
+      b(desc(e.b, K, N, tb, in), engine, const_cast<uint16_t*>(B)), c(desc(e.c, M, N, false, dt::f32), engine, C);
+  e.prim->execute(stream, {{DNNL_ARG_SRC, a}, {DNNL_ARG_WEIGHTS, b}, {DNNL_ARG_DST, c}});
+  stream.wait();
+}
+
+void run_widened(std::vector<float>& w, float* C, const uint16_t* A, const uint16_t* B, int64_t M, int64_t N,
+                 int64_t K, bool ta, bool tb, float alpha, float beta, LowPrecision p) {
+  w.resize(size_t(M * K + K * N));
+  convert_from(w.data(), A, M * K, p);
+  convert_from(w.data() + M * K, B, K * N, p);
+  const dnnl_status_t st = dnnl_sgemm(ta ? 'T' : 'N', tb ? 'T' : 'N', M, N, K, alpha, w.data(), ta ? M : K,
+                                      w.data() + M * K, tb ? K : N, beta, C, N);
+  if (st != dnnl_success) throw std::runtime_error("dnnl_sgemm failed");
+}
+}  // namespace
+
 void LowPrecisionGemm::run(float* C, const uint16_t* A, const uint16_t* B, int64_t M, int64_t N, int64_t K,
                            bool ta, bool tb, float alpha, float beta, LowPrecision p, bool varying) {
   if (M == 0 || N == 0) return;
@@ -149,33 +185,63 @@ void LowPrecisionGemm::run(float* C, const uint16_t* A, const uint16_t* B, int64
     return;
   }
   Impl::Entry& e = impl_->entry(M, N, K, ta, tb, p, alpha, beta, varying);
+  const bool use_native = e.prim && native(p);
   std::lock_guard<std::mutex> lock(impl_->run_mu);  // one stream and one widening buffer: calls are serialised
-  if (e.prim) {
-    using dt = dnnl::memory::data_type;
-    const dt in = p == LowPrecision::kBf16 ? dt::bf16 : dt::f16;
-    const auto desc = [&](const dnnl::memory::desc& fixed, int64_t r, int64_t c, bool t, dt type) {
-      return e.varying ? dnnl::memory::desc({r, c}, type, t ? dnnl::memory::dims{1, r} : dnnl::memory::dims{c, 1})
-                       : fixed;
-    };
-    dnnl::memory a(desc(e.a, M, K, ta, in), impl_->engine, const_cast<uint16_t*>(A)),
-        b(desc(e.b, K, N, tb, in), impl_->engine, const_cast<uint16_t*>(B)),
-        c(desc(e.c, M, N, false, dt::f32), impl_->engine, C);
-    e.prim->execute(impl_->stream, {{DNNL_ARG_SRC, a}, {DNNL_ARG_WEIGHTS, b}, {DNNL_ARG_DST, c}});
-    impl_->stream.wait();
-    return;
-  }
-  std::vector<float>& w = impl_->wide;
-  w.resize(size_t(M * K + K * N));
-  convert_from(w.data(), A, M * K, p);
-  convert_from(w.data() + M * K, B, K * N, p);
-  const dnnl_status_t st = dnnl_sgemm(ta ? 'T' : 'N', tb ? 'T' : 'N', M, N, K, alpha, w.data(), ta ? M : K,
-                                      w.data() + M * K, tb ? K : N, beta, C, N);
-  if (st != dnnl_success) throw std::runtime_error("dnnl_sgemm failed");
+  if (use_native) return run_native(impl_->engine, impl_->stream, e, C, A, B, M, N, K, ta, tb, p);
+  run_widened(impl_->wide, C, A, B, M, N, K, ta, tb, alpha, beta, p);
 }
 
 std::string LowPrecisionGemm::implementation(int64_t M, int64_t N, int64_t K, bool ta, bool tb, LowPrecision p,
                                              bool varying) {
-  return impl_->entry(M, N, K, ta, tb, p, 1.0f, 0.0f, varying).impl;
+  const Impl::Entry& e = impl_->entry(M, N, K, ta, tb, p, 1.0f, 0.0f, varying);
+  if (!e.prim || native(p)) return e.impl;
+  const double s = native_speedup(p);
+  char ratio[32] = "";
+  if (s > 0) std::snprintf(ratio, sizeof ratio, " measured %.2fx as fast", s);
+  return std::string(to_string(p)) + " widened to fp32, sgemm (native " + e.impl + ratio + ")";
+}
+
+bool LowPrecisionGemm::native(LowPrecision p) {
+  std::lock_guard<std::mutex> lock(impl_->choice_mu);
+  std::optional<bool>& choice = impl_->native_[int(p)];
+  if (choice) return *choice;
+  constexpr int64_t n = 768;
+  const Impl::Entry& e = impl_->entry(n, n, n, false, true, p, 1.0f, 0.0f, false);
+  if (!e.prim) return *(choice = false);
+  if (const char* o = std::getenv("DSTRAIN_LOWP_GEMM")) {
+    const std::string v = o;
+    if (v != "native" && v != "widened")
+      throw std::invalid_argument("DSTRAIN_LOWP_GEMM=" + v + ": valid: native, widened");
+    return *(choice = v == "native");
+  }
+  std::vector<uint16_t> a(size_t(n * n)), b(size_t(n * n));
+  std::vector<float> c(size_t(n * n));
+  for (size_t i = 0; i < a.size(); ++i) {
+    const float x = float(int(i % 7) - 3), y = float(int(i % 5) - 2);
+    a[i] = p == LowPrecision::kBf16 ? to_bf16(x) : to_fp16(x);
+    b[i] = p == LowPrecision::kBf16 ? to_bf16(y) : to_fp16(y);
+  }
+  std::lock_guard<std::mutex> run_lock(impl_->run_mu);
+  const auto best = [&](bool nat) {
+    double t = 1e30;
+    for (int rep = 0; rep < 5; ++rep) {  // the first is a warm-up
+      const auto t0 = std::chrono::steady_clock::now();
+      if (nat) run_native(impl_->engine, impl_->stream, e, c.data(), a.data(), b.data(), n, n, n, false, true, p);
+      else run_widened(impl_->wide, c.data(), a.data(), b.data(), n, n, n, false, true, 1.0f, 0.0f, p);
+      const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      if (rep > 0) t = std::min(t, s);
+    }
+    return t;
+  };
+  const double t_native = best(true), t_wide = best(false);
+  impl_->speedup_[int(p)] = t_wide / t_native;
+  return *(choice = t_native <= t_wide);
+}
+
+double LowPrecisionGemm::native_speedup(LowPrecision p) {
+  native(p);
+  std::lock_guard<std::mutex> lock(impl_->choice_mu);
+  return impl_->speedup_[int(p)];
 }
 
 int64_t LowPrecisionGemm::cached_shapes() const {

@@ -46,6 +46,17 @@ class LowPrecisionGemm {
   std::string implementation(int64_t M, int64_t N, int64_t K, bool trans_a, bool trans_b, LowPrecision p,
                              bool varying = false);
   int64_t cached_shapes() const;
+  // Whether run() uses oneDNN's native 16-bit matmul for `p` (else it widens the inputs to fp32
+  // and runs sgemm: the same products, exactly representable, accumulated in fp32). Decided
+  // once per type by measurement, a 768^3 GEMM both ways (best of four, ~30 ms): the faster —
+  // AVX512-BF16 without AMX ran 1.85x fp32's rate on Zen 4 but 0.5-0.7x of it on an Intel
+  // Xeon with two 512-bit FMA units, margins wide enough for the choice not to flip from run
+  // to run. DSTRAIN_LOWP_GEMM=native | widened overrides the measurement (native only where
+  // oneDNN has the matmul).
+  bool native(LowPrecision p);
+  // widened time / native time of that measurement (0: not measured — no native matmul, or
+  // overridden).
+  double native_speedup(LowPrecision p);
 
  private:
   struct Impl;

@@ -2,10 +2,13 @@
 // trained 300 steps in each precision reaches fp32's validation loss; the parallel layouts
 // reproduce the single-rank mixed-precision run; an overflowing gradient skips exactly one fp16
 // step and is logged, and an overflow at the minimum loss scale stops the run; resuming a
-// ZeRO-sharded mixed-precision run is bit-exact (the master weights are what is saved).
+// ZeRO-sharded mixed-precision run is bit-exact (the master weights are what is saved); the
+// native and the widened 16-bit GEMM paths train alike.
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <iostream>
+#include <regex>
 
 #include "tests/cli/cli_util.h"
 
@@ -85,6 +88,31 @@ TEST(MixedPrecision, LayoutsReproduceTheSingleRankRun) {
       for (const auto& [step, loss] : ref) EXPECT_NEAR(got.at(step), loss, 2e-3 * loss) << run_name << " step " << step;
     }
   }
+}
+
+// The two ways the CPU backend runs a 16-bit GEMM (docs/design.md §6.10) — oneDNN's native
+// matmul, or the rounded inputs widened to fp32 for sgemm, whichever it measured faster — train
+// alike (the same products, summed in another order), each stating its path, and the plan's
+// activation figure follows each (the widened path's fp32 slots, the widened Q, K, V).
+TEST(MixedPrecision, NativeAndWidenedGemmsTrainAlike) {
+  const std::string dir = fresh_dir("mp_paths");
+  const std::string batch = "--resume none --set train_batch_size=8 --set train_micro_batch_size_per_gpu=2" + kBf16;
+  std::map<std::string, std::map<int, double>> curve;
+  for (const std::string path : {"native", "widened"}) {
+    const Result r = run("DSTRAIN_LOWP_GEMM=" + path + " " + train_cmd(dir, path, 6, batch));
+    ASSERT_EQ(r.rc, 0) << path << r.err;
+    const std::string log = r.out + r.err;
+    const bool widened = log.find("GEMMs bf16 widened to fp32") != std::string::npos;
+    if (path == "native" && widened) GTEST_SKIP() << "oneDNN has no bf16 matmul on this CPU";
+    EXPECT_EQ(widened, path == "widened") << log;
+    std::smatch m;
+    ASSERT_TRUE(std::regex_search(log, m, std::regex(R"(\(plan [0-9.]+ [KMG]iB, ([+-][0-9.]+)%\))"))) << log;
+    EXPECT_LE(std::fabs(std::stod(m[1].str())), 10.0) << path << ": " << m[0];
+    curve[path] = losses(dir + "/" + path + ".jsonl");
+    ASSERT_EQ(curve[path].size(), 6u) << path;
+  }
+  for (const auto& [step, loss] : curve["native"])
+    EXPECT_NEAR(curve["widened"].at(step), loss, 2e-3 * loss) << "step " << step;
 }
 
 // communication_data_type rounds the reduced gradients: the curve moves, but only a little.

@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <random>
@@ -101,7 +102,19 @@ TEST(LowPrecision, ArrayConversionsEqualTheScalarOnes) {
   }
 }
 
-TEST(LowPrecision, GemmOnRoundedInputsAccumulatesInFp32) {
+// DSTRAIN_LOWP_GEMM set for one scope (each LowPrecisionGemm decides once, when first asked).
+class LowpGemmChoice {
+ public:
+  explicit LowpGemmChoice(const char* v) { v ? setenv("DSTRAIN_LOWP_GEMM", v, 1) : unsetenv("DSTRAIN_LOWP_GEMM"); }
+  ~LowpGemmChoice() { unsetenv("DSTRAIN_LOWP_GEMM"); }
+};
+
+// Both paths — oneDNN's native matmul and the widened sgemm — whichever the measurement picks.
+class LowPrecisionGemmPath : public ::testing::TestWithParam<const char*> {};
+INSTANTIATE_TEST_SUITE_P(Paths, LowPrecisionGemmPath, ::testing::Values("native", "widened"));
+
+TEST_P(LowPrecisionGemmPath, GemmOnRoundedInputsAccumulatesInFp32) {
+  const LowpGemmChoice choice(GetParam());
   LowPrecisionGemm gemm;
   std::mt19937 rng(11);
   std::normal_distribution<float> d(0.f, 1.f);
@@ -138,13 +151,50 @@ TEST(LowPrecision, GemmOnRoundedInputsAccumulatesInFp32) {
             EXPECT_NEAR(got, alpha * exact + base, input_eps * alpha * mag) << to_string(p);
           }
       }
-  EXPECT_EQ(gemm.cached_shapes(), 8);
+  // and the 768^3 shape of the choice of each type oneDNN has a matmul for
+  EXPECT_GE(gemm.cached_shapes(), 8 + 1);
+  EXPECT_LE(gemm.cached_shapes(), 8 + 2);
   std::vector<float> c(4, 3.0f);
   std::vector<uint16_t> none;
   gemm.run(c.data(), none.data(), none.data(), 2, 2, 0, false, false, 1.0f, 0.5f, LowPrecision::kBf16);
   EXPECT_EQ(c, std::vector<float>(4, 1.5f));  // K = 0: C = beta C
   EXPECT_FALSE(gemm.implementation(64, 64, 64, false, true, LowPrecision::kBf16).empty());
   EXPECT_FALSE(onednn_isa().empty());
+}
+
+TEST(LowPrecision, TheGemmPathIsMeasuredOrForcedAndNonsenseIsRefused) {
+  for (const LowPrecision p : {LowPrecision::kBf16, LowPrecision::kFp16}) {
+    LowPrecisionGemm probe;
+    const bool has_native = probe.implementation(64, 64, 64, false, true, p).find("widened") == std::string::npos ||
+                            probe.native_speedup(p) > 0;  // measured: oneDNN has the matmul
+    {
+      const LowpGemmChoice choice("widened");
+      LowPrecisionGemm g;
+      EXPECT_FALSE(g.native(p));
+      EXPECT_NE(g.implementation(64, 64, 64, false, true, p).find("widened to fp32"), std::string::npos);
+    }
+    {
+      const LowpGemmChoice choice("native");
+      LowPrecisionGemm g;
+      EXPECT_EQ(g.native(p), has_native) << to_string(p);  // native only where oneDNN has it
+    }
+    {
+      const LowpGemmChoice choice(nullptr);  // measured: the faster of the two, stated in the implementation
+      LowPrecisionGemm g;
+      const std::string impl = g.implementation(64, 64, 64, false, true, p);
+      if (g.native(p)) EXPECT_EQ(impl.find("widened"), std::string::npos) << impl;
+      else if (has_native) EXPECT_NE(impl.find("measured"), std::string::npos) << impl;
+    }
+  }
+  const LowpGemmChoice choice("fastest");
+  LowPrecisionGemm g;
+  try {
+    g.native(LowPrecision::kBf16);
+    if (g.implementation(8, 8, 8, false, true, LowPrecision::kBf16).find("no bf16") == std::string::npos)
+      ADD_FAILURE() << "DSTRAIN_LOWP_GEMM=fastest accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("valid: native, widened"), std::string::npos) << e.what();
+  }
 }
 
 // The typed interface of kernels::Backend (docs/design.md §6.1): conversions by view type, the
@@ -228,6 +278,7 @@ TEST(BackendTyped, ConvertGemmAndGroupedGemmMatchTheBuildingBlocks) {
 // from fp32 scores of exactly representable inputs, to fp32 accuracy. Several query tiles,
 // an odd sequence length, dqk != dv.
 TEST(BackendTyped, LowPrecisionAttentionMatchesFp32OnRoundedInputs) {
+  const LowpGemmChoice choice("native");  // the 16-bit tile GEMMs even where widening is faster
   auto be = make_cpu_backend(2);
   if (!be->low_precision_attention(DType::kBF16)) GTEST_SKIP() << "no bf16 matmul on this CPU";
   EXPECT_FALSE(be->low_precision_attention(DType::kF32));

@@ -96,6 +96,11 @@ class Backend {
                             bool trans_a, bool trans_b, float alpha, float beta) = 0;
   // The instruction set or kernel the low-precision GEMMs of this backend use (for reports).
   virtual std::string lowp_gemm_implementation(DType dtype) = 0;
+  // Whether 16-bit GEMMs run natively in that type here. false: they widen their inputs to fp32
+  // and multiply in fp32 (the same exact products, fp32 accumulation) because that is as fast
+  // or faster on this device — a caller holding fp32 copies of the rounded values (the model's
+  // fp32 weight buffer) then does better passing those (docs/design.md §6.10).
+  virtual bool low_precision_gemm_native(DType dtype) = 0;
 
   // y = w * x * rstd, rstd = 1/sqrt(mean(x^2) + eps); x, y [rows, C]; rstd [rows] saved.
   virtual void rmsnorm_forward(float* y, float* rstd, const float* x, const float* w, int64_t rows,
