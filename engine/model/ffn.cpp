@@ -20,9 +20,9 @@ SwiGluMlp::SwiGluMlp(const LayerEnv& env, const std::string& prefix, int64_t wid
 
 // M = swiglu(GU) on N rows into the saved M (staged in scratch when M is 16-bit).
 void SwiGluMlp::activate(int64_t N) {
-  float* m = M_.dtype() == kernels::DType::kF32 ? M_.data() : env_.scratch->take(N * w_);
+  float* m = f32_staging(env_, M_.view(), N * w_);
   env_.be->swiglu_forward(m, GU_.data(), N, w_);
-  if (M_.dtype() != kernels::DType::kF32) env_.be->convert(M_.view(), kernels::f32(m), N * w_);
+  store_activation(env_, M_.view(), m, N * w_);
 }
 
 void SwiGluMlp::recompute_selective(int64_t N) { activate(N); }
@@ -108,16 +108,15 @@ int64_t MoeLayer::ep_backward_bytes() const {
 }
 
 void MoeLayer::dispatch_rows(const float* u_part, int64_t rows) {
-  float* x = Xp_.dtype() == kernels::DType::kF32 ? Xp_.data() : env_.scratch->take(rows * H_);
+  float* x = f32_staging(env_, Xp_.view(), rows * H_);
   env_.be->gather_rows(x, u_part, src_.data(), rows, H_);
-  if (Xp_.dtype() != kernels::DType::kF32) env_.be->convert(Xp_.view(), kernels::f32(x), rows * H_);
+  store_activation(env_, Xp_.view(), x, rows * H_);
 }
 
 void MoeLayer::swiglu_into(kernels::View M, const float* GU, int64_t rows) {
-  const bool f32 = M.dtype == kernels::DType::kF32;
-  float* m = f32 ? static_cast<float*>(M.data) : env_.scratch->take(rows * I_);
+  float* m = f32_staging(env_, M, rows * I_);
   env_.be->swiglu_forward(m, GU, rows, I_);
-  if (!f32) env_.be->convert(M, kernels::f32(m), rows * I_);
+  store_activation(env_, M, m, rows * I_);
 }
 
 void MoeLayer::recompute_selective(const float* u_part, int64_t N) {

@@ -299,18 +299,23 @@ inline kernels::ConstView lp_input(const ActBuf& b) {
   if (b.dtype() == kernels::DType::kF32) return {};
   return {b.raw(), b.dtype()};
 }
-// What f32_staging(dst) gave, now written, into dst (rounded to nearest even for 16 bits).
-inline void store_activation(const LayerEnv& env, const ActBuf& dst, const float* staged) {
-  if (dst.dtype() == kernels::DType::kF32) {
-    DS_CHECK(staged == dst.data(), "an fp32 activation is written in place");
+// Where a kernel writing fp32 puts the first n values of `dst`: dst itself when fp32, else n
+// floats of scratch (store_activation then rounds them into dst).
+inline float* f32_staging(const LayerEnv& env, kernels::View dst, int64_t n) {
+  return dst.dtype == kernels::DType::kF32 ? static_cast<float*>(dst.data) : env.scratch->take(n);
+}
+// What f32_staging(dst, n) gave, now written, into dst (rounded to nearest even for 16 bits).
+inline void store_activation(const LayerEnv& env, kernels::View dst, const float* staged, int64_t n) {
+  if (dst.dtype == kernels::DType::kF32) {
+    DS_CHECK(staged == dst.data, "an fp32 activation is written in place");
     return;
   }
-  env.be->convert(dst.view(), kernels::f32(staged), dst.size());
+  env.be->convert(dst, kernels::f32(staged), n);
 }
-// Where a kernel writing fp32 puts what goes into `dst`: dst itself when fp32, else n floats of
-// scratch (store_activation then rounds them into dst).
-inline float* f32_staging(const LayerEnv& env, const ActBuf& dst) {
-  return dst.dtype() == kernels::DType::kF32 ? dst.data() : env.scratch->take(dst.size());
+// The same for a whole saved buffer.
+inline float* f32_staging(const LayerEnv& env, const ActBuf& dst) { return f32_staging(env, dst.view(), dst.size()); }
+inline void store_activation(const LayerEnv& env, const ActBuf& dst, const float* staged) {
+  store_activation(env, dst.view(), staged, dst.size());
 }
 
 // Linear layer helpers over [rows, in] x W[out, in]^T (HF layout), on the backend. `xc`, when
