@@ -1,0 +1,907 @@
+// The CUDA backend (docs/design.md §6.11). One compute stream per backend: every op is a kernel
+// launch or a cuBLASLt call ordered on it, so the host never waits except in copy_to_host /
+// copy_from_host / synchronize. Device memory comes from a caching pool (a block freed is kept
+// for the next request of its size class; cudaMalloc only on a miss), so a training step that
+// repeats the previous one's allocations makes no cudaMalloc. The per-element and per-row math
+// is kernels/cuda/device_math.h, shared with the host tests.
+//
+// Deterministic by construction: no atomics. Reductions over rows (RMSNorm's weight gradient,
+// the embedding's table gradient) give each output column to one thread, which walks the rows
+// in order, so the same inputs give the same bits on every run.
+#include <cublasLt.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <map>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "dstrain/kernels/backend.h"
+#include "dstrain/kernels/cuda.h"
+#include "kernels/cuda/device_math.h"
+
+namespace dstrain::kernels {
+
+namespace {
+
+void cuda_ok(cudaError_t e, const char* what, const char* file, int line) {
+  if (e != cudaSuccess)
+    throw std::runtime_error(std::string("CUDA error ") + cudaGetErrorName(e) + " (" + cudaGetErrorString(e) +
+                             ") in " + what + " at " + file + ":" + std::to_string(line));
+}
+void lt_ok(cublasStatus_t s, const char* what, const char* file, int line) {
+  if (s != CUBLAS_STATUS_SUCCESS)
+    throw std::runtime_error("cuBLASLt status " + std::to_string(int(s)) + " in " + what + " at " + file + ":" +
+                             std::to_string(line));
+}
+#define DS_CUDA(x) cuda_ok((x), #x, __FILE__, __LINE__)
+#define DS_LT(x) lt_ok((x), #x, __FILE__, __LINE__)
+// A launch's configuration errors surface at the next call; check right after it.
+#define DS_LAUNCHED() DS_CUDA(cudaGetLastError())
+
+constexpr int kThreads = 256;
+constexpr int kMaxHeadDim = 256;   // attention's dqk and dv (device_math.h MAXD)
+constexpr int kMaxExperts = 256;   // the router's local arrays (device_math.h MAXE)
+
+int blocks_for(int64_t n, int threads = kThreads) {
+  const int64_t b = (n + threads - 1) / threads;
+  return int(std::min<int64_t>(std::max<int64_t>(b, 1), 1 << 20));
+}
+
+// ---- Reductions --------------------------------------------------------------------------------
+
+__device__ __forceinline__ float warp_sum(float x) {
+  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+  return x;
+}
+__device__ __forceinline__ float warp_max(float x) {
+  for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
+  return x;
+}
+// The functor the warp-cooperative rows of device_math.h reduce with.
+struct WarpSum {
+  __host__ __device__ float operator()(float x) const {
+#if defined(__CUDA_ARCH__)
+    return warp_sum(x);
+#else
+    return x;
+#endif
+  }
+};
+
+// Every thread of the block gets the same total (summed in the same order: deterministic).
+template <bool kMax>
+__device__ float block_reduce(float x) {
+  __shared__ float part[kThreads / 32];
+  x = kMax ? warp_max(x) : warp_sum(x);
+  __syncthreads();  // the previous call's readers are done with `part`
+  if (threadIdx.x % 32 == 0) part[threadIdx.x / 32] = x;
+  __syncthreads();
+  float t = part[0];
+  for (int i = 1; i < kThreads / 32; ++i) t = kMax ? fmaxf(t, part[i]) : t + part[i];
+  return t;
+}
+
+// ---- Element-wise and conversions --------------------------------------------------------------
+
+#define GRID_STRIDE(i, n) \
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < (n); i += int64_t(gridDim.x) * blockDim.x)
+
+__global__ void fill_kernel(float* y, float v, int64_t n) {
+  GRID_STRIDE(i, n) y[i] = v;
+}
+__global__ void add_kernel(float* y, const float* x, int64_t n) {
+  GRID_STRIDE(i, n) y[i] += x[i];
+}
+__global__ void scale_kernel(float* y, float beta, int64_t n) {
+  GRID_STRIDE(i, n) y[i] = beta == 0.0f ? 0.0f : beta * y[i];
+}
+template <bool kAdd>
+__global__ void strided_kernel(float* dst, int64_t ds, const float* src, int64_t ss, int64_t rows, int64_t cols) {
+  GRID_STRIDE(i, rows * cols) {
+    const int64_t r = i / cols, c = i % cols;
+    if (kAdd) dst[r * ds + c] += src[r * ss + c];
+    else dst[r * ds + c] = src[r * ss + c];
+  }
+}
+template <int KIND>
+__global__ void to_lowp_kernel(uint16_t* y, const float* x, int64_t n) {
+  GRID_STRIDE(i, n) y[i] = dev::store_as<KIND>(x[i]);
+}
+template <int KIND>
+__global__ void from_lowp_kernel(float* y, const uint16_t* x, int64_t n) {
+  GRID_STRIDE(i, n) y[i] = dev::load<KIND>(x, i);
+}
+__global__ void adamw_kernel(float* param, const float* grad, float* m, float* v, int64_t n, dev::AdamWConsts k) {
+  GRID_STRIDE(i, n) dev::adamw_element(param + i, grad[i], m + i, v + i, k);
+}
+
+// ---- RMSNorm -----------------------------------------------------------------------------------
+
+__global__ void rmsnorm_forward_kernel(float* y, float* rstd, const float* x, const float* w, int64_t C, float eps) {
+  const int64_t r = blockIdx.x;
+  const float* xr = x + r * C;
+  float ss = 0;
+  for (int64_t c = threadIdx.x; c < C; c += blockDim.x) ss += xr[c] * xr[c];
+  ss = block_reduce<false>(ss);
+  const float rs = 1.0f / sqrtf(ss / float(C) + eps);
+  if (threadIdx.x == 0) rstd[r] = rs;
+  for (int64_t c = threadIdx.x; c < C; c += blockDim.x) y[r * C + c] = w[c] * (xr[c] * rs);
+}
+__global__ void rmsnorm_backward_dx_kernel(float* dx, const float* dy, const float* x, const float* w,
+                                           const float* rstd, int64_t C) {
+  const int64_t r = blockIdx.x;
+  const float rs = rstd[r];
+  const float *xr = x + r * C, *dyr = dy + r * C;
+  float dot = 0;
+  for (int64_t c = threadIdx.x; c < C; c += blockDim.x) dot += dyr[c] * w[c] * xr[c] * rs;
+  dot = block_reduce<false>(dot) / float(C);
+  for (int64_t c = threadIdx.x; c < C; c += blockDim.x) dx[r * C + c] = rs * (dyr[c] * w[c] - xr[c] * rs * dot);
+}
+__global__ void rmsnorm_backward_dw_kernel(float* dw, const float* dy, const float* x, const float* rstd,
+                                           int64_t rows, int64_t C) {
+  const int64_t c = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (c >= C) return;
+  float acc = 0;
+  for (int64_t r = 0; r < rows; ++r) acc += dy[r * C + c] * x[r * C + c] * rstd[r];
+  dw[c] += acc;
+}
+
+// ---- RoPE --------------------------------------------------------------------------------------
+
+__global__ void rope_forward_kernel(float* out, int64_t out_ts, int64_t out_hs, const float* in, int64_t in_ts,
+                                    int64_t in_hs, const float* cos, const float* sin, int64_t N, int64_t S,
+                                    int64_t heads, int64_t dr, bool interleave) {
+  const int64_t half = dr / 2;
+  GRID_STRIDE(i, N * heads * half) {
+    const int64_t j = i % half, h = (i / half) % heads, t = i / (half * heads);
+    const float* x = in + t * in_ts + h * in_hs;
+    float* o = out + t * out_ts + h * out_hs;
+    const float c = cos[(t % S) * half + j], s = sin[(t % S) * half + j];
+    dev::rope_rotate(x[dev::rope_first(j, dr, interleave)], x[dev::rope_second(j, dr, interleave)], c, s, o + j,
+                     o + j + half);
+  }
+}
+__global__ void rope_backward_kernel(float* din, int64_t in_ts, int64_t in_hs, const float* dout, int64_t out_ts,
+                                     int64_t out_hs, const float* cos, const float* sin, int64_t N, int64_t S,
+                                     int64_t heads, int64_t dr, bool interleave, bool accumulate) {
+  const int64_t half = dr / 2;
+  GRID_STRIDE(i, N * heads * half) {
+    const int64_t j = i % half, h = (i / half) % heads, t = i / (half * heads);
+    const float* g = dout + t * out_ts + h * out_hs;
+    float* dx = din + t * in_ts + h * in_hs;
+    const float c = cos[(t % S) * half + j], s = sin[(t % S) * half + j];
+    float da, db;
+    dev::rope_rotate_back(g[j], g[j + half], c, s, &da, &db);
+    float& xa = dx[dev::rope_first(j, dr, interleave)];
+    float& xb = dx[dev::rope_second(j, dr, interleave)];
+    xa = accumulate ? xa + da : da;
+    xb = accumulate ? xb + db : db;
+  }
+}
+
+// ---- Attention: one warp per row ---------------------------------------------------------------
+
+constexpr int kAttnWarps = 4;  // warps (rows) per block
+
+template <int KIND>
+__global__ void attention_forward_kernel(float* O, float* lse, const dev::Storage<KIND>* Q,
+                                         const dev::Storage<KIND>* K, const dev::Storage<KIND>* V, dev::AttnShape a) {
+  const int64_t row = int64_t(blockIdx.x) * kAttnWarps + threadIdx.x / 32;
+  if (row >= a.B * a.nh * a.S) return;
+  const int64_t i = row % a.S, h = (row / a.S) % a.nh, b = row / (a.S * a.nh);
+  dev::attention_forward_row<KIND, 32, kMaxHeadDim>(O, lse, Q, K, V, a, b, h, i, int(threadIdx.x % 32), WarpSum{});
+}
+__global__ void attention_rowsum_kernel(float* D, const float* dO, const float* O, dev::AttnShape a) {
+  const int64_t row = int64_t(blockIdx.x) * kAttnWarps + threadIdx.x / 32;
+  if (row >= a.B * a.nh * a.S) return;
+  const int64_t i = row % a.S, h = (row / a.S) % a.nh, b = row / (a.S * a.nh);
+  dev::attention_rowsum<32>(D, dO, O, a, b, h, i, int(threadIdx.x % 32), WarpSum{});
+}
+template <int KIND>
+__global__ void attention_backward_dq_kernel(float* dQ, const dev::Storage<KIND>* dO, const dev::Storage<KIND>* Q,
+                                             const dev::Storage<KIND>* K, const dev::Storage<KIND>* V,
+                                             const float* lse, const float* D, dev::AttnShape a) {
+  const int64_t row = int64_t(blockIdx.x) * kAttnWarps + threadIdx.x / 32;
+  if (row >= a.B * a.nh * a.S) return;
+  const int64_t i = row % a.S, h = (row / a.S) % a.nh, b = row / (a.S * a.nh);
+  dev::attention_backward_dq_row<KIND, 32, kMaxHeadDim>(dQ, dO, Q, K, V, lse, D, a, b, h, i, int(threadIdx.x % 32),
+                                                         WarpSum{});
+}
+template <int KIND>
+__global__ void attention_backward_dkv_kernel(float* dK, float* dV, const dev::Storage<KIND>* dO,
+                                              const dev::Storage<KIND>* Q, const dev::Storage<KIND>* K,
+                                              const dev::Storage<KIND>* V, const float* lse, const float* D,
+                                              dev::AttnShape a) {
+  const int64_t row = int64_t(blockIdx.x) * kAttnWarps + threadIdx.x / 32;
+  if (row >= a.B * a.nh * a.S) return;
+  const int64_t j = row % a.S, h = (row / a.S) % a.nh, b = row / (a.S * a.nh);
+  dev::attention_backward_dkv_row<KIND, 32, kMaxHeadDim>(dK, dV, dO, Q, K, V, lse, D, a, b, h, j,
+                                                          int(threadIdx.x % 32), WarpSum{});
+}
+
+// ---- SwiGLU, router, MoE data movement ---------------------------------------------------------
+
+__global__ void swiglu_forward_kernel(float* M, const float* GU, int64_t N, int64_t I) {
+  GRID_STRIDE(x, N * I) {
+    const int64_t t = x / I, i = x % I;
+    M[x] = dev::swiglu(GU[t * 2 * I + i], GU[t * 2 * I + I + i]);
+  }
+}
+__global__ void swiglu_backward_kernel(float* dGU, const float* dM, const float* GU, int64_t N, int64_t I) {
+  GRID_STRIDE(x, N * I) {
+    const int64_t t = x / I, i = x % I;
+    dev::swiglu_grad(dM[x], GU[t * 2 * I + i], GU[t * 2 * I + I + i], dGU + t * 2 * I + i, dGU + t * 2 * I + I + i);
+  }
+}
+__global__ void router_forward_kernel(int32_t* idx, float* w, float* scores, const float* logits, const float* bias,
+                                      int64_t N, RouterParams p) {
+  GRID_STRIDE(t, N) {
+    dev::router_forward_row<kMaxExperts>(idx + t * p.top_k, w + t * p.top_k, scores + t * p.num_experts,
+                                         logits + t * p.num_experts, bias, p);
+  }
+}
+__global__ void router_backward_kernel(float* dlogits, const float* dw, const float* dscores_extra,
+                                       const float* scores, const int32_t* idx, int64_t N, RouterParams p) {
+  GRID_STRIDE(t, N) {
+    dev::router_backward_row<kMaxExperts>(dlogits + t * p.num_experts, dw + t * p.top_k,
+                                          dscores_extra ? dscores_extra + t * p.num_experts : nullptr,
+                                          scores + t * p.num_experts, idx + t * p.top_k, p);
+  }
+}
+__global__ void gather_rows_kernel(float* out, const float* in, const int32_t* src, int64_t n, int64_t H) {
+  GRID_STRIDE(x, n * H) out[x] = in[int64_t(src[x / H]) * H + x % H];
+}
+__global__ void moe_combine_kernel(float* out, const float* Y, const float* w, const int32_t* pos, int64_t N,
+                                   int64_t k, int64_t H) {
+  GRID_STRIDE(x, N * H) {
+    const int64_t t = x / H, c = x % H;
+    float o = out[x];
+    for (int64_t j = 0; j < k; ++j) o += w[t * k + j] * Y[int64_t(pos[t * k + j]) * H + c];
+    out[x] = o;
+  }
+}
+// One warp per (token, choice).
+__global__ void moe_combine_backward_kernel(float* dY, float* dw, const float* dout, const float* Y, const float* w,
+                                            const int32_t* pos, int64_t N, int64_t k, int64_t H) {
+  const int64_t tj = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
+  if (tj >= N * k) return;
+  const int lane = threadIdx.x % 32;
+  const int64_t t = tj / k, row = pos[tj];
+  const float wj = w[tj];
+  float dot = 0;
+  for (int64_t c = lane; c < H; c += 32) {
+    const float g = dout[t * H + c];
+    dot += g * Y[row * H + c];
+    dY[row * H + c] = wj * g;
+  }
+  dot = warp_sum(dot);
+  if (lane == 0) dw[tj] = dot;
+}
+__global__ void moe_dispatch_backward_kernel(float* dx, const float* dXp, const int32_t* pos, int64_t N, int64_t k,
+                                             int64_t H) {
+  GRID_STRIDE(x, N * H) {
+    const int64_t t = x / H, c = x % H;
+    float d = dx[x];
+    for (int64_t j = 0; j < k; ++j) d += dXp[int64_t(pos[t * k + j]) * H + c];
+    dx[x] = d;
+  }
+}
+
+// ---- Cross-entropy: one block per row ------------------------------------------------------------
+
+__global__ void cross_entropy_kernel(float* loss, float* logits, const int32_t* target, int64_t V, float gs) {
+  const int64_t r = blockIdx.x;
+  float* l = logits + r * V;
+  const int32_t y = target[r];
+  if (y < 0) {
+    for (int64_t v = threadIdx.x; v < V; v += blockDim.x) l[v] = 0.0f;
+    if (threadIdx.x == 0) loss[r] = 0.0f;
+    return;
+  }
+  float mx = dev::neg_inf();
+  for (int64_t v = threadIdx.x; v < V; v += blockDim.x) mx = fmaxf(mx, l[v]);
+  mx = block_reduce<true>(mx);
+  float sum = 0;
+  for (int64_t v = threadIdx.x; v < V; v += blockDim.x) sum += expf(l[v] - mx);
+  sum = block_reduce<false>(sum);
+  const float lse = mx + logf(sum), ly = l[y];
+  __syncthreads();  // every thread has read l[y] before it is overwritten
+  if (threadIdx.x == 0) loss[r] = lse - ly;
+  for (int64_t v = threadIdx.x; v < V; v += blockDim.x) l[v] = expf(l[v] - lse) * gs - (v == y ? gs : 0.0f);
+}
+__global__ void ce_row_max_kernel(float* row_max, const float* logits, int64_t V) {
+  const int64_t r = blockIdx.x;
+  float mx = dev::neg_inf();
+  for (int64_t v = threadIdx.x; v < V; v += blockDim.x) mx = fmaxf(mx, logits[r * V + v]);
+  mx = block_reduce<true>(mx);
+  if (threadIdx.x == 0) row_max[r] = mx;
+}
+__global__ void ce_row_sums_kernel(float* sums, const float* logits, const float* row_max, const int32_t* target,
+                                   int64_t v0, int64_t V) {
+  const int64_t r = blockIdx.x;
+  const float* l = logits + r * V;
+  const float mx = row_max[r];
+  float sum = 0;
+  for (int64_t v = threadIdx.x; v < V; v += blockDim.x) sum += expf(l[v] - mx);
+  sum = block_reduce<false>(sum);
+  if (threadIdx.x == 0) {
+    const int64_t y = int64_t(target[r]) - v0;
+    sums[2 * r] = sum;
+    sums[2 * r + 1] = target[r] >= 0 && y >= 0 && y < V ? l[y] : 0.0f;
+  }
+}
+__global__ void ce_finish_kernel(float* loss, float* logits, const float* row_max, const float* sums,
+                                 const int32_t* target, int64_t v0, int64_t V, float gs) {
+  const int64_t r = blockIdx.x;
+  float* l = logits + r * V;
+  if (target[r] < 0) {
+    for (int64_t v = threadIdx.x; v < V; v += blockDim.x) l[v] = 0.0f;
+    if (threadIdx.x == 0) loss[r] = 0.0f;
+    return;
+  }
+  const float lse = row_max[r] + logf(sums[2 * r]);
+  if (threadIdx.x == 0) loss[r] = lse - sums[2 * r + 1];
+  const int64_t y = int64_t(target[r]) - v0;
+  for (int64_t v = threadIdx.x; v < V; v += blockDim.x) l[v] = expf(l[v] - lse) * gs - (v == y ? gs : 0.0f);
+}
+
+// ---- Embedding ---------------------------------------------------------------------------------
+
+__global__ void embedding_forward_kernel(float* out, const float* table, const int32_t* ids, int64_t N, int64_t H) {
+  GRID_STRIDE(x, N * H) {
+    const int32_t id = ids[x / H];
+    out[x] = id < 0 ? 0.0f : table[int64_t(id) * H + x % H];
+  }
+}
+// One thread per column, tokens in order: repeated ids add up in a fixed order, without atomics.
+__global__ void embedding_backward_kernel(float* dtable, const float* dout, const int32_t* ids, int64_t N, int64_t H) {
+  const int64_t c = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (c >= H) return;
+  for (int64_t t = 0; t < N; ++t) {
+    const int32_t id = ids[t];
+    if (id >= 0) dtable[int64_t(id) * H + c] += dout[t * H + c];
+  }
+}
+
+// ---- cuBLASLt ----------------------------------------------------------------------------------
+
+cudaDataType_t cuda_type(DType t) {
+  switch (t) {
+    case DType::kF32: return CUDA_R_32F;
+    case DType::kBF16: return CUDA_R_16BF;
+    case DType::kF16: return CUDA_R_16F;
+  }
+  return CUDA_R_32F;
+}
+
+// The largest power of two (up to 256) dividing the address: cuBLASLt's heuristics want the
+// operands' alignment, and views into buffers may sit at any 4-byte offset.
+uint32_t alignment_of(const void* p) {
+  const auto a = reinterpret_cast<uintptr_t>(p);
+  uint32_t al = 256;
+  while (al > 1 && a % al) al /= 2;
+  return al;
+}
+
+struct GemmKey {
+  int64_t M, N, K;
+  bool ta, tb;
+  DType dtype;
+  uint32_t al_a, al_b, al_c;
+  bool operator<(const GemmKey& o) const {
+    return std::tie(M, N, K, ta, tb, dtype, al_a, al_b, al_c) <
+           std::tie(o.M, o.N, o.K, o.ta, o.tb, o.dtype, o.al_a, o.al_b, o.al_c);
+  }
+};
+
+// One problem shape's descriptors and the algorithm the heuristic chose, kept for the
+// backend's life (heuristics cached per shape).
+struct GemmPlan {
+  cublasLtMatmulDesc_t op = nullptr;
+  cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
+  cublasLtMatmulAlgo_t algo{};
+};
+
+// ---- The backend -------------------------------------------------------------------------------
+
+class CudaBackend final : public Backend {
+ public:
+  explicit CudaBackend(int device) : device_(device) {
+    DS_CUDA(cudaSetDevice(device_));
+    cudaDeviceProp prop{};
+    DS_CUDA(cudaGetDeviceProperties(&prop, device_));
+    device_name_ = prop.name;
+    sms_ = prop.multiProcessorCount;
+    DS_CUDA(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+    DS_LT(cublasLtCreate(&lt_));
+    workspace_ = allocate(kWorkspaceBytes);
+  }
+  ~CudaBackend() override {
+    cudaStreamSynchronize(stream_);
+    for (auto& [key, plan] : plans_) {
+      cublasLtMatrixLayoutDestroy(plan.a);
+      cublasLtMatrixLayoutDestroy(plan.b);
+      cublasLtMatrixLayoutDestroy(plan.c);
+      cublasLtMatmulDescDestroy(plan.op);
+    }
+    cublasLtDestroy(lt_);
+    deallocate(workspace_);
+    for (auto& [size, p] : free_) cudaFree(p);
+    for (auto& [p, size] : used_) cudaFree(p);
+    cudaStreamDestroy(stream_);
+  }
+
+  std::string name() const override { return "cuda (" + device_name_ + ", device " + std::to_string(device_) + ")"; }
+  int num_threads() const override { return sms_; }
+
+  // Caching pool. Sizes round up to 512 bytes (2 MiB above 1 MiB); a request takes the smallest
+  // cached block of at least its size and at most twice it, else cudaMalloc — after freeing the
+  // whole cache and trying again when the device is full.
+  void* allocate(int64_t bytes) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    const int64_t want = std::max<int64_t>(bytes, 1);
+    const int64_t size = want > (1 << 20) ? (want + (2 << 20) - 1) / (2 << 20) * (2 << 20) : (want + 511) / 512 * 512;
+    auto it = free_.lower_bound(size);
+    void* p = nullptr;
+    int64_t got = size;
+    if (it != free_.end() && it->first <= 2 * size) {
+      p = it->second, got = it->first;
+      cached_ -= got;
+      free_.erase(it);
+    } else {
+      if (cudaMalloc(&p, size_t(size)) != cudaSuccess) {
+        cudaGetLastError();
+        DS_CUDA(cudaStreamSynchronize(stream_));
+        for (auto& [s, q] : free_) cudaFree(q);
+        free_.clear();
+        cached_ = 0;
+        DS_CUDA(cudaMalloc(&p, size_t(size)));
+      }
+      ++mallocs_;
+    }
+    used_[p] = got;
+    in_use_ += got;
+    peak_ = std::max(peak_, in_use_);
+    return p;
+  }
+  // Stream-ordered: the block goes back to the cache at once — later ops on the same stream
+  // that reuse it run after the ops that used it.
+  void deallocate(void* p) override {
+    if (!p) return;
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = used_.find(p);
+    if (it == used_.end()) throw std::invalid_argument("cuda backend: deallocate of a pointer it did not allocate");
+    in_use_ -= it->second;
+    cached_ += it->second;
+    free_.emplace(it->second, p);
+    used_.erase(it);
+  }
+  CudaPoolStats pool_stats() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return {mallocs_, in_use_, peak_, cached_};
+  }
+
+  void copy_to_host(void* host, const void* src, int64_t bytes) override {
+    if (bytes <= 0) return;
+    DS_CUDA(cudaMemcpyAsync(host, src, size_t(bytes), cudaMemcpyDeviceToHost, stream_));
+    DS_CUDA(cudaStreamSynchronize(stream_));
+  }
+  void copy_from_host(void* dst, const void* host, int64_t bytes) override {
+    if (bytes <= 0) return;
+    DS_CUDA(cudaMemcpyAsync(dst, host, size_t(bytes), cudaMemcpyHostToDevice, stream_));
+    DS_CUDA(cudaStreamSynchronize(stream_));  // the caller may free or reuse `host` when this returns
+  }
+  void synchronize() override { DS_CUDA(cudaStreamSynchronize(stream_)); }
+
+  void convert(View dst, ConstView src, int64_t n) override {
+    if (n <= 0) return;
+    if (dst.dtype == src.dtype) {
+      DS_CUDA(cudaMemcpyAsync(dst.data, src.data, size_t(n * dtype_size(src.dtype)), cudaMemcpyDeviceToDevice,
+                              stream_));
+      return;
+    }
+    if (dst.dtype != DType::kF32 && src.dtype != DType::kF32)
+      throw std::invalid_argument(std::string("convert: ") + to_string(src.dtype) + " to " + to_string(dst.dtype) +
+                                  " (one side must be fp32)");
+    auto* d16 = static_cast<uint16_t*>(dst.data);
+    auto* s16 = static_cast<const uint16_t*>(src.data);
+    if (dst.dtype == DType::kBF16) to_lowp_kernel<1><<<blocks_for(n), kThreads, 0, stream_>>>(d16, f(src.data), n);
+    else if (dst.dtype == DType::kF16) to_lowp_kernel<2><<<blocks_for(n), kThreads, 0, stream_>>>(d16, f(src.data), n);
+    else if (src.dtype == DType::kBF16) from_lowp_kernel<1><<<blocks_for(n), kThreads, 0, stream_>>>(fm(dst.data), s16, n);
+    else from_lowp_kernel<2><<<blocks_for(n), kThreads, 0, stream_>>>(fm(dst.data), s16, n);
+    DS_LAUNCHED();
+  }
+
+  void gemm(float* C, const float* A, const float* B, int64_t M, int64_t N, int64_t K, bool ta, bool tb, float alpha,
+            float beta) override {
+    gemm(C, ConstView{A, DType::kF32}, ConstView{B, DType::kF32}, M, N, K, ta, tb, alpha, beta);
+  }
+  void gemm_grouped(float* const* C, const float* const* A, const float* const* B, const int64_t* M, const int64_t* N,
+                    const int64_t* K, int64_t count, bool ta, bool tb, float alpha, float beta) override {
+    for (int64_t i = 0; i < count; ++i) gemm(C[i], A[i], B[i], M[i], N[i], K[i], ta, tb, alpha, beta);
+  }
+  void gemm_grouped(float* const* C, const void* const* A, const void* const* B, DType dtype, const int64_t* M,
+                    const int64_t* N, const int64_t* K, int64_t count, bool ta, bool tb, float alpha,
+                    float beta) override {
+    for (int64_t i = 0; i < count; ++i)
+      gemm(C[i], ConstView{A[i], dtype}, ConstView{B[i], dtype}, M[i], N[i], K[i], ta, tb, alpha, beta);
+  }
+  // Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T: cuBLASLt's first operand is
+  // B and its second A, with m = N, n = M.
+  void gemm(float* C, ConstView A, ConstView B, int64_t M, int64_t N, int64_t K, bool ta, bool tb, float alpha,
+            float beta) override {
+    if (A.dtype != B.dtype)
+      throw std::invalid_argument(std::string("gemm: inputs of two types, ") + to_string(A.dtype) + " and " +
+                                  to_string(B.dtype));
+    if (M == 0 || N == 0) return;
+    if (K == 0) {
+      scale_kernel<<<blocks_for(M * N), kThreads, 0, stream_>>>(C, beta, M * N);
+      DS_LAUNCHED();
+      return;
+    }
+    const GemmKey key{M, N, K, ta, tb, A.dtype, alignment_of(A.data), alignment_of(B.data), alignment_of(C)};
+    const GemmPlan& plan = gemm_plan(key);
+    DS_LT(cublasLtMatmul(lt_, plan.op, &alpha, B.data, plan.a, A.data, plan.b, &beta, C, plan.c, C, plan.c,
+                         &plan.algo, workspace_, kWorkspaceBytes, stream_));
+  }
+  std::string lowp_gemm_implementation(DType dtype) override {
+    return std::string("cuBLASLt ") + to_string(dtype) + " inputs, fp32 accumulation (" + device_name_ + ")";
+  }
+  bool low_precision_gemm_native(DType dtype) override { return dtype != DType::kF32; }
+
+  void rmsnorm_forward(float* y, float* rstd, const float* x, const float* w, int64_t rows, int64_t C,
+                       float eps) override {
+    if (rows <= 0) return;
+    rmsnorm_forward_kernel<<<unsigned(rows), kThreads, 0, stream_>>>(y, rstd, x, w, C, eps);
+    DS_LAUNCHED();
+  }
+  void rmsnorm_backward(float* dx, float* dw, const float* dy, const float* x, const float* w, const float* rstd,
+                        int64_t rows, int64_t C) override {
+    if (rows <= 0) return;
+    rmsnorm_backward_dx_kernel<<<unsigned(rows), kThreads, 0, stream_>>>(dx, dy, x, w, rstd, C);
+    rmsnorm_backward_dw_kernel<<<blocks_for(C), kThreads, 0, stream_>>>(dw, dy, x, rstd, rows, C);
+    DS_LAUNCHED();
+  }
+
+  void rope_forward(float* out, int64_t out_ts, int64_t out_hs, const float* in, int64_t in_ts, int64_t in_hs,
+                    const float* cos, const float* sin, int64_t N, int64_t S, int64_t heads, int64_t dr,
+                    bool interleave) override {
+    const int64_t n = N * heads * (dr / 2);
+    if (n <= 0) return;
+    rope_forward_kernel<<<blocks_for(n), kThreads, 0, stream_>>>(out, out_ts, out_hs, in, in_ts, in_hs, cos, sin, N,
+                                                                  S, heads, dr, interleave);
+    DS_LAUNCHED();
+  }
+  void rope_backward(float* din, int64_t in_ts, int64_t in_hs, const float* dout, int64_t out_ts, int64_t out_hs,
+                     const float* cos, const float* sin, int64_t N, int64_t S, int64_t heads, int64_t dr,
+                     bool interleave, bool accumulate) override {
+    const int64_t n = N * heads * (dr / 2);
+    if (n <= 0) return;
+    rope_backward_kernel<<<blocks_for(n), kThreads, 0, stream_>>>(din, in_ts, in_hs, dout, out_ts, out_hs, cos, sin,
+                                                                   N, S, heads, dr, interleave, accumulate);
+    DS_LAUNCHED();
+  }
+
+  void reserve_attention(int64_t S) override { attention_s_ = std::max(attention_s_, S); }
+  void attention_forward(float* O, float* lse, const float* Q, const float* K, const float* V, int64_t B, int64_t S,
+                         int64_t nh, int64_t dqk, int64_t dv, float scale) override {
+    attention_forward(O, lse, f32(Q), f32(K), f32(V), B, S, nh, dqk, dv, scale);
+  }
+  void attention_backward(float* dQ, float* dK, float* dV, const float* dO, const float* Q, const float* K,
+                          const float* V, const float* O, const float* lse, int64_t B, int64_t S, int64_t nh,
+                          int64_t dqk, int64_t dv, float scale) override {
+    attention_backward(dQ, dK, dV, dO, f32(dO), f32(Q), f32(K), f32(V), O, lse, B, S, nh, dqk, dv, scale);
+  }
+  bool low_precision_attention(DType) const override { return true; }
+  void attention_forward(float* O, float* lse, ConstView Q, ConstView K, ConstView V, int64_t B, int64_t S,
+                         int64_t nh, int64_t dqk, int64_t dv, float scale) override {
+    check_attention(Q, K, V, S, dqk, dv);
+    const dev::AttnShape a{B, S, nh, dqk, dv, scale};
+    const int64_t rows = B * nh * S;
+    if (rows <= 0) return;
+    const int grid = int((rows + kAttnWarps - 1) / kAttnWarps);
+    switch (Q.dtype) {
+      case DType::kF32:
+        attention_forward_kernel<0><<<grid, 32 * kAttnWarps, 0, stream_>>>(O, lse, f(Q.data), f(K.data), f(V.data), a);
+        break;
+      case DType::kBF16:
+        attention_forward_kernel<1><<<grid, 32 * kAttnWarps, 0, stream_>>>(O, lse, h(Q.data), h(K.data), h(V.data), a);
+        break;
+      case DType::kF16:
+        attention_forward_kernel<2><<<grid, 32 * kAttnWarps, 0, stream_>>>(O, lse, h(Q.data), h(K.data), h(V.data), a);
+        break;
+    }
+    DS_LAUNCHED();
+  }
+  void attention_backward(float* dQ, float* dK, float* dV, const float* dO, ConstView dO_lp, ConstView Q, ConstView K,
+                          ConstView V, const float* O, const float* lse, int64_t B, int64_t S, int64_t nh,
+                          int64_t dqk, int64_t dv, float scale) override {
+    check_attention(Q, K, V, S, dqk, dv);
+    if (dO_lp.dtype != Q.dtype)
+      throw std::invalid_argument(std::string("attention_backward: dO in ") + to_string(dO_lp.dtype) +
+                                  ", Q/K/V in " + to_string(Q.dtype));
+    const dev::AttnShape a{B, S, nh, dqk, dv, scale};
+    const int64_t rows = B * nh * S;
+    if (rows <= 0) return;
+    float* D = scratch(rows);
+    const int grid = int((rows + kAttnWarps - 1) / kAttnWarps), threads = 32 * kAttnWarps;
+    attention_rowsum_kernel<<<grid, threads, 0, stream_>>>(D, dO, O, a);
+    switch (Q.dtype) {
+      case DType::kF32:
+        attention_backward_dq_kernel<0><<<grid, threads, 0, stream_>>>(dQ, f(dO_lp.data), f(Q.data), f(K.data),
+                                                                       f(V.data), lse, D, a);
+        attention_backward_dkv_kernel<0><<<grid, threads, 0, stream_>>>(dK, dV, f(dO_lp.data), f(Q.data), f(K.data),
+                                                                        f(V.data), lse, D, a);
+        break;
+      case DType::kBF16:
+        attention_backward_dq_kernel<1><<<grid, threads, 0, stream_>>>(dQ, h(dO_lp.data), h(Q.data), h(K.data),
+                                                                       h(V.data), lse, D, a);
+        attention_backward_dkv_kernel<1><<<grid, threads, 0, stream_>>>(dK, dV, h(dO_lp.data), h(Q.data), h(K.data),
+                                                                        h(V.data), lse, D, a);
+        break;
+      case DType::kF16:
+        attention_backward_dq_kernel<2><<<grid, threads, 0, stream_>>>(dQ, h(dO_lp.data), h(Q.data), h(K.data),
+                                                                       h(V.data), lse, D, a);
+        attention_backward_dkv_kernel<2><<<grid, threads, 0, stream_>>>(dK, dV, h(dO_lp.data), h(Q.data), h(K.data),
+                                                                        h(V.data), lse, D, a);
+        break;
+    }
+    DS_LAUNCHED();
+  }
+
+  void swiglu_forward(float* M, const float* GU, int64_t N, int64_t I) override {
+    if (N * I <= 0) return;
+    swiglu_forward_kernel<<<blocks_for(N * I), kThreads, 0, stream_>>>(M, GU, N, I);
+    DS_LAUNCHED();
+  }
+  void swiglu_backward(float* dGU, const float* dM, const float* GU, int64_t N, int64_t I) override {
+    if (N * I <= 0) return;
+    swiglu_backward_kernel<<<blocks_for(N * I), kThreads, 0, stream_>>>(dGU, dM, GU, N, I);
+    DS_LAUNCHED();
+  }
+
+  void router_forward(int32_t* idx, float* w, float* scores, const float* logits, const float* bias, int64_t N,
+                      const RouterParams& p) override {
+    check_router(p);
+    if (N <= 0) return;
+    router_forward_kernel<<<blocks_for(N, 128), 128, 0, stream_>>>(idx, w, scores, logits, bias, N, p);
+    DS_LAUNCHED();
+  }
+  void router_backward(float* dlogits, const float* dw, const float* dscores_extra, const float* scores,
+                       const int32_t* idx, int64_t N, const RouterParams& p) override {
+    check_router(p);
+    if (N <= 0) return;
+    router_backward_kernel<<<blocks_for(N, 128), 128, 0, stream_>>>(dlogits, dw, dscores_extra, scores, idx, N, p);
+    DS_LAUNCHED();
+  }
+
+  void gather_rows(float* out, const float* in, const int32_t* src, int64_t n, int64_t H) override {
+    if (n * H <= 0) return;
+    gather_rows_kernel<<<blocks_for(n * H), kThreads, 0, stream_>>>(out, in, src, n, H);
+    DS_LAUNCHED();
+  }
+  void moe_combine(float* out, const float* Y, const float* w, const int32_t* pos, int64_t N, int64_t k,
+                   int64_t H) override {
+    if (N * H <= 0) return;
+    moe_combine_kernel<<<blocks_for(N * H), kThreads, 0, stream_>>>(out, Y, w, pos, N, k, H);
+    DS_LAUNCHED();
+  }
+  void moe_combine_backward(float* dY, float* dw, const float* dout, const float* Y, const float* w,
+                            const int32_t* pos, int64_t N, int64_t k, int64_t H) override {
+    if (N * k <= 0) return;
+    moe_combine_backward_kernel<<<blocks_for(N * k * 32), kThreads, 0, stream_>>>(dY, dw, dout, Y, w, pos, N, k, H);
+    DS_LAUNCHED();
+  }
+  void moe_dispatch_backward(float* dx, const float* dXp, const int32_t* pos, int64_t N, int64_t k,
+                             int64_t H) override {
+    if (N * H <= 0) return;
+    moe_dispatch_backward_kernel<<<blocks_for(N * H), kThreads, 0, stream_>>>(dx, dXp, pos, N, k, H);
+    DS_LAUNCHED();
+  }
+
+  void cross_entropy(float* loss, float* logits, const int32_t* target, int64_t rows, int64_t V,
+                     float grad_scale) override {
+    if (rows <= 0) return;
+    cross_entropy_kernel<<<unsigned(rows), kThreads, 0, stream_>>>(loss, logits, target, V, grad_scale);
+    DS_LAUNCHED();
+  }
+  void cross_entropy_row_max(float* row_max, const float* logits, int64_t rows, int64_t V) override {
+    if (rows <= 0) return;
+    ce_row_max_kernel<<<unsigned(rows), kThreads, 0, stream_>>>(row_max, logits, V);
+    DS_LAUNCHED();
+  }
+  void cross_entropy_row_sums(float* sums, const float* logits, const float* row_max, const int32_t* target,
+                              int64_t v0, int64_t rows, int64_t V) override {
+    if (rows <= 0) return;
+    ce_row_sums_kernel<<<unsigned(rows), kThreads, 0, stream_>>>(sums, logits, row_max, target, v0, V);
+    DS_LAUNCHED();
+  }
+  void cross_entropy_finish(float* loss, float* logits, const float* row_max, const float* sums,
+                            const int32_t* target, int64_t v0, int64_t rows, int64_t V, float grad_scale) override {
+    if (rows <= 0) return;
+    ce_finish_kernel<<<unsigned(rows), kThreads, 0, stream_>>>(loss, logits, row_max, sums, target, v0, V, grad_scale);
+    DS_LAUNCHED();
+  }
+
+  void embedding_forward(float* out, const float* table, const int32_t* ids, int64_t N, int64_t H) override {
+    if (N * H <= 0) return;
+    embedding_forward_kernel<<<blocks_for(N * H), kThreads, 0, stream_>>>(out, table, ids, N, H);
+    DS_LAUNCHED();
+  }
+  void embedding_backward(float* dtable, const float* dout, const int32_t* ids, int64_t N, int64_t H,
+                          int64_t) override {
+    if (N * H <= 0) return;
+    embedding_backward_kernel<<<blocks_for(H), kThreads, 0, stream_>>>(dtable, dout, ids, N, H);
+    DS_LAUNCHED();
+  }
+
+  void adamw(float* param, const float* grad, float* m, float* v, int64_t n, const AdamWParams& p) override {
+    if (n <= 0) return;
+    adamw_kernel<<<blocks_for(n), kThreads, 0, stream_>>>(param, grad, m, v, n, dev::adamw_consts(p));
+    DS_LAUNCHED();
+  }
+
+  void add(float* y, const float* x, int64_t n) override {
+    if (n <= 0) return;
+    add_kernel<<<blocks_for(n), kThreads, 0, stream_>>>(y, x, n);
+    DS_LAUNCHED();
+  }
+  void fill(float* y, float value, int64_t n) override {
+    if (n <= 0) return;
+    fill_kernel<<<blocks_for(n), kThreads, 0, stream_>>>(y, value, n);
+    DS_LAUNCHED();
+  }
+  void copy_strided(float* dst, int64_t dst_stride, const float* src, int64_t src_stride, int64_t rows,
+                    int64_t cols) override {
+    if (rows * cols <= 0) return;
+    strided_kernel<false><<<blocks_for(rows * cols), kThreads, 0, stream_>>>(dst, dst_stride, src, src_stride, rows,
+                                                                             cols);
+    DS_LAUNCHED();
+  }
+  void add_strided(float* dst, int64_t dst_stride, const float* src, int64_t src_stride, int64_t rows,
+                   int64_t cols) override {
+    if (rows * cols <= 0) return;
+    strided_kernel<true><<<blocks_for(rows * cols), kThreads, 0, stream_>>>(dst, dst_stride, src, src_stride, rows,
+                                                                            cols);
+    DS_LAUNCHED();
+  }
+
+ private:
+  static constexpr int64_t kWorkspaceBytes = 32ll << 20;  // cuBLASLt's, one for every GEMM
+
+  static const float* f(const void* p) { return static_cast<const float*>(p); }
+  static float* fm(void* p) { return static_cast<float*>(p); }
+  static const uint16_t* h(const void* p) { return static_cast<const uint16_t*>(p); }
+
+  void check_attention(ConstView Q, ConstView K, ConstView V, int64_t S, int64_t dqk, int64_t dv) const {
+    if (Q.dtype != K.dtype || Q.dtype != V.dtype)
+      throw std::invalid_argument("attention: Q, K, V of different types");
+    if (S > attention_s_)
+      throw std::invalid_argument("attention on " + std::to_string(S) + " positions, but the backend reserved " +
+                                  std::to_string(attention_s_) + " (call reserve_attention)");
+    if (dqk > kMaxHeadDim || dv > kMaxHeadDim)
+      throw std::invalid_argument("attention: head widths " + std::to_string(dqk) + " / " + std::to_string(dv) +
+                                  " exceed the CUDA kernel's " + std::to_string(kMaxHeadDim));
+  }
+  static void check_router(const RouterParams& p) {
+    if (p.num_experts > kMaxExperts)
+      throw std::invalid_argument("router: " + std::to_string(p.num_experts) +
+                                  " experts exceed the CUDA kernel's " + std::to_string(kMaxExperts));
+  }
+
+  // Backend-owned scratch for the attention row sums: grows to the largest request, then stays.
+  float* scratch(int64_t floats) {
+    if (floats > scratch_floats_) {
+      if (scratch_) deallocate(scratch_);
+      scratch_ = static_cast<float*>(allocate(floats * 4));
+      scratch_floats_ = floats;
+    }
+    return scratch_;
+  }
+
+  const GemmPlan& gemm_plan(const GemmKey& k) {
+    auto it = plans_.find(k);
+    if (it != plans_.end()) return it->second;
+    GemmPlan p;
+    const cudaDataType_t in = cuda_type(k.dtype);
+    DS_LT(cublasLtMatmulDescCreate(&p.op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+    const cublasOperation_t op_a = k.tb ? CUBLAS_OP_T : CUBLAS_OP_N, op_b = k.ta ? CUBLAS_OP_T : CUBLAS_OP_N;
+    DS_LT(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_TRANSA, &op_a, sizeof(op_a)));
+    DS_LT(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_TRANSB, &op_b, sizeof(op_b)));
+    // cuBLASLt's A is our B: [K,N] row-major = [N,K] column-major (ld N), or transposed.
+    if (k.tb) DS_LT(cublasLtMatrixLayoutCreate(&p.a, in, uint64_t(k.K), uint64_t(k.N), k.K));
+    else DS_LT(cublasLtMatrixLayoutCreate(&p.a, in, uint64_t(k.N), uint64_t(k.K), k.N));
+    if (k.ta) DS_LT(cublasLtMatrixLayoutCreate(&p.b, in, uint64_t(k.M), uint64_t(k.K), k.M));
+    else DS_LT(cublasLtMatrixLayoutCreate(&p.b, in, uint64_t(k.K), uint64_t(k.M), k.K));
+    DS_LT(cublasLtMatrixLayoutCreate(&p.c, CUDA_R_32F, uint64_t(k.N), uint64_t(k.M), k.N));
+    cublasLtMatmulPreference_t pref;
+    DS_LT(cublasLtMatmulPreferenceCreate(&pref));
+    const uint64_t ws = kWorkspaceBytes;
+    DS_LT(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)));
+    DS_LT(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &k.al_b,
+                                               sizeof(k.al_b)));
+    DS_LT(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &k.al_a,
+                                               sizeof(k.al_a)));
+    DS_LT(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &k.al_c,
+                                               sizeof(k.al_c)));
+    DS_LT(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &k.al_c,
+                                               sizeof(k.al_c)));
+    cublasLtMatmulHeuristicResult_t result{};
+    int found = 0;
+    const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(lt_, p.op, p.a, p.b, p.c, p.c, pref, 1, &result, &found);
+    cublasLtMatmulPreferenceDestroy(pref);
+    if (st != CUBLAS_STATUS_SUCCESS || found == 0)
+      throw std::runtime_error("cuBLASLt has no algorithm for a " + std::string(to_string(k.dtype)) + " GEMM " +
+                               std::to_string(k.M) + "x" + std::to_string(k.N) + "x" + std::to_string(k.K) +
+                               " (status " + std::to_string(int(st)) + ")");
+    p.algo = result.algo;
+    return plans_.emplace(k, p).first->second;
+  }
+
+  int device_ = 0;
+  std::string device_name_;
+  int sms_ = 0;
+  cudaStream_t stream_ = nullptr;
+  cublasLtHandle_t lt_ = nullptr;
+  void* workspace_ = nullptr;
+  std::map<GemmKey, GemmPlan> plans_;
+  int64_t attention_s_ = 0;
+  float* scratch_ = nullptr;
+  int64_t scratch_floats_ = 0;
+
+  std::mutex mu_;
+  std::multimap<int64_t, void*> free_;
+  std::map<void*, int64_t> used_;
+  int64_t mallocs_ = 0, in_use_ = 0, peak_ = 0, cached_ = 0;
+};
+
+}  // namespace
+
+CudaDeviceInfo cuda_device_info(int device) {
+  CudaDeviceInfo info;
+  cudaError_t e = cudaGetDeviceCount(&info.count);
+  cudaRuntimeGetVersion(&info.runtime_version);
+  cudaDriverGetVersion(&info.driver_version);
+  info.cublaslt_version = int64_t(cublasLtGetVersion());
+  if (e != cudaSuccess) {
+    info.count = 0;
+    info.error = std::string(cudaGetErrorName(e)) + ": " + cudaGetErrorString(e);
+    cudaGetLastError();
+    return info;
+  }
+  if (info.count == 0) {
+    info.error = "no CUDA device";
+    return info;
+  }
+  if (device < 0 || device >= info.count) {
+    info.error = "device " + std::to_string(device) + " of " + std::to_string(info.count);
+    return info;
+  }
+  cudaDeviceProp prop{};
+  e = cudaGetDeviceProperties(&prop, device);
+  if (e != cudaSuccess) {
+    info.error = cudaGetErrorString(e);
+    return info;
+  }
+  info.name = prop.name;
+  info.memory_bytes = int64_t(prop.totalGlobalMem);
+  info.cc_major = prop.major;
+  info.cc_minor = prop.minor;
+  info.multiprocessors = prop.multiProcessorCount;
+  return info;
+}
+
+std::unique_ptr<Backend> make_cuda_backend(int device) { return std::make_unique<CudaBackend>(device); }
+
+CudaPoolStats cuda_pool_stats(Backend& be) {
+  auto* c = dynamic_cast<CudaBackend*>(&be);
+  if (!c) throw std::invalid_argument("cuda_pool_stats: " + be.name() + " is not a CUDA backend");
+  return c->pool_stats();
+}
+
+}  // namespace dstrain::kernels

@@ -1,0 +1,388 @@
+// The per-element and per-row math of the CUDA backend (docs/design.md §6.11), written once as
+// __host__ __device__ functions: the CUDA kernels (kernels/cuda/*.cu) call them per thread or per
+// warp, and tests/unit/test_device_math.cpp compiles the same functions with the host compiler
+// and checks them against the CPU backend — conversions bit for bit, RoPE / SwiGLU / router /
+// AdamW / attention rows to float tolerance — so the indexing, masking and numerics are tested
+// on machines without a GPU. Only the launch geometry and the warp shuffles stay device-only.
+//
+// Warp-cooperative row functions take LANES (32 on the GPU, 1 in the host tests), the caller's
+// lane and a `sum` functor that returns the all-lane sum of a float (a shuffle reduction on the
+// GPU, the identity with one lane); lane l handles elements l, l + LANES, ... of a row.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "dstrain/kernels/backend.h"
+
+#if defined(__CUDACC__)
+#define DSTRAIN_HD __host__ __device__ __forceinline__
+#else
+#define DSTRAIN_HD inline
+#endif
+
+namespace dstrain::kernels::dev {
+
+// ---- Storage types ---------------------------------------------------------------------------
+
+// KIND: 0 fp32 (float), 1 bf16, 2 fp16 (uint16_t bit patterns); Storage<KIND> is the element.
+template <int KIND>
+struct StorageOf {
+  using type = uint16_t;
+};
+template <>
+struct StorageOf<0> {
+  using type = float;
+};
+template <int KIND>
+using Storage = typename StorageOf<KIND>::type;
+
+DSTRAIN_HD uint32_t f32_bits(float x) {
+  uint32_t u;
+  memcpy(&u, &x, 4);
+  return u;
+}
+DSTRAIN_HD float bits_f32(uint32_t u) {
+  float x;
+  memcpy(&x, &u, 4);
+  return x;
+}
+DSTRAIN_HD float neg_inf() { return bits_f32(0xff800000u); }
+
+// fp32 -> bf16, round to nearest even; NaN kept quiet.
+DSTRAIN_HD uint16_t to_bf16(float x) {
+  const uint32_t u = f32_bits(x);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x0040u);
+  return uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+DSTRAIN_HD float from_bf16(uint16_t h) { return bits_f32(uint32_t(h) << 16); }
+
+// fp32 -> IEEE fp16, round to nearest even, subnormals kept, overflow to infinity (from 65520),
+// NaN kept quiet — in integer arithmetic, so host and device agree bit for bit.
+DSTRAIN_HD uint16_t to_fp16(float x) {
+  const uint32_t u = f32_bits(x), sign = (u >> 16) & 0x8000u, a = u & 0x7fffffffu;
+  if (a > 0x7f800000u) return uint16_t(sign | 0x7e00u | ((a >> 13) & 0x3ffu));
+  if (a >= 0x477ff000u) return uint16_t(sign | 0x7c00u);
+  if (a < 0x38800000u) {  // below 2^-14: the result is a multiple of 2^-24
+    const uint32_t e = a >> 23;
+    if (e < 102) return uint16_t(sign);  // below 2^-25: rounds to zero (2^-25 itself is a tie, to even 0)
+    const uint32_t mant = (a & 0x7fffffu) | 0x800000u;  // value = mant * 2^(e - 150)
+    const uint32_t shift = 126u - e;                     // value * 2^24 = mant >> shift
+    uint32_t q = mant >> shift;
+    const uint32_t rem = mant & ((1u << shift) - 1u), half = 1u << (shift - 1u);
+    if (rem > half || (rem == half && (q & 1u))) ++q;
+    return uint16_t(sign | q);
+  }
+  const uint32_t m = a - 0x38000000u;
+  return uint16_t(sign | ((m + 0xfffu + ((m >> 13) & 1u)) >> 13));
+}
+DSTRAIN_HD float from_fp16(uint16_t h) {
+  const uint32_t sign = uint32_t(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
+  if (e == 0) return bits_f32(sign | f32_bits(float(m) * 5.9604644775390625e-8f));
+  if (e == 31) return bits_f32(sign | 0x7f800000u | (m << 13));
+  return bits_f32(sign | ((e + 112u) << 23) | (m << 13));
+}
+
+template <int KIND>
+DSTRAIN_HD float load(const Storage<KIND>* p, int64_t i) {
+  if constexpr (KIND == 0) return p[i];
+  else if constexpr (KIND == 1) return from_bf16(p[i]);
+  else return from_fp16(p[i]);
+}
+template <int KIND>
+DSTRAIN_HD Storage<KIND> store_as(float x) {
+  if constexpr (KIND == 0) return x;
+  else if constexpr (KIND == 1) return to_bf16(x);
+  else return to_fp16(x);
+}
+// x rounded to the type and back (the identity for fp32): what a 16-bit GEMM operand holds.
+template <int KIND>
+DSTRAIN_HD float round_to(float x) {
+  if constexpr (KIND == 0) return x;
+  else if constexpr (KIND == 1) return from_bf16(to_bf16(x));
+  else return from_fp16(to_fp16(x));
+}
+
+// ---- Element-wise ----------------------------------------------------------------------------
+
+DSTRAIN_HD float sigmoidf(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+// SwiGLU on one (gate, up) pair.
+DSTRAIN_HD float swiglu(float g, float u) { return g * sigmoidf(g) * u; }
+DSTRAIN_HD void swiglu_grad(float dm, float g, float u, float* dg, float* du) {
+  const float sg = sigmoidf(g);
+  *du = dm * g * sg;
+  *dg = dm * u * sg * (1.0f + g * (1.0f - sg));
+}
+
+// RoPE pair j of a dr-vector (docs/model.md §3.4.1): the pair's inputs (a, b) — x[2j], x[2j+1]
+// when interleaved, else x[j], x[j + dr/2] — rotated by (c, s) to out[j], out[j + dr/2].
+DSTRAIN_HD void rope_rotate(float a, float b, float c, float s, float* o1, float* o2) {
+  *o1 = a * c - b * s;
+  *o2 = b * c + a * s;
+}
+// Its transpose: from the output gradients (ga, gb) the input gradients (da, db).
+DSTRAIN_HD void rope_rotate_back(float ga, float gb, float c, float s, float* da, float* db) {
+  *da = ga * c + gb * s;
+  *db = -ga * s + gb * c;
+}
+// Where pair j's inputs sit in a dr-vector.
+DSTRAIN_HD int64_t rope_first(int64_t j, int64_t, bool interleave) { return interleave ? 2 * j : j; }
+DSTRAIN_HD int64_t rope_second(int64_t j, int64_t dr, bool interleave) { return interleave ? 2 * j + 1 : j + dr / 2; }
+
+// The constants of one AdamW step (bias correction folded in), computed once per call.
+struct AdamWConsts {
+  float b1, b2, step_size, inv_sqrt_bc2, decay, eps, scale, l2;
+};
+inline AdamWConsts adamw_consts(const AdamWParams& p) {
+  const float bc1 = 1.0f - std::pow(p.beta1, float(p.step)), bc2 = 1.0f - std::pow(p.beta2, float(p.step));
+  return {p.beta1,       p.beta2, p.lr / bc1, 1.0f / std::sqrt(bc2), 1.0f - p.lr * p.weight_decay,
+          p.eps,         p.grad_scale, p.l2};
+}
+DSTRAIN_HD void adamw_element(float* param, float grad, float* m, float* v, const AdamWConsts& k) {
+  const float g = grad * k.scale + k.l2 * *param;
+  const float mi = *m = k.b1 * *m + (1.0f - k.b1) * g;
+  const float vi = *v = k.b2 * *v + (1.0f - k.b2) * g * g;
+  *param = *param * k.decay - k.step_size * mi / (sqrtf(vi) * k.inv_sqrt_bc2 + k.eps);
+}
+
+// ---- Router, one token (docs/model.md §3.6) --------------------------------------------------
+// MAXE bounds the experts (and groups) a row handles in local arrays: the CUDA backend uses 256
+// (DeepSeek-V3's count) and checks E against it; the host tests use the CPU backend's 1024.
+
+template <int MAXE>
+DSTRAIN_HD int64_t argmax_masked(const float* v, const bool* mask, int64_t n) {
+  int64_t best = -1;
+  for (int64_t i = 0; i < n; ++i)
+    if (mask[i] && (best < 0 || v[i] > v[best])) best = i;
+  return best;
+}
+
+template <int MAXE>
+DSTRAIN_HD void router_forward_row(int32_t* idx, float* w, float* s, const float* l, const float* bias,
+                                   const RouterParams& p) {
+  const int64_t E = p.num_experts, k = p.top_k, G = p.n_group, per_group = E / G;
+  if (p.scoring == ScoringFunc::kSigmoid) {
+    for (int64_t e = 0; e < E; ++e) s[e] = sigmoidf(l[e]);
+  } else {
+    float mx = l[0];
+    for (int64_t e = 1; e < E; ++e) mx = fmaxf(mx, l[e]);
+    float sum = 0;
+    for (int64_t e = 0; e < E; ++e) sum += (s[e] = expf(l[e] - mx));
+    for (int64_t e = 0; e < E; ++e) s[e] /= sum;
+  }
+  float c[MAXE];
+  bool allowed[MAXE];
+  for (int64_t e = 0; e < E; ++e) {
+    c[e] = s[e] + ((p.method == TopkMethod::kNoauxTc && bias) ? bias[e] : 0.0f);
+    allowed[e] = true;
+  }
+  if (p.method != TopkMethod::kGreedy && p.topk_group < G) {
+    float group_score[MAXE];
+    bool keep[MAXE], open[MAXE];
+    for (int64_t g = 0; g < G; ++g) {
+      const float* cg = c + g * per_group;
+      float best = neg_inf(), second = best;
+      for (int64_t e = 0; e < per_group; ++e) {
+        if (cg[e] > best) {
+          second = best;
+          best = cg[e];
+        } else if (cg[e] > second) {
+          second = cg[e];
+        }
+      }
+      group_score[g] = p.method == TopkMethod::kNoauxTc ? best + second : best;
+      keep[g] = false;
+      open[g] = true;
+    }
+    for (int64_t r = 0; r < p.topk_group; ++r) {
+      const int64_t g = argmax_masked<MAXE>(group_score, open, G);
+      keep[g] = true;
+      open[g] = false;
+    }
+    for (int64_t e = 0; e < E; ++e) allowed[e] = keep[e / per_group];
+  }
+  float sum = 0;
+  for (int64_t j = 0; j < k; ++j) {
+    const int64_t e = argmax_masked<MAXE>(c, allowed, E);
+    allowed[e] = false;
+    idx[j] = int32_t(e);
+    w[j] = s[e];
+    sum += s[e];
+  }
+  const bool normalise = p.v2_weights ? (p.norm_topk_prob && k > 1) : p.norm_topk_prob;
+  const float scale = normalise ? (p.v2_weights ? 1.0f : p.routed_scaling_factor) / (sum + 1e-20f)
+                                : p.routed_scaling_factor;
+  for (int64_t j = 0; j < k; ++j) w[j] *= scale;
+}
+
+template <int MAXE>
+DSTRAIN_HD void router_backward_row(float* dl, const float* dw, const float* dscores_extra, const float* s,
+                                    const int32_t* id, const RouterParams& p) {
+  const int64_t E = p.num_experts, k = p.top_k;
+  const bool normalise = p.v2_weights ? (p.norm_topk_prob && k > 1) : p.norm_topk_prob;
+  const float gamma = p.v2_weights && normalise ? 1.0f : p.routed_scaling_factor;
+  float ds[MAXE];
+  for (int64_t e = 0; e < E; ++e) ds[e] = dscores_extra ? dscores_extra[e] : 0.0f;
+  if (normalise) {
+    float Z = 1e-20f, dot = 0;
+    for (int64_t j = 0; j < k; ++j) Z += s[id[j]];
+    for (int64_t j = 0; j < k; ++j) dot += dw[j] * s[id[j]];
+    for (int64_t j = 0; j < k; ++j) ds[id[j]] += gamma / Z * (dw[j] - dot / Z);
+  } else {
+    for (int64_t j = 0; j < k; ++j) ds[id[j]] += gamma * dw[j];
+  }
+  if (p.scoring == ScoringFunc::kSigmoid) {
+    for (int64_t e = 0; e < E; ++e) dl[e] = ds[e] * s[e] * (1.0f - s[e]);
+  } else {
+    float dot = 0;
+    for (int64_t e = 0; e < E; ++e) dot += ds[e] * s[e];
+    for (int64_t e = 0; e < E; ++e) dl[e] = s[e] * (ds[e] - dot);
+  }
+}
+
+// ---- Causal attention, one row per lane group -----------------------------------------------
+// Q, K [B,S,nh,dqk], V [B,S,nh,dv] in the storage type; O fp32. Scores s_ij = scale * q_i . k_j
+// for j <= i. Forward takes two passes over the keys: the first finds the row's log-sum-exp L
+// (running max and rescaled sum), the second accumulates p_ij V_j with p_ij = exp(s_ij - L)
+// rounded to the storage type — the probabilities the CPU backend's 16-bit kernel feeds its
+// P V GEMM. Backward recomputes p_ij from L: dP_ij = dO_i . V_j (dO in the storage type), dS_ij =
+// p_ij (dP_ij - D_i) scale with D_i = dO_i . O_i (fp32), rounded to the storage type before it
+// multiplies K (for dQ) or Q (for dK); dV_j collects round(p_ij) dO_i. MAXD bounds dqk and dv.
+
+struct AttnShape {
+  int64_t B, S, nh, dqk, dv;
+  float scale;
+};
+
+// q_i . k_j over the lane's share of dqk, summed over the lanes.
+template <int KIND, int LANES, int MAXD, class Sum>
+DSTRAIN_HD float attn_dot(const float* qr, const Storage<KIND>* k, int64_t d, int lane, Sum sum) {
+  float acc = 0;
+  for (int r = 0; r < MAXD / LANES; ++r) {
+    const int64_t c = lane + int64_t(r) * LANES;
+    if (c < d) acc += qr[r] * load<KIND>(k, c);
+  }
+  return sum(acc);
+}
+
+template <int KIND, int LANES, int MAXD>
+DSTRAIN_HD void attn_load_row(float* r_out, const Storage<KIND>* x, int64_t d, int lane) {
+  for (int r = 0; r < MAXD / LANES; ++r) {
+    const int64_t c = lane + int64_t(r) * LANES;
+    r_out[r] = c < d ? load<KIND>(x, c) : 0.0f;
+  }
+}
+
+// Row (b, h, i) of the forward: O_i and lse_i (lse [B,nh,S]).
+template <int KIND, int LANES, int MAXD, class Sum>
+DSTRAIN_HD void attention_forward_row(float* O, float* lse, const Storage<KIND>* Q, const Storage<KIND>* K,
+                                      const Storage<KIND>* V, const AttnShape& a, int64_t b, int64_t h, int64_t i,
+                                      int lane, Sum sum) {
+  const int64_t qs = a.nh * a.dqk, vs = a.nh * a.dv;
+  const Storage<KIND>* Kb = K + b * a.S * qs + h * a.dqk;
+  const Storage<KIND>* Vb = V + b * a.S * vs + h * a.dv;
+  float q[MAXD / LANES];
+  attn_load_row<KIND, LANES, MAXD>(q, Q + (b * a.S + i) * qs + h * a.dqk, a.dqk, lane);
+  float m = neg_inf(), l = 0;
+  for (int64_t j = 0; j <= i; ++j) {
+    const float s = attn_dot<KIND, LANES, MAXD>(q, Kb + j * qs, a.dqk, lane, sum) * a.scale;
+    if (s > m) {
+      l = l * expf(m - s) + 1.0f;
+      m = s;
+    } else {
+      l += expf(s - m);
+    }
+  }
+  const float L = m + logf(l);
+  float o[MAXD / LANES] = {};
+  for (int64_t j = 0; j <= i; ++j) {
+    const float s = attn_dot<KIND, LANES, MAXD>(q, Kb + j * qs, a.dqk, lane, sum) * a.scale;
+    const float p = round_to<KIND>(expf(s - L));
+    for (int r = 0; r < MAXD / LANES; ++r) {
+      const int64_t c = lane + int64_t(r) * LANES;
+      if (c < a.dv) o[r] += p * load<KIND>(Vb + j * vs, c);
+    }
+  }
+  float* orow = O + (b * a.S + i) * vs + h * a.dv;
+  for (int r = 0; r < MAXD / LANES; ++r) {
+    const int64_t c = lane + int64_t(r) * LANES;
+    if (c < a.dv) orow[c] = o[r];
+  }
+  if (lane == 0) lse[(b * a.nh + h) * a.S + i] = L;
+}
+
+// D_i = dO_i . O_i (fp32), D [B,nh,S].
+template <int LANES, class Sum>
+DSTRAIN_HD void attention_rowsum(float* D, const float* dO, const float* O, const AttnShape& a, int64_t b, int64_t h,
+                                 int64_t i, int lane, Sum sum) {
+  const int64_t off = (b * a.S + i) * a.nh * a.dv + h * a.dv;
+  float acc = 0;
+  for (int64_t c = lane; c < a.dv; c += LANES) acc += dO[off + c] * O[off + c];
+  acc = sum(acc);
+  if (lane == 0) D[(b * a.nh + h) * a.S + i] = acc;
+}
+
+// Row i of dQ: sum over j <= i of round(dS_ij) k_j.
+template <int KIND, int LANES, int MAXD, class Sum>
+DSTRAIN_HD void attention_backward_dq_row(float* dQ, const Storage<KIND>* dO, const Storage<KIND>* Q,
+                                          const Storage<KIND>* K, const Storage<KIND>* V, const float* lse,
+                                          const float* D, const AttnShape& a, int64_t b, int64_t h, int64_t i,
+                                          int lane, Sum sum) {
+  const int64_t qs = a.nh * a.dqk, vs = a.nh * a.dv;
+  const Storage<KIND>* Kb = K + b * a.S * qs + h * a.dqk;
+  const Storage<KIND>* Vb = V + b * a.S * vs + h * a.dv;
+  float q[MAXD / LANES], g[MAXD / LANES], dq[MAXD / LANES] = {};
+  attn_load_row<KIND, LANES, MAXD>(q, Q + (b * a.S + i) * qs + h * a.dqk, a.dqk, lane);
+  attn_load_row<KIND, LANES, MAXD>(g, dO + (b * a.S + i) * vs + h * a.dv, a.dv, lane);
+  const float L = lse[(b * a.nh + h) * a.S + i], Di = D[(b * a.nh + h) * a.S + i];
+  for (int64_t j = 0; j <= i; ++j) {
+    const float p = expf(attn_dot<KIND, LANES, MAXD>(q, Kb + j * qs, a.dqk, lane, sum) * a.scale - L);
+    const float dp = attn_dot<KIND, LANES, MAXD>(g, Vb + j * vs, a.dv, lane, sum);
+    const float ds = round_to<KIND>(p * (dp - Di) * a.scale);
+    for (int r = 0; r < MAXD / LANES; ++r) {
+      const int64_t c = lane + int64_t(r) * LANES;
+      if (c < a.dqk) dq[r] += ds * load<KIND>(Kb + j * qs, c);
+    }
+  }
+  float* out = dQ + (b * a.S + i) * qs + h * a.dqk;
+  for (int r = 0; r < MAXD / LANES; ++r) {
+    const int64_t c = lane + int64_t(r) * LANES;
+    if (c < a.dqk) out[c] = dq[r];
+  }
+}
+
+// Row j of dK and dV: sums over the queries i >= j.
+template <int KIND, int LANES, int MAXD, class Sum>
+DSTRAIN_HD void attention_backward_dkv_row(float* dK, float* dV, const Storage<KIND>* dO, const Storage<KIND>* Q,
+                                           const Storage<KIND>* K, const Storage<KIND>* V, const float* lse,
+                                           const float* D, const AttnShape& a, int64_t b, int64_t h, int64_t j,
+                                           int lane, Sum sum) {
+  const int64_t qs = a.nh * a.dqk, vs = a.nh * a.dv;
+  const Storage<KIND>* Qb = Q + b * a.S * qs + h * a.dqk;
+  const Storage<KIND>* dOb = dO + b * a.S * vs + h * a.dv;
+  float k[MAXD / LANES], v[MAXD / LANES], dk[MAXD / LANES] = {}, dv[MAXD / LANES] = {};
+  attn_load_row<KIND, LANES, MAXD>(k, K + (b * a.S + j) * qs + h * a.dqk, a.dqk, lane);
+  attn_load_row<KIND, LANES, MAXD>(v, V + (b * a.S + j) * vs + h * a.dv, a.dv, lane);
+  for (int64_t i = j; i < a.S; ++i) {
+    const float L = lse[(b * a.nh + h) * a.S + i], Di = D[(b * a.nh + h) * a.S + i];
+    const float p = expf(attn_dot<KIND, LANES, MAXD>(k, Qb + i * qs, a.dqk, lane, sum) * a.scale - L);
+    const float dp = attn_dot<KIND, LANES, MAXD>(v, dOb + i * vs, a.dv, lane, sum);
+    const float ds = round_to<KIND>(p * (dp - Di) * a.scale), pr = round_to<KIND>(p);
+    for (int r = 0; r < MAXD / LANES; ++r) {
+      const int64_t c = lane + int64_t(r) * LANES;
+      if (c < a.dqk) dk[r] += ds * load<KIND>(Qb + i * qs, c);
+      if (c < a.dv) dv[r] += pr * load<KIND>(dOb + i * vs, c);
+    }
+  }
+  float* ko = dK + (b * a.S + j) * qs + h * a.dqk;
+  float* vo = dV + (b * a.S + j) * vs + h * a.dv;
+  for (int r = 0; r < MAXD / LANES; ++r) {
+    const int64_t c = lane + int64_t(r) * LANES;
+    if (c < a.dqk) ko[c] = dk[r];
+    if (c < a.dv) vo[c] = dv[r];
+  }
+}
+
+}  // namespace dstrain::kernels::dev

@@ -1,0 +1,537 @@
+// dstrain-gpu-check: every op of the CUDA backend against the CPU backend on the same inputs
+// (docs/design.md §6.11), on shapes that exercise the edges (odd sizes, MLA's head widths
+// d_qk = 192 != d_v = 128, ignored targets, repeated and foreign ids, empty expert groups):
+// fp32 to 1e-5 relative to the largest reference value, 16-bit GEMMs to 2e-5 (exact products,
+// only the summation order differs), 16-bit attention against fp32 attention on the rounded
+// inputs to 2e-2 (bf16) / 3e-3 (fp16), conversions bit for bit. Then: the same backward twice
+// gives the same bits (no atomics), and a second pass over every op makes no cudaMalloc (the
+// caching pool). --bench also times GEMMs and attention and prints TFLOP/s. --against-cpu runs
+// the checks with a second CPU backend in the CUDA backend's place: the checker's own test.
+//
+// Exit status: 0 all passed, 1 a check failed, 77 no usable CUDA device (CTest: skipped).
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "dstrain/kernels/backend.h"
+#include "dstrain/kernels/cuda.h"
+
+namespace dstrain::kernels {
+namespace {
+
+using FVec = std::vector<float>;
+using IVec = std::vector<int32_t>;
+
+FVec randn(size_t n, uint32_t seed, float scale = 1.0f) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> d(0.0f, scale);
+  FVec v(n);
+  for (auto& x : v) x = d(rng);
+  return v;
+}
+
+int failures = 0, checks = 0;
+bool quiet = false;  // the second pass prints failures only
+
+double rel_err(const FVec& got, const FVec& want) {
+  double scale = 1e-30, err = 0;
+  for (float w : want) scale = std::max(scale, double(std::fabs(w)));
+  for (size_t i = 0; i < want.size(); ++i) {
+    const double d = std::fabs(double(got[i]) - double(want[i]));
+    err = std::isnan(d) ? INFINITY : std::max(err, d);
+  }
+  return err / scale;
+}
+void check(const std::string& what, const FVec& got, const FVec& want, double tol) {
+  const double e = got.size() == want.size() ? rel_err(got, want) : INFINITY;
+  const bool ok = e <= tol;
+  ++checks;
+  if (!ok) ++failures;
+  if (!ok || !quiet) std::printf("%-4s %-46s rel err %.2e (tolerance %.0e)\n", ok ? "ok" : "FAIL", what.c_str(), e, tol);
+}
+template <class T>
+void check_equal(const std::string& what, const std::vector<T>& got, const std::vector<T>& want) {
+  const bool ok = got.size() == want.size() && std::memcmp(got.data(), want.data(), got.size() * sizeof(T)) == 0;
+  ++checks;
+  if (!ok) ++failures;
+  if (!ok || !quiet) std::printf("%-4s %-46s %s\n", ok ? "ok" : "FAIL", what.c_str(), ok ? "bit for bit" : "differs");
+}
+
+// Device copies of host vectors, kept until the object goes.
+class Gpu {
+ public:
+  explicit Gpu(Backend& be) : be_(be) {}
+  template <class T>
+  T* put(const std::vector<T>& v) {
+    bufs_.emplace_back(be_, int64_t(v.size() * sizeof(T)));
+    be_.copy_from_host(bufs_.back().data(), v.data(), int64_t(v.size() * sizeof(T)));
+    return bufs_.back().template as<T>();
+  }
+  template <class T>
+  T* zeros(size_t n) {
+    return put(std::vector<T>(n));
+  }
+  template <class T>
+  std::vector<T> get(const T* p, size_t n) {
+    std::vector<T> v(n);
+    be_.copy_to_host(v.data(), p, int64_t(n * sizeof(T)));
+    return v;
+  }
+
+ private:
+  Backend& be_;
+  std::vector<DeviceBuffer> bufs_;
+};
+
+std::vector<uint16_t> round16(const FVec& x, Backend& cpu, DType t, FVec* back) {
+  std::vector<uint16_t> out(x.size());
+  cpu.convert(View{out.data(), t}, f32(x.data()), int64_t(x.size()));
+  if (back) {
+    back->resize(x.size());
+    cpu.convert(View{back->data(), DType::kF32}, ConstView{out.data(), t}, int64_t(x.size()));
+  }
+  return out;
+}
+
+void check_gemms(Backend& cpu, Backend& cuda) {
+  const int64_t M = 37, N = 29, K = 53;
+  for (int t = 0; t < 4; ++t) {
+    const bool ta = t & 1, tb = t & 2;
+    const FVec A = randn(size_t(M * K), 1), B = randn(size_t(K * N), 2), C0 = randn(size_t(M * N), 3);
+    for (DType dt : {DType::kF32, DType::kBF16, DType::kF16}) {
+      Gpu g(cuda);
+      FVec want = C0;
+      float* C = g.put(C0);
+      if (dt == DType::kF32) {
+        cpu.gemm(want.data(), A.data(), B.data(), M, N, K, ta, tb, 0.75f, 0.5f);
+        cuda.gemm(C, g.put(A), g.put(B), M, N, K, ta, tb, 0.75f, 0.5f);
+      } else {
+        const auto a16 = round16(A, cpu, dt, nullptr), b16 = round16(B, cpu, dt, nullptr);
+        cpu.gemm(want.data(), ConstView{a16.data(), dt}, ConstView{b16.data(), dt}, M, N, K, ta, tb, 0.75f, 0.5f);
+        cuda.gemm(C, ConstView{g.put(a16), dt}, ConstView{g.put(b16), dt}, M, N, K, ta, tb, 0.75f, 0.5f);
+      }
+      check(std::string("gemm ") + to_string(dt) + (ta ? " A^T" : " A") + (tb ? " B^T" : " B"),
+            g.get(C, want.size()), want, dt == DType::kF32 ? 1e-5 : 2e-5);
+    }
+  }
+  {  // K = 0: C = beta C
+    Gpu g(cuda);
+    const FVec C0 = randn(12, 4);
+    FVec want = C0;
+    float* C = g.put(C0);
+    cpu.gemm(want.data(), nullptr, nullptr, 3, 4, 0, false, false, 1.0f, 0.25f);
+    cuda.gemm(C, nullptr, nullptr, 3, 4, 0, false, false, 1.0f, 0.25f);
+    check("gemm K = 0 scales C by beta", g.get(C, 12), want, 0);
+  }
+  // Grouped, as the experts run them: row counts differ, one is empty.
+  for (DType dt : {DType::kF32, DType::kBF16}) {
+    const int64_t Ms[] = {5, 0, 17, 1}, N2 = 24, K2 = 40;
+    Gpu g(cuda);
+    std::vector<FVec> wants, As, Bs;
+    std::vector<std::vector<uint16_t>> A16, B16;
+    std::vector<float*> Cd, Ch;
+    std::vector<const void*> Ad, Bd, Ah, Bh;
+    const int64_t Ns[] = {N2, N2, N2, N2}, Ks[] = {K2, K2, K2, K2};
+    for (int i = 0; i < 4; ++i) {
+      As.push_back(randn(size_t(Ms[i] * K2), 10 + i));
+      Bs.push_back(randn(size_t(N2 * K2), 20 + i));
+      wants.push_back(FVec(size_t(Ms[i] * N2)));
+    }
+    for (int i = 0; i < 4; ++i) {
+      Ch.push_back(wants[i].data());
+      Cd.push_back(g.zeros<float>(wants[i].size()));
+      if (dt == DType::kF32) {
+        Ah.push_back(As[i].data()), Bh.push_back(Bs[i].data());
+        Ad.push_back(g.put(As[i])), Bd.push_back(g.put(Bs[i]));
+      } else {
+        A16.push_back(round16(As[i], cpu, dt, nullptr));
+        B16.push_back(round16(Bs[i], cpu, dt, nullptr));
+      }
+    }
+    for (int i = 0; i < 4 && dt != DType::kF32; ++i) {
+      Ah.push_back(A16[i].data()), Bh.push_back(B16[i].data());
+      Ad.push_back(g.put(A16[i])), Bd.push_back(g.put(B16[i]));
+    }
+    cpu.gemm_grouped(Ch.data(), Ah.data(), Bh.data(), dt, Ms, Ns, Ks, 4, false, true, 1.0f, 0.0f);
+    cuda.gemm_grouped(Cd.data(), Ad.data(), Bd.data(), dt, Ms, Ns, Ks, 4, false, true, 1.0f, 0.0f);
+    FVec got, want;
+    for (int i = 0; i < 4; ++i) {
+      const FVec part = g.get(Cd[i], wants[i].size());
+      got.insert(got.end(), part.begin(), part.end());
+      want.insert(want.end(), wants[i].begin(), wants[i].end());
+    }
+    check(std::string("gemm_grouped ") + to_string(dt) + " (rows 5, 0, 17, 1)", got, want,
+          dt == DType::kF32 ? 1e-5 : 2e-5);
+  }
+}
+
+void check_conversions(Backend& cpu, Backend& cuda) {
+  FVec x = randn(10007, 5, 100.0f);
+  x[0] = 65520.0f, x[1] = std::ldexp(1.0f, -25), x[2] = std::ldexp(3.0f, -25), x[3] = 1e-40f, x[4] = NAN;
+  x[5] = INFINITY;
+  for (DType dt : {DType::kBF16, DType::kF16}) {
+    Gpu g(cuda);
+    std::vector<uint16_t> want(x.size());
+    cpu.convert(View{want.data(), dt}, f32(x.data()), int64_t(x.size()));
+    auto* d16 = g.zeros<uint16_t>(x.size());
+    cuda.convert(View{d16, dt}, f32(g.put(x)), int64_t(x.size()));
+    check_equal(std::string("convert fp32 -> ") + to_string(dt), g.get(d16, x.size()), want);
+    FVec back(x.size());
+    cpu.convert(View{back.data(), DType::kF32}, ConstView{want.data(), dt}, int64_t(x.size()));
+    float* d32 = g.zeros<float>(x.size());
+    cuda.convert(View{d32, DType::kF32}, ConstView{g.put(want), dt}, int64_t(x.size()));
+    check_equal(std::string("convert ") + to_string(dt) + " -> fp32", g.get(d32, x.size()), back);
+  }
+}
+
+void check_norm_rope_swiglu(Backend& cpu, Backend& cuda) {
+  const int64_t rows = 45, C = 300;
+  const FVec x = randn(size_t(rows * C), 6), w = randn(size_t(C), 7), dy = randn(size_t(rows * C), 8),
+             dw0 = randn(size_t(C), 9);
+  FVec y(x.size()), rstd(static_cast<size_t>(rows)), dx(x.size()), dw = dw0;
+  cpu.rmsnorm_forward(y.data(), rstd.data(), x.data(), w.data(), rows, C, 1e-6f);
+  cpu.rmsnorm_backward(dx.data(), dw.data(), dy.data(), x.data(), w.data(), rstd.data(), rows, C);
+  Gpu g(cuda);
+  float *gy = g.zeros<float>(y.size()), *gr = g.zeros<float>(static_cast<size_t>(rows)), *gdx = g.zeros<float>(x.size()),
+        *gdw = g.put(dw0);
+  const float *gx = g.put(x), *gw = g.put(w);
+  cuda.rmsnorm_forward(gy, gr, gx, gw, rows, C, 1e-6f);
+  cuda.rmsnorm_backward(gdx, gdw, g.put(dy), gx, gw, gr, rows, C);
+  check("rmsnorm forward y", g.get(gy, y.size()), y, 1e-5);
+  check("rmsnorm forward rstd", g.get(gr, size_t(rows)), rstd, 1e-5);
+  check("rmsnorm backward dx", g.get(gdx, dx.size()), dx, 1e-5);
+  check("rmsnorm backward dw (accumulated)", g.get(gdw, dw.size()), dw, 1e-5);
+
+  const int64_t N = 26, S = 13, heads = 5, dr = 64, in_ts = heads * 96 + 7, in_hs = 96, out_ts = heads * dr;
+  const FVec in = randn(size_t(N * in_ts), 10), cs = randn(size_t(S * dr / 2), 11), sn = randn(size_t(S * dr / 2), 12);
+  for (bool il : {false, true}) {
+    FVec out(size_t(N * out_ts)), din = randn(size_t(N * in_ts), 13);
+    Gpu h(cuda);
+    float *go = h.zeros<float>(out.size()), *gdin = h.put(din);
+    const float *gc = h.put(cs), *gs = h.put(sn);
+    cpu.rope_forward(out.data(), out_ts, dr, in.data(), in_ts, in_hs, cs.data(), sn.data(), N, S, heads, dr, il);
+    cuda.rope_forward(go, out_ts, dr, h.put(in), in_ts, in_hs, gc, gs, N, S, heads, dr, il);
+    check(std::string("rope forward") + (il ? " interleaved" : ""), h.get(go, out.size()), out, 1e-5);
+    cpu.rope_backward(din.data(), in_ts, in_hs, out.data(), out_ts, dr, cs.data(), sn.data(), N, S, heads, dr, il,
+                      true);
+    cuda.rope_backward(gdin, in_ts, in_hs, go, out_ts, dr, gc, gs, N, S, heads, dr, il, true);
+    check(std::string("rope backward (accumulated)") + (il ? " interleaved" : ""), h.get(gdin, din.size()), din,
+          1e-5);
+  }
+
+  const int64_t T = 33, I = 70;
+  const FVec GU = randn(size_t(T * 2 * I), 14, 3.0f), dM = randn(size_t(T * I), 15);
+  FVec M(size_t(T * I)), dGU(GU.size());
+  cpu.swiglu_forward(M.data(), GU.data(), T, I);
+  cpu.swiglu_backward(dGU.data(), dM.data(), GU.data(), T, I);
+  Gpu k(cuda);
+  float *gM = k.zeros<float>(M.size()), *gdGU = k.zeros<float>(dGU.size());
+  const float* gGU = k.put(GU);
+  cuda.swiglu_forward(gM, gGU, T, I);
+  cuda.swiglu_backward(gdGU, k.put(dM), gGU, T, I);
+  check("swiglu forward", k.get(gM, M.size()), M, 1e-5);
+  check("swiglu backward", k.get(gdGU, dGU.size()), dGU, 1e-5);
+}
+
+struct AttnOut {
+  FVec O, lse, dQ, dK, dV;
+};
+
+void check_attention(Backend& cpu, Backend& cuda) {
+  const int64_t B = 2, S = 70, nh = 3, dqk = 192, dv = 128;
+  const float scale = 1.0f / std::sqrt(float(dqk));
+  const size_t nq = size_t(B * S * nh * dqk), nv = size_t(B * S * nh * dv), nl = size_t(B * nh * S);
+  const FVec Q = randn(nq, 16), K = randn(nq, 17), V = randn(nv, 18), dO = randn(nv, 19);
+  cpu.reserve_attention(S);
+  cuda.reserve_attention(S);
+  for (DType dt : {DType::kF32, DType::kBF16, DType::kF16}) {
+    // Reference: the CPU's fp32 kernels on the inputs as the 16-bit run sees them.
+    FVec Qr = Q, Kr = K, Vr = V;
+    std::vector<uint16_t> q16, k16, v16, do16;
+    if (dt != DType::kF32) {
+      q16 = round16(Q, cpu, dt, &Qr), k16 = round16(K, cpu, dt, &Kr), v16 = round16(V, cpu, dt, &Vr);
+      do16 = round16(dO, cpu, dt, nullptr);
+    }
+    AttnOut want{FVec(nv), FVec(nl), FVec(nq), FVec(nq), FVec(nv)};
+    cpu.attention_forward(want.O.data(), want.lse.data(), Qr.data(), Kr.data(), Vr.data(), B, S, nh, dqk, dv, scale);
+    cpu.attention_backward(want.dQ.data(), want.dK.data(), want.dV.data(), dO.data(), Qr.data(), Kr.data(), Vr.data(),
+                           want.O.data(), want.lse.data(), B, S, nh, dqk, dv, scale);
+    Gpu g(cuda);
+    float *O = g.zeros<float>(nv), *lse = g.zeros<float>(nl), *dQ = g.zeros<float>(nq), *dK = g.zeros<float>(nq),
+          *dV = g.zeros<float>(nv);
+    const float* gdO = g.put(dO);
+    ConstView q, kk, v, dol;
+    if (dt == DType::kF32) q = f32(g.put(Q)), kk = f32(g.put(K)), v = f32(g.put(V)), dol = f32(gdO);
+    else if (!cuda.low_precision_attention(dt))  // (only --against-cpu: widened, as the model does)
+      q = f32(g.put(Qr)), kk = f32(g.put(Kr)), v = f32(g.put(Vr)), dol = f32(gdO);
+    else q = {g.put(q16), dt}, kk = {g.put(k16), dt}, v = {g.put(v16), dt}, dol = {g.put(do16), dt};
+    cuda.attention_forward(O, lse, q, kk, v, B, S, nh, dqk, dv, scale);
+    cuda.attention_backward(dQ, dK, dV, gdO, dol, q, kk, v, O, lse, B, S, nh, dqk, dv, scale);
+    const double tol = dt == DType::kF32 ? 1e-5 : dt == DType::kBF16 ? 2e-2 : 3e-3;
+    const std::string p = std::string("attention ") + to_string(dt) + " ";
+    check(p + "O", g.get(O, nv), want.O, tol);
+    check(p + "lse", g.get(lse, nl), want.lse, 1e-5);
+    const FVec dQ1 = g.get(dQ, nq), dK1 = g.get(dK, nq);
+    check(p + "dQ", dQ1, want.dQ, tol);
+    check(p + "dK", dK1, want.dK, tol);
+    check(p + "dV", g.get(dV, nv), want.dV, tol);
+    cuda.attention_backward(dQ, dK, dV, gdO, dol, q, kk, v, O, lse, B, S, nh, dqk, dv, scale);
+    check_equal(p + "backward twice: same dQ", g.get(dQ, nq), dQ1);
+    check_equal(p + "backward twice: same dK", g.get(dK, nq), dK1);
+  }
+}
+
+void check_router_moe(Backend& cpu, Backend& cuda) {
+  RouterParams v3;
+  v3.num_experts = 64, v3.top_k = 6, v3.n_group = 8, v3.topk_group = 3, v3.routed_scaling_factor = 2.5f;
+  RouterParams v2 = v3;
+  v2.scoring = ScoringFunc::kSoftmax, v2.method = TopkMethod::kGreedy, v2.n_group = 1, v2.topk_group = 1;
+  v2.norm_topk_prob = false, v2.v2_weights = true, v2.routed_scaling_factor = 1.0f;
+  const int64_t N = 300;
+  for (const RouterParams& p : {v3, v2}) {
+    const int64_t E = p.num_experts, k = p.top_k;
+    const FVec logits = randn(size_t(N * E), 20), bias = randn(size_t(E), 21, 0.1f), dw = randn(size_t(N * k), 22),
+               extra = randn(size_t(N * E), 23);
+    const bool use_bias = p.method == TopkMethod::kNoauxTc;
+    IVec idx(size_t(N * k));
+    FVec w(size_t(N * k)), s(size_t(N * E)), dl(s.size());
+    cpu.router_forward(idx.data(), w.data(), s.data(), logits.data(), use_bias ? bias.data() : nullptr, N, p);
+    cpu.router_backward(dl.data(), dw.data(), extra.data(), s.data(), idx.data(), N, p);
+    Gpu g(cuda);
+    int32_t* gi = g.zeros<int32_t>(idx.size());
+    float *gw = g.zeros<float>(w.size()), *gs = g.zeros<float>(s.size()), *gdl = g.zeros<float>(dl.size());
+    cuda.router_forward(gi, gw, gs, g.put(logits), use_bias ? g.put(bias) : nullptr, N, p);
+    cuda.router_backward(gdl, g.put(dw), g.put(extra), gs, gi, N, p);
+    const std::string name = use_bias ? "router sigmoid noaux_tc " : "router softmax greedy ";
+    check_equal(name + "selection", g.get(gi, idx.size()), idx);
+    check(name + "scores", g.get(gs, s.size()), s, 1e-5);
+    check(name + "weights", g.get(gw, w.size()), w, 1e-5);
+    check(name + "backward", g.get(gdl, dl.size()), dl, 1e-5);
+  }
+  // Dispatch and combine: pos is a permutation of the N * k routed rows.
+  const int64_t T = 50, k = 3, H = 96, rows = T * k;
+  std::mt19937 rng(24);
+  IVec pos(static_cast<size_t>(rows)), src(static_cast<size_t>(rows));
+  for (int64_t i = 0; i < rows; ++i) pos[size_t(i)] = int32_t(i);
+  std::shuffle(pos.begin(), pos.end(), rng);
+  for (int64_t i = 0; i < rows; ++i) src[size_t(pos[size_t(i)])] = int32_t(i / k);
+  const FVec x = randn(size_t(T * H), 25), Y = randn(size_t(rows * H), 26), w = randn(size_t(rows), 27),
+             out0 = randn(size_t(T * H), 28), dout = randn(size_t(T * H), 29), dXp = randn(size_t(rows * H), 30);
+  FVec Xp(size_t(rows * H)), out = out0, dY(size_t(rows * H)), dw(static_cast<size_t>(rows)), dx = out0;
+  cpu.gather_rows(Xp.data(), x.data(), src.data(), rows, H);
+  cpu.moe_combine(out.data(), Y.data(), w.data(), pos.data(), T, k, H);
+  cpu.moe_combine_backward(dY.data(), dw.data(), dout.data(), Y.data(), w.data(), pos.data(), T, k, H);
+  cpu.moe_dispatch_backward(dx.data(), dXp.data(), pos.data(), T, k, H);
+  Gpu g(cuda);
+  const int32_t* gpos = g.put(pos);
+  const float *gY = g.put(Y), *gw = g.put(w);
+  float *gXp = g.zeros<float>(Xp.size()), *gout = g.put(out0), *gdY = g.zeros<float>(dY.size()),
+        *gdw = g.zeros<float>(dw.size()), *gdx = g.put(out0);
+  cuda.gather_rows(gXp, g.put(x), g.put(src), rows, H);
+  cuda.moe_combine(gout, gY, gw, gpos, T, k, H);
+  cuda.moe_combine_backward(gdY, gdw, g.put(dout), gY, gw, gpos, T, k, H);
+  cuda.moe_dispatch_backward(gdx, g.put(dXp), gpos, T, k, H);
+  check("gather_rows (dispatch)", g.get(gXp, Xp.size()), Xp, 0);
+  check("moe_combine (accumulated)", g.get(gout, out.size()), out, 1e-5);
+  check("moe_combine_backward dY", g.get(gdY, dY.size()), dY, 1e-5);
+  check("moe_combine_backward dw", g.get(gdw, dw.size()), dw, 1e-5);
+  check("moe_dispatch_backward (accumulated)", g.get(gdx, dx.size()), dx, 1e-5);
+}
+
+void check_loss_embedding_optimizer(Backend& cpu, Backend& cuda) {
+  const int64_t rows = 40, V = 1000;
+  const FVec logits = randn(size_t(rows * V), 31, 3.0f);
+  IVec target(static_cast<size_t>(rows));
+  for (int64_t r = 0; r < rows; ++r) target[size_t(r)] = r % 7 == 3 ? -100 : int32_t((r * 37) % V);
+  {
+    FVec l = logits, loss(static_cast<size_t>(rows));
+    cpu.cross_entropy(loss.data(), l.data(), target.data(), rows, V, 0.125f);
+    Gpu g(cuda);
+    float *gl = g.put(logits), *gloss = g.zeros<float>(static_cast<size_t>(rows));
+    cuda.cross_entropy(gloss, gl, g.put(target), rows, V, 0.125f);
+    check("cross_entropy loss (ignored rows)", g.get(gloss, loss.size()), loss, 1e-5);
+    check("cross_entropy gradient", g.get(gl, l.size()), l, 1e-5);
+  }
+  {  // vocabulary-parallel pieces on one shard [v0, v0 + Vs)
+    const int64_t v0 = 300, Vs = 400;
+    FVec shard(size_t(rows * Vs));
+    for (int64_t r = 0; r < rows; ++r)
+      std::copy(logits.begin() + r * V + v0, logits.begin() + r * V + v0 + Vs, shard.begin() + r * Vs);
+    FVec mx(static_cast<size_t>(rows)), sums(size_t(2 * rows)), loss(static_cast<size_t>(rows)), l = shard;
+    cpu.cross_entropy_row_max(mx.data(), shard.data(), rows, Vs);
+    cpu.cross_entropy_row_sums(sums.data(), shard.data(), mx.data(), target.data(), v0, rows, Vs);
+    cpu.cross_entropy_finish(loss.data(), l.data(), mx.data(), sums.data(), target.data(), v0, rows, Vs, 0.5f);
+    Gpu g(cuda);
+    float *gl = g.put(shard), *gmx = g.zeros<float>(mx.size()), *gsums = g.zeros<float>(sums.size()),
+          *gloss = g.zeros<float>(loss.size());
+    const int32_t* gt = g.put(target);
+    cuda.cross_entropy_row_max(gmx, gl, rows, Vs);
+    cuda.cross_entropy_row_sums(gsums, gl, gmx, gt, v0, rows, Vs);
+    cuda.cross_entropy_finish(gloss, gl, gmx, gsums, gt, v0, rows, Vs, 0.5f);
+    check("vocab-parallel cross_entropy row max", g.get(gmx, mx.size()), mx, 1e-6);
+    check("vocab-parallel cross_entropy row sums", g.get(gsums, sums.size()), sums, 1e-5);
+    check("vocab-parallel cross_entropy loss", g.get(gloss, loss.size()), loss, 1e-5);
+    check("vocab-parallel cross_entropy gradient", g.get(gl, l.size()), l, 1e-5);
+  }
+  {  // embedding: repeated ids, ids of another vocabulary shard (negative)
+    const int64_t N = 64, H = 80, Vt = 20;
+    const FVec table = randn(size_t(Vt * H), 32), dout = randn(size_t(N * H), 33), dt0 = randn(size_t(Vt * H), 34);
+    IVec ids(static_cast<size_t>(N));
+    for (int64_t t = 0; t < N; ++t) ids[size_t(t)] = t % 9 == 4 ? -1 : int32_t((t * 7) % 5);
+    FVec out(size_t(N * H)), dtable = dt0;
+    cpu.embedding_forward(out.data(), table.data(), ids.data(), N, H);
+    cpu.embedding_backward(dtable.data(), dout.data(), ids.data(), N, H, Vt);
+    Gpu g(cuda);
+    const int32_t* gids = g.put(ids);
+    float *gout = g.zeros<float>(out.size()), *gdt = g.put(dt0);
+    cuda.embedding_forward(gout, g.put(table), gids, N, H);
+    cuda.embedding_backward(gdt, g.put(dout), gids, N, H, Vt);
+    check("embedding forward (foreign ids zero)", g.get(gout, out.size()), out, 0);
+    check("embedding backward (repeated ids add up)", g.get(gdt, dtable.size()), dtable, 1e-5);
+  }
+  {  // AdamW and the element-wise helpers
+    const int64_t n = 10001;
+    FVec p = randn(size_t(n), 35), gr = randn(size_t(n), 36), m = randn(size_t(n), 37, 0.1f), v = randn(size_t(n), 38);
+    for (float& x : v) x = x * x;
+    Gpu g(cuda);
+    float *gp = g.put(p), *gm = g.put(m), *gv = g.put(v);
+    AdamWParams a;
+    a.lr = 3e-4f, a.weight_decay = 0.1f, a.step = 5, a.grad_scale = 0.7f;
+    cpu.adamw(p.data(), gr.data(), m.data(), v.data(), n, a);
+    cuda.adamw(gp, g.put(gr), gm, gv, n, a);
+    check("adamw param", g.get(gp, p.size()), p, 1e-6);
+    check("adamw m", g.get(gm, m.size()), m, 1e-6);
+    check("adamw v", g.get(gv, v.size()), v, 1e-6);
+    FVec y = randn(size_t(n), 39), x = randn(size_t(n), 40);
+    float* gy = g.put(y);
+    cpu.add(y.data(), x.data(), n);
+    cuda.add(gy, g.put(x), n);
+    check("add", g.get(gy, y.size()), y, 0);
+    cpu.fill(y.data(), 0.25f, 77);
+    cuda.fill(gy, 0.25f, 77);
+    check("fill", g.get(gy, y.size()), y, 0);
+    const int64_t r = 13, c = 21, ds = 40, ss = 33;
+    FVec dst = randn(size_t(r * ds), 41), src = randn(size_t(r * ss), 42), dst2 = dst;
+    float *gd = g.put(dst), *gd2 = g.put(dst2);
+    const float* gsrc = g.put(src);
+    cpu.copy_strided(dst.data(), ds, src.data(), ss, r, c);
+    cuda.copy_strided(gd, ds, gsrc, ss, r, c);
+    check("copy_strided", g.get(gd, dst.size()), dst, 0);
+    cpu.add_strided(dst2.data(), ds, src.data(), ss, r, c);
+    cuda.add_strided(gd2, ds, gsrc, ss, r, c);
+    check("add_strided", g.get(gd2, dst2.size()), dst2, 0);
+  }
+}
+
+void run_all(Backend& cpu, Backend& cuda) {
+  check_gemms(cpu, cuda);
+  check_conversions(cpu, cuda);
+  check_norm_rope_swiglu(cpu, cuda);
+  check_attention(cpu, cuda);
+  check_router_moe(cpu, cuda);
+  check_loss_embedding_optimizer(cpu, cuda);
+}
+
+double seconds_of(Backend& be, const std::function<void()>& f, int reps) {
+  f();
+  be.synchronize();
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int i = 0; i < reps; ++i) f();
+  be.synchronize();
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / reps;
+}
+
+void bench(Backend& cuda) {
+  std::printf("\n-- bench (%s)\n", cuda.name().c_str());
+  for (DType dt : {DType::kBF16, DType::kF32}) {
+    const int64_t n = 8192;
+    DeviceBuffer a(cuda, n * n * dtype_size(dt)), b(cuda, n * n * dtype_size(dt)), c(cuda, n * n * 4);
+    cuda.fill(a.as<float>(), 0.0f, n * n * dtype_size(dt) / 4);
+    cuda.fill(b.as<float>(), 0.0f, n * n * dtype_size(dt) / 4);
+    const double s = seconds_of(
+        cuda, [&] { cuda.gemm(c.as<float>(), ConstView{a.data(), dt}, ConstView{b.data(), dt}, n, n, n, false, true, 1, 0); },
+        5);
+    std::printf("gemm %s %ld^3: %.1f TFLOP/s\n", to_string(dt), long(n), 2.0 * n * n * n / s / 1e12);
+  }
+  for (DType dt : {DType::kBF16, DType::kF32}) {
+    const int64_t B = 4, S = 2048, nh = 16, dqk = 192, dv = 128;
+    cuda.reserve_attention(S);
+    const int64_t nq = B * S * nh * dqk, nv = B * S * nh * dv;
+    DeviceBuffer q(cuda, nq * 4), k(cuda, nq * 4), v(cuda, nv * 4), o(cuda, nv * 4), l(cuda, B * nh * S * 4),
+        dq(cuda, nq * 4), dk(cuda, nq * 4), dvb(cuda, nv * 4), dO(cuda, nv * 4);
+    for (auto* p : {&q, &k, &v, &dO}) cuda.fill(p->as<float>(), 0.01f, p->bytes() / 4);
+    const ConstView Q{q.data(), dt}, K{k.data(), dt}, V{v.data(), dt}, DO{dO.data(), dt};
+    const double fwd = seconds_of(
+        cuda, [&] { cuda.attention_forward(o.as<float>(), l.as<float>(), Q, K, V, B, S, nh, dqk, dv, 0.07f); }, 3);
+    const double bwd = seconds_of(cuda, [&] {
+      cuda.attention_backward(dq.as<float>(), dk.as<float>(), dvb.as<float>(), dO.as<float>(), DO, Q, K, V,
+                              o.as<float>(), l.as<float>(), B, S, nh, dqk, dv, 0.07f);
+    }, 3);
+    const double flops = double(B) * nh * S * S / 2 * 2 * (dqk + dv);  // causal: half the score matrix
+    std::printf("attention %s B=%ld S=%ld heads=%ld dqk=%ld dv=%ld: forward %.2f ms (%.1f TFLOP/s), backward %.2f ms "
+                "(%.1f TFLOP/s)\n",
+                to_string(dt), long(B), long(S), long(nh), long(dqk), long(dv), fwd * 1e3, flops / fwd / 1e12,
+                bwd * 1e3, 2.5 * flops / bwd / 1e12);
+  }
+}
+
+}  // namespace
+}  // namespace dstrain::kernels
+
+int main(int argc, char** argv) {
+  using namespace dstrain::kernels;
+  bool do_bench = false, against_cpu = false;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--bench") do_bench = true;
+    else if (a == "--against-cpu") against_cpu = true;
+    else {
+      std::fprintf(stderr, "usage: dstrain-gpu-check [--bench] [--against-cpu]\n");
+      return 2;
+    }
+  }
+  if (against_cpu) {  // the checker itself, without a GPU: a second CPU backend in the CUDA one's place
+    auto cpu = make_cpu_backend(0), other = make_cpu_backend(0, GemmLibrary::kOpenBlas);
+    run_all(*cpu, *other);
+    std::printf("%d of %d checks passed (CPU against CPU)\n", checks - failures, checks);
+    return failures == 0 ? 0 : 1;
+  }
+  const CudaDeviceInfo info = cuda_device_info(0);
+  std::printf("CUDA runtime %d, driver %d, cuBLASLt %ld\n", info.runtime_version, info.driver_version,
+              long(info.cublaslt_version));
+  if (info.count == 0) {
+    std::printf("no usable CUDA device (%s): skipped\n", info.error.c_str());
+    return 77;
+  }
+  std::printf("device 0 of %d: %s, %.1f GiB, compute capability %d.%d, %d multiprocessors\n", info.count,
+              info.name.c_str(), double(info.memory_bytes) / (1 << 30), info.cc_major, info.cc_minor,
+              info.multiprocessors);
+  try {
+    auto cpu = make_cpu_backend(0);
+    auto cuda = make_cuda_backend(0);
+    run_all(*cpu, *cuda);
+    const int64_t mallocs = cuda_pool_stats(*cuda).device_mallocs;
+    const int before = failures;
+    quiet = true;
+    run_all(*cpu, *cuda);  // the second pass must be served from the pool
+    const CudaPoolStats st = cuda_pool_stats(*cuda);
+    ++checks;
+    const bool pooled = st.device_mallocs == mallocs && failures == before;
+    if (!pooled) ++failures;
+    std::printf("%-4s %-46s %ld cudaMalloc in pass 1, %ld in pass 2; peak %.1f MiB\n", pooled ? "ok" : "FAIL",
+                "second pass served by the caching pool", long(mallocs), long(st.device_mallocs - mallocs),
+                double(st.peak_bytes) / (1 << 20));
+    if (do_bench) bench(*cuda);
+  } catch (const std::exception& e) {
+    std::printf("FAIL %s\n", e.what());
+    return 1;
+  }
+  std::printf("%d of %d checks passed\n", checks - failures, checks);
+  return failures == 0 ? 0 : 1;
+}
