@@ -93,6 +93,16 @@ int ProcessGroup::ranks_on_this_host() const {
   return n;
 }
 
+int ProcessGroup::rank_on_this_host() const {
+  if (!handle_) return 0;
+  MPI_Comm node = MPI_COMM_NULL;
+  DS_MPI_CHECK(MPI_Comm_split_type(handle_->comm, MPI_COMM_TYPE_SHARED, rank_, MPI_INFO_NULL, &node));
+  int r = 0;
+  DS_MPI_CHECK(MPI_Comm_rank(node, &r));
+  MPI_Comm_free(&node);
+  return r;
+}
+
 std::unique_ptr<Communicator> ProcessGroup::communicator(const std::string& name, CommOptions options) const {
   if (!handle_) return make_self_communicator(name);
   return make_mpi_communicator(handle_->comm, name, options);

@@ -62,6 +62,8 @@ class ProcessGroup {
 
   // Collective: how many members of this group run on this host (they share its memory).
   int ranks_on_this_host() const;
+  // This process's place among them (0 without MPI): the GPU it takes.
+  int rank_on_this_host() const;
 
   // A new Communicator over this group (collective over its members, who must create their
   // communicators in the same order), named `name` in reports.

@@ -23,6 +23,7 @@ enum class DataFormat { kAuto, kText, kTokens };
 enum class PipelineScheduleKind { kGpipe, kOneFOneB, kInterleaved, kZbH1 };
 enum class CheckpointGranularity { kFull, kSelective };
 enum class CommDataType { kFp32, kFp16, kBf16 };
+enum class DeviceKind { kAuto, kCpu, kCuda };
 
 template <class E>
 struct EnumNames;  // static const std::vector<std::pair<E, std::string_view>> list;
@@ -54,6 +55,7 @@ DSTRAIN_ENUM_NAMES(CheckpointGranularity, {CheckpointGranularity::kFull, "full"}
                    {CheckpointGranularity::kSelective, "selective"});
 DSTRAIN_ENUM_NAMES(CommDataType, {CommDataType::kFp32, "fp32"}, {CommDataType::kFp16, "fp16"},
                    {CommDataType::kBf16, "bf16"});
+DSTRAIN_ENUM_NAMES(DeviceKind, {DeviceKind::kAuto, "auto"}, {DeviceKind::kCpu, "cpu"}, {DeviceKind::kCuda, "cuda"});
 
 #undef DSTRAIN_ENUM_NAMES
 

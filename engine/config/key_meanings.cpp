@@ -24,6 +24,8 @@ const std::string& key_meaning(const std::string& path) {
        "optimizer steps to train"},
       {"seed",
        "seeds initialisation (per parameter name and element) and the sample order"},
+      {"device",
+       "auto (cuda when built with it and a GPU is visible, else cpu), cpu, or cuda (a GPU per rank)"},
       {"gradient_clipping",
        "clip the global gradient norm to this value; 0 disables (DeepSpeed)"},
       {"steps_per_print",

@@ -237,6 +237,7 @@ void describe(V& v, TrainConfig& c) {
   v.field("seq_length", c.seq_length, at_least(1));
   v.field("train_steps", c.train_steps, at_least(1));
   v.field("seed", c.seed, at_least(0));
+  v.field("device", c.device);
   v.field("gradient_clipping", c.gradient_clipping, non_negative());
   v.field("steps_per_print", c.steps_per_print, at_least(1));
   v.field("wall_clock_breakdown", c.wall_clock_breakdown);

@@ -199,6 +199,9 @@ struct TrainConfig {
   int64_t seq_length = 256;
   int64_t train_steps = 1000;
   int64_t seed = 42;
+  // Where the math runs: cpu, cuda (one GPU per rank, by local rank), or auto — cuda when this
+  // build has the CUDA backend and a GPU is visible, else cpu
+  DeviceKind device = DeviceKind::kAuto;
   double gradient_clipping = 0.0;  // 0: no clipping (DeepSpeed's default)
   int64_t steps_per_print = 10;
   bool wall_clock_breakdown = false;

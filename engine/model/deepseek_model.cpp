@@ -187,7 +187,7 @@ struct DeepSeekModel::Mtp {
 DeepSeekModel::DeepSeekModel(const config::ModelConfig& cfg, kernels::Backend& be, Collectives& coll,
                              ParamStore& params, int64_t B, int64_t S, bool sequence_parallel,
                              const StageSpec& stage)
-    : cfg_(cfg), be_(be), coll_(coll), acts_(stage.recompute_arena), rope_(make_rope_tables(cfg, S)), B_(B), S_(S),
+    : cfg_(cfg), be_(be), coll_(coll), acts_(stage.recompute_arena), rope_(make_rope_tables(cfg, S, be)), B_(B), S_(S),
       H_(cfg.hidden_size),
       V_(cfg.vocab_size), L_(cfg.num_hidden_layers), tp_(coll.tp_size()), sp_(sequence_parallel && coll.tp_size() > 1) {
   const int64_t N = B * S;

@@ -87,6 +87,7 @@ MoeLayer::MoeLayer(const LayerEnv& env, const std::string& prefix, int64_t B, in
   Mp_ = st.take(N * k_ * I_, true, lp);
   Yp_ = st.take(N * k_ * H_);
   idx_.resize(N * k_), pos_.resize(N * k_), src_.resize(N * k_);
+  idx_dev_.resize(*env.be, N * k_), pos_dev_.resize(*env.be, N * k_), src_dev_.resize(*env.be, N * k_);
   counts_.assign(E_, 0), offsets_.assign(E_ + 1, 0);
   stats_.loads.assign(E_, 0);
   DS_CHECK(E_ % ep_ == 0, "{} experts over {} expert-parallel ranks", E_, ep_);
@@ -109,7 +110,7 @@ int64_t MoeLayer::ep_backward_bytes() const {
 
 void MoeLayer::dispatch_rows(const float* u_part, int64_t rows) {
   float* x = f32_staging(env_, Xp_.view(), rows * H_);
-  env_.be->gather_rows(x, u_part, src_.data(), rows, H_);
+  env_.be->gather_rows(x, u_part, src_dev_.data(), rows, H_);
   store_activation(env_, Xp_.view(), x, rows * H_);
 }
 
@@ -129,7 +130,7 @@ void MoeLayer::recompute_selective(const float* u_part, int64_t N) {
     swiglu_into(Mp_.view(), GUp_.data(), rows);
   } else {  // the shared vectors hold another layer's rows: sized for this one's again
     Xe_->resize(be, recv_total_ * H_), Me_->resize(be, recv_total_ * I_);
-    be.gather_rows(Xe_->data(), Xr_->data(), to_source_.data(), recv_total_, H_);
+    be.gather_rows(Xe_->data(), Xr_->data(), to_source_dev_.data(), recv_total_, H_);
     be.swiglu_forward(Me_->data(), GUe_->data(), recv_total_, I_);
   }
 }
@@ -144,11 +145,10 @@ void MoeLayer::route(const float* u, int64_t N) {
   kernels::Backend& be = *env_.be;
   float* logits = env_.scratch->take(N * E_);
   linear_forward(env_, logits, u, gate_, N, E_, H_);
-  be.router_forward(idx_.data(), w_.data(), scores_.data(), logits, bias_, N, rp_);
+  be.router_forward(idx_dev_.data(), w_.data(), scores_.data(), logits, bias_, N, rp_);
   // The dispatch plan is made on the host, from the selection copied there through the backend.
-  idx_host_.resize(size_t(N * k_));
-  be.copy_to_host(idx_host_.data(), idx_.data(), N * k_ * int64_t(sizeof(int32_t)));
-  const int32_t* idx = idx_host_.data();
+  be.copy_to_host(idx_.data(), idx_dev_.data(), N * k_ * int64_t(sizeof(int32_t)));
+  const int32_t* idx = idx_.data();
   std::fill(counts_.begin(), counts_.end(), 0);
   for (int64_t i = 0; i < N * k_; ++i) ++counts_[idx[i]];
   for (int64_t e = 0; e < E_; ++e) offsets_[e + 1] = offsets_[e] + counts_[e];
@@ -159,6 +159,8 @@ void MoeLayer::route(const float* u, int64_t N) {
       pos_[t * k_ + j] = int32_t(row);
       src_[row] = int32_t(t);
     }
+  be.copy_from_host(pos_dev_.data(), pos_.data(), N * k_ * int64_t(sizeof(int32_t)));
+  be.copy_from_host(src_dev_.data(), src_.data(), N * k_ * int64_t(sizeof(int32_t)));
   if (!recomputing_)
     for (int64_t e = 0; e < E_; ++e) stats_.loads[e] += counts_[e];
 }
@@ -171,8 +173,10 @@ void MoeLayer::route(const float* u, int64_t N) {
 void MoeLayer::balance_loss(TokenPart part, int64_t B, int64_t S, const LossScale& scale) {
   const double alpha = env_.cfg->aux_loss_alpha;
   const int64_t n = part.count;
-  std::fill(dscores_.data(), dscores_.data() + n * E_, 0.0f);
-  if (alpha <= 0.0) return;
+  if (alpha <= 0.0) {
+    env_.be->fill(dscores_.data(), 0.0f, n * E_);
+    return;
+  }
   const bool per_seq = env_.cfg->seq_aux;
   const int64_t groups = per_seq ? B : 1, T = per_seq ? S : B * S;
   // Each group's weight in the global mean: 1/B_global per sequence, or this micro-batch's share.
@@ -181,8 +185,10 @@ void MoeLayer::balance_loss(TokenPart part, int64_t B, int64_t S, const LossScal
   double* f = stats.data();
   double* P = stats.data() + groups * E_;
   const auto group_of = [&](int64_t i) { return per_seq ? (part.first + i) / S : 0; };
-  const float* scores = scores_.data();
-  float* dscores = dscores_.data();
+  scores_host_.resize(size_t(n * E_)), dscores_host_.resize(size_t(n * E_));
+  env_.be->copy_to_host(scores_host_.data(), scores_.data(), n * E_ * int64_t(sizeof(float)));
+  const float* scores = scores_host_.data();
+  float* dscores = dscores_host_.data();
   for (int64_t i = 0; i < n; ++i) {
     const int64_t g = group_of(i);
     for (int64_t j = 0; j < k_; ++j) f[g * E_ + idx_[i * k_ + j]] += double(E_) / double(k_ * T);
@@ -210,6 +216,7 @@ void MoeLayer::balance_loss(TokenPart part, int64_t B, int64_t S, const LossScal
     for (int64_t e = 0; e < E_; ++e)
       dscores[i * E_ + e] = float((alpha * group_weight * fg[e] / double(T) - dot) / sum * scale.gradient);
   }
+  env_.be->copy_from_host(dscores_.data(), dscores, n * E_ * int64_t(sizeof(float)));
 }
 
 void MoeLayer::forward(float* out_full, const float* u_full, const float* u_part, TokenPart part, int64_t B,
@@ -225,7 +232,7 @@ void MoeLayer::forward(float* out_full, const float* u_full, const float* u_part
                     E_, rows);
     if (shared_) shared_->forward(out_full, u_full, N);
     else be.fill(out_full, 0.0f, N * H_);
-    be.moe_combine(out_full + part.first * H_, Yp_.data(), w_.data(), pos_.data(), n, k_, H_);
+    be.moe_combine(out_full + part.first * H_, Yp_.data(), w_.data(), pos_dev_.data(), n, k_, H_);
     return;
   }
   // Expert parallelism: the rows go to the ranks that own their experts (the rows sorted by
@@ -238,13 +245,13 @@ void MoeLayer::forward(float* out_full, const float* u_full, const float* u_part
   if (shared_) shared_->forward(out_full, u_full, N);  // while the rows travel
   else be.fill(out_full, 0.0f, N * H_);
   if (dispatch) dispatch->wait();
-  be.gather_rows(Xe_->data(), Xr_->data(), to_source_.data(), recv, H_);
+  be.gather_rows(Xe_->data(), Xr_->data(), to_source_dev_.data(), recv, H_);
   experts_forward(kernels::f32(Xe_->data()), GUe_->data(), {Me_->data(), kernels::DType::kF32}, Ye_->data(),
                   ecounts_.data(), eoffsets_.data(), e0_, El_, recv);
-  be.gather_rows(Yr_->data(), Ye_->data(), to_expert_.data(), recv, H_);
+  be.gather_rows(Yr_->data(), Ye_->data(), to_expert_dev_.data(), recv, H_);
   auto combine = env_.coll->ep_all_to_all_v(Yp_.data(), scaled(send_rows_, H_), Yr_->data(), scaled(recv_rows_, H_));
   if (combine) combine->wait();
-  be.moe_combine(out_full + part.first * H_, Yp_.data(), w_.data(), pos_.data(), n, k_, H_);
+  be.moe_combine(out_full + part.first * H_, Yp_.data(), w_.data(), pos_dev_.data(), n, k_, H_);
 }
 
 std::vector<int64_t> MoeLayer::scaled(const std::vector<int64_t>& rows, int64_t width) {
@@ -296,6 +303,10 @@ void MoeLayer::plan_exchange(int64_t rows) {
         to_source_[size_t(row)] = int32_t(at);
         to_expert_[size_t(at)] = int32_t(row);
       }
+  kernels::Backend& be = *env_.be;
+  to_source_dev_.resize(be, recv_total_), to_expert_dev_.resize(be, recv_total_);
+  be.copy_from_host(to_source_dev_.data(), to_source_.data(), recv_total_ * int64_t(sizeof(int32_t)));
+  be.copy_from_host(to_expert_dev_.data(), to_expert_.data(), recv_total_ * int64_t(sizeof(int32_t)));
 }
 
 namespace {
@@ -427,7 +438,7 @@ void MoeLayer::backward(float* du_full, const float* dout_full, const float* u_f
   const int64_t N = B * S, n = part.count, rows = n * k_;
   float* dYp = scratch.take(rows * H_);
   float* dw = scratch.take(n * k_);
-  be.moe_combine_backward(dYp, dw, dout_full + part.first * H_, Yp_.data(), w_.data(), pos_.data(), n, k_, H_);
+  be.moe_combine_backward(dYp, dw, dout_full + part.first * H_, Yp_.data(), w_.data(), pos_dev_.data(), n, k_, H_);
   float* dXp = dYp;  // dYp is dead once the experts' dM exists; same size [rows, H]
   if (ep_ == 1) {
     float* dMp = scratch.take(rows * I_);
@@ -448,17 +459,17 @@ void MoeLayer::backward(float* du_full, const float* dout_full, const float* u_f
     if (shared_) shared_->backward(du_full, dout_full, u_full, N, 0.0f);  // while the gradients travel
     else be.fill(du_full, 0.0f, N * H_);
     if (out) out->wait();
-    be.gather_rows(dYe_.data(), dYr_.data(), to_source_.data(), recv, H_);
+    be.gather_rows(dYe_.data(), dYr_.data(), to_source_dev_.data(), recv, H_);
     experts_backward(dXe_.data(), dYe_.data(), kernels::f32(Xe_->data()), GUe_->data(), kernels::f32(Me_->data()),
                      dMe_.data(), dGUe_.data(), ecounts_.data(), eoffsets_.data(), e0_, El_, recv);
-    be.gather_rows(dXr_.data(), dXe_.data(), to_expert_.data(), recv, H_);
+    be.gather_rows(dXr_.data(), dXe_.data(), to_expert_dev_.data(), recv, H_);
     auto back = env_.coll->ep_all_to_all_v(dXp, scaled(send_rows_, H_), dXr_.data(), scaled(recv_rows_, H_));
     if (back) back->wait();
   }
   float* du_part = du_full + part.first * H_;
-  be.moe_dispatch_backward(du_part, dXp, pos_.data(), n, k_, H_);
+  be.moe_dispatch_backward(du_part, dXp, pos_dev_.data(), n, k_, H_);
   float* dlogits = scratch.take(n * E_);
-  be.router_backward(dlogits, dw, dscores_.data(), scores_.data(), idx_.data(), n, rp_);
+  be.router_backward(dlogits, dw, dscores_.data(), scores_.data(), idx_dev_.data(), n, rp_);
   if (env_.tp_size == 1) {
     linear_backward(env_, du_part, dlogits, u_part, gate_, n, E_, H_, 1.0f);
   } else {  // the router is replicated: its gradient from this rank's tokens, summed over the ranks

@@ -105,8 +105,12 @@ class MoeLayer {
   // the selective set: Xp (the dispatched rows) and Mp. Under bf16 / fp16 both are kept in the
   // compute type (only GEMMs read them; Xp stays fp32 under expert parallelism, where it is sent).
   ActBuf scores_, w_, dscores_, Xp_, GUp_, Mp_, Yp_;
+  // The dispatch plan is made on the host (idx_: the selection copied there; pos_, src_) and
+  // copied to the device for the kernels (the *_dev_ twins); so are the expert-parallel
+  // permutations. The balance loss reads the scores on the host and sends its gradient back.
   std::vector<int32_t> idx_, pos_, src_;
-  std::vector<int32_t> idx_host_;  // the selection, copied to the host for the dispatch plan
+  kernels::DeviceArray<int32_t> idx_dev_, pos_dev_, src_dev_, to_source_dev_, to_expert_dev_;
+  std::vector<float> scores_host_, dscores_host_;
   std::vector<int64_t> counts_, offsets_;
   MoeStats stats_;
   // Expert parallelism (ep_ > 1): this rank owns experts [e0_, e0_ + El_); the last forward's

@@ -12,7 +12,7 @@ double yarn_m(double scale, double mscale) {
 }
 }  // namespace
 
-RopeTables make_rope_tables(const config::ModelConfig& m, int64_t S) {
+RopeTables make_rope_tables(const config::ModelConfig& m, int64_t S, kernels::Backend& be) {
   const int64_t dr = m.qk_rope_head_dim, half = dr / 2;
   std::vector<float> inv_freq(half);
   for (int64_t j = 0; j < half; ++j)
@@ -35,14 +35,16 @@ RopeTables make_rope_tables(const config::ModelConfig& m, int64_t S) {
     const double ms = yarn_m(y.factor, y.mscale_all_dim);
     t.attention_scale = float(t.attention_scale * ms * ms);
   }
-  t.cos.resize(S * half);
-  t.sin.resize(S * half);
+  std::vector<float> cos(size_t(S * half)), sin(size_t(S * half));
   for (int64_t p = 0; p < S; ++p)
     for (int64_t j = 0; j < half; ++j) {
       const float angle = float(p) * inv_freq[j];
-      t.cos[p * half + j] = std::cos(angle) * magnitude;
-      t.sin[p * half + j] = std::sin(angle) * magnitude;
+      cos[size_t(p * half + j)] = std::cos(angle) * magnitude;
+      sin[size_t(p * half + j)] = std::sin(angle) * magnitude;
     }
+  t.cos.resize(be, S * half), t.sin.resize(be, S * half);
+  be.copy_from_host(t.cos.data(), cos.data(), S * half * int64_t(sizeof(float)));
+  be.copy_from_host(t.sin.data(), sin.data(), S * half * int64_t(sizeof(float)));
   return t;
 }
 

@@ -8,12 +8,13 @@
 
 namespace dstrain::model {
 
-// RoPE tables (fp32, as HF computes them) and the softmax scale, YaRN included (§3.4.1).
+// RoPE tables (fp32, as HF computes them, on the host, then copied to the backend's device) and
+// the softmax scale, YaRN included (§3.4.1).
 struct RopeTables {
-  std::vector<float> cos, sin;  // [S, dr/2]
+  kernels::DeviceArray<float> cos, sin;  // [S, dr/2]
   float attention_scale = 1.0f;
 };
-RopeTables make_rope_tables(const config::ModelConfig& m, int64_t S);
+RopeTables make_rope_tables(const config::ModelConfig& m, int64_t S, kernels::Backend& be);
 
 class MlaAttention {
  public:

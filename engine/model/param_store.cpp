@@ -29,7 +29,8 @@ bool is_norm_weight(const std::string& name) {
 
 ParamStore::ParamStore(const std::vector<plan::ParamInfo>& table,
                        const std::vector<int>& param_stage, int64_t num_experts,
-                       const ShardCoords& where) {
+                       const ShardCoords& where, kernels::Backend* be)
+    : dense_(be), expert_(be), dense_grad_(be), expert_grad_(be), lp_dense_(be), lp_expert_(be), buffers_(be) {
   int64_t dense = 0, expert = 0, buffers = 0, dense_held = 0, expert_held = 0;
   for (size_t i = 0; i < table.size(); ++i) {
     if (param_stage[i] != where.stage) continue;
@@ -52,11 +53,11 @@ ParamStore::ParamStore(const std::vector<plan::ParamInfo>& table,
     order_.push_back(info.name);
   }
   dense_numel_ = dense, expert_numel_ = expert, num_params_ = dense_held + expert_held;
-  dense_.assign(dense, 0.0f);
-  dense_grad_.assign(dense, 0.0f);
-  expert_.assign(expert, 0.0f);
-  expert_grad_.assign(expert, 0.0f);
-  buffers_.assign(buffers, 0.0f);
+  dense_.assign(dense);
+  dense_grad_.assign(dense);
+  expert_.assign(expert);
+  expert_grad_.assign(expert);
+  buffers_.assign(buffers);
 }
 
 const ParamView& ParamStore::view(const std::string& name) const {
@@ -65,14 +66,20 @@ const ParamView& ParamStore::view(const std::string& name) const {
   return it->second;
 }
 
-float* ParamStore::base(const ParamView& v, bool grad) {
+FlatBuffer& ParamStore::buffer_of(const ParamView& v, bool grad) {
   if (v.buffer) {
     DS_CHECK(!grad, "buffer {} has no gradient", v.info->name);
-    return buffers_.data();
+    return buffers_;
   }
-  if (v.expert) return grad ? expert_grad_.data() : expert_.data();
-  return grad ? dense_grad_.data() : dense_.data();
+  if (v.expert) return grad ? expert_grad_ : expert_;
+  return grad ? dense_grad_ : dense_;
 }
+
+const FlatBuffer& ParamStore::buffer_of(const ParamView& v, bool grad) const {
+  return const_cast<ParamStore*>(this)->buffer_of(v, grad);
+}
+
+float* ParamStore::base(const ParamView& v, bool grad) { return buffer_of(v, grad).data(); }
 
 const float* ParamStore::base(const ParamView& v, bool grad) const {
   return const_cast<ParamStore*>(this)->base(v, grad);
@@ -97,39 +104,42 @@ const float* ParamStore::grad(const std::string& name) const {
 
 void ParamStore::initialize(uint64_t seed, double initializer_range,
                             std::optional<int64_t> pad_token_id) {
+  std::vector<float> values;  // one tensor's local slice, made on the host
   for (const std::string& name : order_) {
     const ParamView& v = views_.at(name);
-    float* p = base(v, false) + v.offset;
+    values.assign(size_t(v.numel), 0.0f);
+    float* p = values.data();
     const bool ones = is_norm_weight(name);
     const bool zeros = v.buffer || v.info->shape.size() == 1;  // biases, router bias buffer
     if (ones || zeros) {
       std::fill(p, p + v.numel, ones ? 1.0f : 0.0f);
-      continue;
+    } else {
+      const uint64_t key = stream_key(seed, name);
+      for_each_global_index(*v.info, v.shard, [&](int64_t local, int64_t global) {
+        p[local] = float(initializer_range * normal_at(key, uint64_t(global)));
+      });
+      if (pad_token_id && name == "model.embed_tokens.weight") {
+        const int64_t row = *pad_token_id - v.shard.offset[0], H = v.shard.local_shape[1];
+        if (row >= 0 && row < v.shard.local_shape[0]) std::fill(p + row * H, p + (row + 1) * H, 0.0f);
+      }
     }
-    const uint64_t key = stream_key(seed, name);
-    for_each_global_index(*v.info, v.shard, [&](int64_t local, int64_t global) {
-      p[local] = float(initializer_range * normal_at(key, uint64_t(global)));
-    });
-    if (pad_token_id && name == "model.embed_tokens.weight") {
-      const int64_t row = *pad_token_id - v.shard.offset[0], H = v.shard.local_shape[1];
-      if (row >= 0 && row < v.shard.local_shape[0]) std::fill(p + row * H, p + (row + 1) * H, 0.0f);
-    }
+    buffer_of(v, false).write(v.offset, v.numel, p);
   }
 }
 
 void ParamStore::pad(int64_t dense_len, int64_t expert_len) {
   DS_CHECK(dense_len >= dense_numel_ && expert_len >= expert_numel_, "padding shrinks the buffers");
-  dense_.resize(dense_len, 0.0f), dense_grad_.resize(dense_len, 0.0f);
-  expert_.resize(expert_len, 0.0f), expert_grad_.resize(expert_len, 0.0f);
+  dense_.resize(dense_len), dense_grad_.resize(dense_len);
+  expert_.resize(expert_len), expert_grad_.resize(expert_len);
 }
 
 void ParamStore::enable_compute_copy(kernels::DType dtype) {
   compute_dtype_ = dtype;
   if (dtype == kernels::DType::kF32) {
-    lp_dense_ = {}, lp_expert_ = {};
+    lp_dense_.assign(0), lp_expert_.assign(0);
     return;
   }
-  lp_dense_.assign(dense_.size(), 0), lp_expert_.assign(expert_.size(), 0);
+  lp_dense_.assign(dense_.size()), lp_expert_.assign(expert_.size());
 }
 
 const uint16_t* ParamStore::compute_param(const std::string& name) const {
@@ -153,8 +163,13 @@ void ParamStore::widen_compute(kernels::Backend& be, bool expert, int64_t begin,
 }
 
 void ParamStore::zero_grads() {
-  std::fill(dense_grad_.begin(), dense_grad_.end(), 0.0f);
-  std::fill(expert_grad_.begin(), expert_grad_.end(), 0.0f);
+  dense_grad_.fill_zero();
+  expert_grad_.fill_zero();
+}
+
+std::vector<float> ParamStore::local_values(const std::string& name, bool grad) const {
+  const ParamView& v = view(name);
+  return buffer_of(v, grad).to_host(v.offset, v.numel);
 }
 
 namespace {
@@ -166,16 +181,23 @@ void ParamStore::slice_to_full(const ParamView& v, const float* local, float* fu
   for_each_global_index(*v.info, v.shard, [&](int64_t l, int64_t g) { full[g] = local[l]; });
 }
 
+void ParamStore::set_local_values(const std::string& name, const std::vector<float>& values, bool grad) {
+  const ParamView& v = view(name);
+  DS_CHECK(int64_t(values.size()) == v.numel, "{}: {} values for a slice of {}", name, values.size(), v.numel);
+  buffer_of(v, grad).write(v.offset, v.numel, values.data());
+}
+
 void ParamStore::load_full(const std::string& name, const float* full, bool into_grad) {
   const ParamView& v = view(name);
-  float* p = base(v, into_grad) + v.offset;
-  for_each_global_index(*v.info, v.shard, [&](int64_t local, int64_t global) { p[local] = full[global]; });
+  std::vector<float> local(static_cast<size_t>(v.numel));
+  for_each_global_index(*v.info, v.shard, [&](int64_t l, int64_t global) { local[size_t(l)] = full[global]; });
+  buffer_of(v, into_grad).write(v.offset, v.numel, local.data());
 }
 
 void ParamStore::store_full(const std::string& name, float* full, bool from_grad) const {
   const ParamView& v = view(name);
-  const float* p = base(v, from_grad) + v.offset;
-  for_each_global_index(*v.info, v.shard, [&](int64_t local, int64_t global) { full[global] = p[local]; });
+  const std::vector<float> local = local_values(name, from_grad);
+  for_each_global_index(*v.info, v.shard, [&](int64_t l, int64_t global) { full[global] = local[size_t(l)]; });
 }
 
 }  // namespace dstrain::model

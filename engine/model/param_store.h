@@ -12,7 +12,7 @@
 #include <vector>
 
 #include "dstrain/kernels/backend.h"
-#include "engine/common/shared_memory.h"
+#include "engine/model/flat_array.h"
 #include "engine/plan/param_table.h"
 
 namespace dstrain::model {
@@ -24,7 +24,7 @@ struct ShardCoords {
   int ep = 0, ep_size = 1;
 };
 
-using FlatBuffer = SharedVector<float>;
+using FlatBuffer = FlatArray<float>;
 
 struct ParamView {
   const plan::ParamInfo* info = nullptr;
@@ -43,8 +43,11 @@ struct ParamView {
 
 class ParamStore {
  public:
+  // `be`: the backend whose ops use the buffers; when its memory is not host memory (a GPU) the
+  // buffers are device memory from it (FlatArray), otherwise — and without a backend — host
+  // shared memory.
   ParamStore(const std::vector<plan::ParamInfo>& table, const std::vector<int>& param_stage,
-             int64_t num_experts, const ShardCoords& where);
+             int64_t num_experts, const ShardCoords& where, kernels::Backend* be = nullptr);
 
   bool has(const std::string& name) const { return views_.count(name) > 0; }
   const ParamView& view(const std::string& name) const;
@@ -64,13 +67,19 @@ class ParamStore {
 
   void zero_grads();
 
-  // In shared memory (engine/common/shared_memory.h): data-parallel peers on one host reduce
-  // and gather these buffers by mapping them.
+  // In shared memory (engine/common/shared_memory.h) on the CPU: data-parallel peers on one host
+  // reduce and gather these buffers by mapping them. In device memory on a GPU.
   FlatBuffer& dense_params() { return dense_; }
   FlatBuffer& expert_params() { return expert_; }
   FlatBuffer& dense_grads() { return dense_grad_; }
   FlatBuffer& expert_grads() { return expert_grad_; }
-  std::vector<float>& buffers() { return buffers_; }
+  FlatBuffer& buffers() { return buffers_; }
+  const FlatBuffer& buffers() const { return buffers_; }
+  // Whether the buffers are device memory (read them through FlatArray::read / local_values).
+  bool on_device() const { return dense_.on_device(); }
+  // Host copies of a tensor's local slice (its values, or its gradient).
+  std::vector<float> local_values(const std::string& name, bool grad = false) const;
+  void set_local_values(const std::string& name, const std::vector<float>& values, bool grad = false);
 
   // Mixed precision (docs/design.md §6.10): low-precision compute copies of the two flat
   // parameter buffers, same layout, for the GEMMs. The fp32 buffers then hold the same rounded
@@ -81,7 +90,7 @@ class ParamStore {
   bool has_compute_copy() const { return compute_dtype_ != kernels::DType::kF32; }
   // The parameter's low-precision copy; null without compute copies and for buffers.
   const uint16_t* compute_param(const std::string& name) const;
-  SharedVector<uint16_t>& compute_copy(bool expert) { return expert ? lp_expert_ : lp_dense_; }
+  FlatArray<uint16_t>& compute_copy(bool expert) { return expert ? lp_expert_ : lp_dense_; }
   FlatBuffer& params(bool expert) { return expert ? expert_ : dense_; }
   // Elements [begin, end) of a flat buffer: from the fp32 values `src` (null: the fp32 buffer
   // itself) into the compute copy, rounded, and the rounded values back into the fp32 buffer.
@@ -114,13 +123,15 @@ class ParamStore {
  private:
   float* base(const ParamView& v, bool grad);
   const float* base(const ParamView& v, bool grad) const;
+  FlatBuffer& buffer_of(const ParamView& v, bool grad);
+  const FlatBuffer& buffer_of(const ParamView& v, bool grad) const;
 
   std::map<std::string, ParamView> views_;
   std::vector<std::string> order_;
   FlatBuffer dense_, expert_, dense_grad_, expert_grad_;
   kernels::DType compute_dtype_ = kernels::DType::kF32;
-  SharedVector<uint16_t> lp_dense_, lp_expert_;
-  std::vector<float> buffers_;
+  FlatArray<uint16_t> lp_dense_, lp_expert_;
+  FlatBuffer buffers_;
   int64_t num_params_ = 0, dense_numel_ = 0, expert_numel_ = 0;
 };
 

@@ -159,8 +159,18 @@ const float* Checkpointer::local_data(model::ParamStore& params, AdamW& adam, co
                                       const std::string& name, int k, std::vector<float>& gathered) const {
   const model::ParamView& v = params.view(name);
   // Under mixed precision the weights saved are the fp32 master weights, kept beside the moments.
-  if (k == 0 && (v.buffer || !adam.has_master())) return params.param(name);
-  if (!adam.sharded()) return adam.moment(k, v.expert).data() + v.offset;
+  if (k == 0 && (v.buffer || !adam.has_master())) {
+    if (!params.on_device()) return params.param(name);
+    gathered = params.local_values(name);
+    return gathered.data();
+  }
+  model::FlatArray<float>& m = adam.moment(k, v.expert);
+  if (!adam.sharded() || m.on_device()) {  // (device memory: a job of one rank, whose shard is the whole buffer)
+    const int64_t at = v.offset - (adam.sharded() ? adam.shard(v.expert).begin : 0);
+    if (!m.on_device()) return m.data() + at;
+    gathered = m.to_host(at, v.numel);
+    return gathered.data();
+  }
   DS_CHECK(zero, "sharded AdamW moments without their ZeRO partitions");
   gathered.resize(size_t(v.numel));
   zero->gather(v.expert, {v.offset, v.offset + v.numel}, gathered.data(), adam.moment(k, v.expert).data())->wait();
@@ -584,8 +594,7 @@ TrainState Checkpointer::load(const std::string& path, model::ParamStore& params
         } catch (const Error&) {
           throw fail(fmt::format("tensor '{}' fails its checksum or cannot be read (corrupt or truncated file)", ds));
         }
-        std::copy(slice.begin() + (in.begin - v.offset), slice.begin() + (in.end - v.offset),
-                  adam->moment(k, v.expert).begin() + (in.begin - sh.begin));
+        adam->moment(k, v.expert).write(in.begin - sh.begin, in.size(), slice.data() + (in.begin - v.offset));
         continue;
       }
       std::vector<float> slice;
@@ -594,8 +603,8 @@ TrainState Checkpointer::load(const std::string& path, model::ParamStore& params
       } catch (const Error&) {
         throw fail(fmt::format("tensor '{}' fails its checksum or cannot be read (corrupt or truncated file)", ds));
       }
-      float* dst = k == 0 ? params.param(name) : adam->moment(k, v.expert).data() + v.offset;
-      std::copy(slice.begin(), slice.end(), dst);
+      if (k == 0) params.set_local_values(name, slice);
+      else adam->moment(k, v.expert).write(v.offset, v.numel, slice.data());
     }
   }
   const int64_t model_tensors = int64_t(f->list("model").size());

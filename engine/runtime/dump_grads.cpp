@@ -74,9 +74,8 @@ void dump_grads(const plan::ParallelPlan& plan, const RankGroups& groups, const 
       if (grad && info.buffer) continue;
       if (rank != 0) {
         if (contributes(plan, i, rank)) {
-          const model::ParamView& v = params.view(info.name);
-          const float* base = grad ? params.grad(info.name) : params.param(info.name);
-          world->send(base, v.numel, 0)->wait();
+          const std::vector<float> mine = params.local_values(info.name, grad);
+          world->send(mine.data(), int64_t(mine.size()), 0)->wait();
         }
         continue;
       }
@@ -89,8 +88,7 @@ void dump_grads(const plan::ParallelPlan& plan, const RankGroups& groups, const 
         v.shard = plan.shard(i, r);
         piece.resize(v.shard.local_numel());
         if (r == 0) {
-          const float* base = grad ? params.grad(info.name) : params.param(info.name);
-          std::copy(base, base + piece.size(), piece.begin());
+          piece = params.local_values(info.name, grad);
         } else {
           world->recv(piece.data(), int64_t(piece.size()), r)->wait();
         }

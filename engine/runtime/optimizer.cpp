@@ -15,7 +15,18 @@ AdamW::AdamW(const config::OptimizerConfig& cfg, model::ParamStore& params, kern
 
 AdamW::AdamW(const config::OptimizerConfig& cfg, model::ParamStore& params, kernels::Backend& be,
              Range dense_shard, Range expert_shard)
-    : cfg_(cfg), params_(params), be_(be), dense_shard_(dense_shard), expert_shard_(expert_shard), sharded_(true) {
+    : cfg_(cfg),
+      params_(params),
+      be_(be),
+      m_dense_(&be),
+      v_dense_(&be),
+      m_expert_(&be),
+      v_expert_(&be),
+      w_dense_(&be),
+      w_expert_(&be),
+      dense_shard_(dense_shard),
+      expert_shard_(expert_shard),
+      sharded_(true) {
   // Consecutive parameters with the same decay setting form one run (one kernel call).
   for (const std::string& name : params.names()) {
     const model::ParamView& v = params.view(name);
@@ -34,10 +45,10 @@ AdamW::AdamW(const config::OptimizerConfig& cfg, model::ParamStore& params, kern
     if (!in.empty()) clipped.push_back({r.expert, in.begin, in.size(), r.decay});
   }
   runs_ = std::move(clipped);
-  m_dense_.assign(dense_shard_.size(), 0.0f);
-  v_dense_.assign(dense_shard_.size(), 0.0f);
-  m_expert_.assign(expert_shard_.size(), 0.0f);
-  v_expert_.assign(expert_shard_.size(), 0.0f);
+  m_dense_.assign(dense_shard_.size());
+  v_dense_.assign(dense_shard_.size());
+  m_expert_.assign(expert_shard_.size());
+  v_expert_.assign(expert_shard_.size());
   master_ = params.has_compute_copy();
   if (master_) capture_master();
 }
@@ -47,12 +58,13 @@ void AdamW::capture_master() {
   for (const bool expert : {false, true}) {
     const Range r = shard(expert);
     const float* f = params_.params(expert).data();
-    master(expert).assign(f + r.begin, f + r.end);
+    master(expert).assign(r.size());
+    be_.copy(master(expert).data(), f + r.begin, r.size() * int64_t(sizeof(float)));
     params_.round_to_compute(be_, expert, 0, int64_t(params_.params(expert).size()));
   }
 }
 
-std::vector<float>& AdamW::moment(int k, bool expert) {
+model::FlatArray<float>& AdamW::moment(int k, bool expert) {
   if (k == 0) {
     DS_CHECK(master_, "no master weights without mixed precision");
     return master(expert);
@@ -88,22 +100,24 @@ void AdamW::step(double lr, int64_t step, double grad_scale) {
     }
 }
 
-double gradient_square_sum(model::ParamStore& params, Range dense, Range expert, bool replicated) {
-  const auto sum_of = [](const float* g, Range r) {
-    double sum = 0;
-#pragma omp parallel for simd reduction(+ : sum) schedule(static)
-    for (int64_t i = r.begin; i < r.end; ++i) sum += double(g[i]) * double(g[i]);
-    return sum;
-  };
-  double sum = sum_of(params.expert_grads().data(), expert);
+double gradient_square_sum(kernels::Backend& be, model::ParamStore& params, Range dense, Range expert,
+                           bool replicated) {
+  const kernels::DeviceArray<double> sum(be, 1);
+  be.sum_squares(sum.data(), params.expert_grads().data() + expert.begin, expert.size(), false);
   const float* g = params.dense_grads().data();
-  if (replicated) return sum + sum_of(g, dense);
-  for (const std::string& name : params.names()) {  // the tensor-parallel shards only
-    const model::ParamView& v = params.view(name);
-    if (v.buffer || v.expert || v.info->shard == plan::Shard::kReplicated) continue;
-    sum += sum_of(g, parallel::intersect({v.offset, v.offset + v.numel}, dense));
+  if (replicated) {
+    be.sum_squares(sum.data(), g + dense.begin, dense.size(), true);
+  } else {
+    for (const std::string& name : params.names()) {  // the tensor-parallel shards only
+      const model::ParamView& v = params.view(name);
+      if (v.buffer || v.expert || v.info->shard == plan::Shard::kReplicated) continue;
+      const Range r = parallel::intersect({v.offset, v.offset + v.numel}, dense);
+      be.sum_squares(sum.data(), g + r.begin, r.size(), true);
+    }
   }
-  return sum;
+  double host = 0;
+  be.copy_to_host(&host, sum.data(), sizeof(double));
+  return host;
 }
 
 double clip_factor(double norm, double max_norm) {

@@ -38,20 +38,22 @@ class AdamW {
   // Whether the moments cover only a part of the buffers.
   bool sharded() const { return sharded_; }
 
-  std::vector<float>& exp_avg_dense() { return m_dense_; }
-  std::vector<float>& exp_avg_sq_dense() { return v_dense_; }
-  std::vector<float>& exp_avg_expert() { return m_expert_; }
-  std::vector<float>& exp_avg_sq_expert() { return v_expert_; }
+  // The moments live where the parameters do (FlatArray: host memory on the CPU, device memory
+  // on a GPU; the host reads them through read / to_host).
+  model::FlatArray<float>& exp_avg_dense() { return m_dense_; }
+  model::FlatArray<float>& exp_avg_sq_dense() { return v_dense_; }
+  model::FlatArray<float>& exp_avg_expert() { return m_expert_; }
+  model::FlatArray<float>& exp_avg_sq_expert() { return v_expert_; }
   // Moment k (1: exp_avg, 2: exp_avg_sq) of the dense or expert buffer; k = 0: the fp32 master
   // weights under mixed precision.
-  std::vector<float>& moment(int k, bool expert);
+  model::FlatArray<float>& moment(int k, bool expert);
 
   // Mixed precision (the parameter store has compute copies, docs/design.md §6.10): the fp32
   // master weights of the shards live here, beside the moments (master(expert)[i] is flat element
   // shard(expert).begin + i); step() updates them and rounds the shards into the store's fp32
   // buffers and compute copies, which the caller then all-gathers (the compute copy) and widens.
   bool has_master() const { return master_; }
-  std::vector<float>& master(bool expert) { return expert ? w_expert_ : w_dense_; }
+  model::FlatArray<float>& master(bool expert) { return expert ? w_expert_ : w_dense_; }
   // Takes the master weights from the store's fp32 buffers — at construction (the initial
   // weights, already rounded, as DeepSpeed copies its cast module), and after a checkpoint's
   // master weights were loaded into them — then rounds the whole buffers to the compute type.
@@ -68,9 +70,9 @@ class AdamW {
   model::ParamStore& params_;
   kernels::Backend& be_;
   std::vector<Run> runs_;
-  std::vector<float> m_dense_, v_dense_, m_expert_, v_expert_;
+  model::FlatArray<float> m_dense_, v_dense_, m_expert_, v_expert_;
   bool master_ = false;
-  std::vector<float> w_dense_, w_expert_;  // fp32 master weights of the shards (mixed precision)
+  model::FlatArray<float> w_dense_, w_expert_;  // fp32 master weights of the shards (mixed precision)
   Range dense_shard_, expert_shard_;
   bool sharded_ = false;
 };
@@ -79,7 +81,9 @@ class AdamW {
 // Without `replicated`, the dense parameters every tensor-parallel rank holds whole (norms, the
 // router, the low-rank projections) are left out: the tensor-parallel ranks other than 0 count
 // only their shards, so a sum over the ranks counts each gradient once.
-double gradient_square_sum(model::ParamStore& params, Range dense, Range expert, bool replicated = true);
+// Summed on the backend's device (Backend::sum_squares, in double) and copied to the host once.
+double gradient_square_sum(kernels::Backend& be, model::ParamStore& params, Range dense, Range expert,
+                           bool replicated = true);
 
 // The factor that brings a gradient of global norm `norm` down to `max_norm` (DeepSpeed:
 // max_norm / (norm + 1e-6) when norm > max_norm; 1 under the limit or when max_norm is 0).

@@ -2,6 +2,12 @@
 
 #include <fmt/format.h>
 
+#include <cstdlib>
+
+#if defined(DSTRAIN_HAVE_CUDA)
+#include "dstrain/kernels/cuda.h"
+#endif
+
 #include "engine/common/error.h"
 #include "engine/common/host_memory.h"
 #include "engine/common/strings.h"
@@ -31,6 +37,7 @@ RankGroups::RankGroups(const plan::ParallelPlan& plan, int rank, std::vector<com
                        comm::ProcessGroup world)
     : rank_(rank), coord_(plan.grid.coord(rank)), groups_(std::move(groups)), world_(std::move(world)) {
   ranks_on_host_ = world_.ranks_on_this_host();
+  local_rank_ = world_.rank_on_this_host();
   DS_CHECK(groups_.size() == std::size(plan::kAllAxes), "{} process groups, one per axis expected", groups_.size());
   for (size_t i = 0; i < groups_.size(); ++i)
     DS_CHECK(groups_[i].name() == plan::axis_name(plan::kAllAxes[i]) &&
@@ -68,7 +75,7 @@ kernels::DType compute_dtype(config::Precision p) {
 }
 
 void check_memory_fits(const plan::ParallelPlan& plan, const RankGroups& groups, int64_t micro_batch,
-                       bool gradients) {
+                       bool gradients, kernels::Backend* backend) {
   const config::TrainConfig& c = plan.config;
   const int stage = groups.coord().pp;
   const plan::MemoryEstimate state =
@@ -77,8 +84,10 @@ void check_memory_fits(const plan::ParallelPlan& plan, const RankGroups& groups,
   const double acts = micro_batch > 0 ? plan.activations(stage, micro_batch).total() : 0.0;
   const double weights_only = state.weights;
   const double need = (gradients ? state.total() : weights_only) + acts;
-  const double available = double(host_memory_available());
-  const int ranks = groups.ranks_on_host();
+  // A GPU holds one rank's state (its memory is the limit); host memory is shared by the host's ranks.
+  const int64_t device_free = backend ? backend->device_memory_free() : -1;
+  const double available = device_free >= 0 ? double(device_free) : double(host_memory_available());
+  const int ranks = device_free >= 0 ? 1 : groups.ranks_on_host();
   if (available <= 0 || need * ranks <= available) return;
   const double tokens = double(micro_batch * c.seq_length);
   throw ConfigError(fmt::format(
@@ -86,24 +95,81 @@ void check_memory_fits(const plan::ParallelPlan& plan, const RankGroups& groups,
       "tokens per micro-batch — and {} rank{} on this host share {} of available memory; valid: a smaller model, "
       "a smaller train_micro_batch_size_per_gpu or seq_length, activation_checkpointing, ZeRO "
       "(zero_optimization.stage) or more ranks on "
-      "more hosts",
+      "more hosts{}",
       human_bytes(need), human_bytes(state.weights), human_bytes(gradients ? state.gradients : 0.0),
       human_bytes(gradients ? state.optimizer : 0.0), human_bytes(acts), with_commas(int64_t(tokens)), ranks,
-      ranks == 1 ? "" : "s", human_bytes(available)));
+      ranks == 1 ? "" : "s", human_bytes(available), device_free >= 0 ? " (the free memory of this rank's GPU)" : ""));
+}
+
+std::string describe_device(config::DeviceKind device) {
+#if defined(DSTRAIN_HAVE_CUDA)
+  const kernels::CudaDeviceInfo i = kernels::cuda_device_info(0);
+  const auto version = [](int v) { return fmt::format("{}.{}", v / 1000, v % 1000 / 10); };
+  const std::string gpu =
+      i.count > 0 ? fmt::format("{} GPU{} ({}, {:.1f} GiB, compute capability {}.{}, {} multiprocessors), driver {}, "
+                                "runtime {}, cuBLASLt {}",
+                                i.count, i.count == 1 ? "" : "s", i.name, double(i.memory_bytes) / double(1 << 30),
+                                i.cc_major, i.cc_minor, i.multiprocessors, version(i.driver_version),
+                                version(i.runtime_version), i.cublaslt_version)
+                  : "no usable GPU (" + i.error + ")";
+  if (device == config::DeviceKind::kCpu) return "cpu (this build also has the CUDA backend; " + gpu + ")";
+  return (i.count > 0 ? "cuda: " : device == config::DeviceKind::kCuda ? "cuda, refused at start: " : "cpu, as ") +
+         gpu + (device == config::DeviceKind::kAuto ? " [device: auto]" : "");
+#else
+  return device == config::DeviceKind::kCuda ? "cuda, refused at start: this build has no CUDA backend"
+                                             : "cpu (this build has no CUDA backend) [device: " +
+                                                   std::string(config::to_string(device)) + "]";
+#endif
+}
+
+bool runs_on_gpu(config::DeviceKind device) {
+  if (device == config::DeviceKind::kCpu) return false;
+  const char* check = std::getenv("DSTRAIN_DEVICE_MEMORY_CHECK");
+  if (check && std::string(check) == "1") return false;
+#if defined(DSTRAIN_HAVE_CUDA)
+  return kernels::cuda_device_info(0).count > 0;
+#else
+  return false;
+#endif
+}
+
+std::unique_ptr<kernels::Backend> make_backend(config::DeviceKind device, int threads, int local_rank) {
+  const char* check = std::getenv("DSTRAIN_DEVICE_MEMORY_CHECK");
+  const bool checked = check && std::string(check) == "1";
+#if defined(DSTRAIN_HAVE_CUDA)
+  if (device != config::DeviceKind::kCpu && !checked) {
+    const kernels::CudaDeviceInfo info = kernels::cuda_device_info(0);
+    if (info.count > 0) return kernels::make_cuda_backend(local_rank % info.count);
+    if (device == config::DeviceKind::kCuda)
+      throw ConfigError("device: cuda, but no GPU can be used here (" + info.error + ")");
+  }
+#else
+  if (device == config::DeviceKind::kCuda)
+    throw ConfigError("device: cuda, but this build has no CUDA backend (configure with -DDSTRAIN_CUDA=ON, which "
+                      "needs nvcc; tools/install-deps.sh builds it where the CUDA toolkit is installed)");
+  (void)local_rank;
+#endif
+  auto cpu = kernels::make_cpu_backend(threads);
+  return checked ? kernels::make_device_check_backend(std::move(cpu)) : std::move(cpu);
 }
 
 RankEngine build_rank_engine(const plan::ParallelPlan& plan, const RankGroups& groups, const EngineOptions& options) {
   check_layout_trainable(plan);
-  check_memory_fits(plan, groups, !options.model ? 0 : options.micro_batch > 0 ? options.micro_batch : plan.batch.micro,
-                    options.gradients);
   const config::TrainConfig& cfg = plan.config;
   const config::ModelConfig& m = cfg.model;
   const plan::Coord& c = groups.coord();
   const plan::Degrees& d = plan.degrees;
   RankEngine e;
-  e.backend = kernels::make_cpu_backend(options.threads);
+  e.backend = make_backend(cfg.device, options.threads, groups.local_rank());
+  check_memory_fits(plan, groups, !options.model ? 0 : options.micro_batch > 0 ? options.micro_batch : plan.batch.micro,
+                    options.gradients, e.backend.get());
+  if (!e.backend->host_addressable() && groups.world().size() > 1)
+    throw ConfigError(fmt::format("{} runs one rank per job for now: the collectives between ranks on device "
+                                  "memory need the NCCL communicator (docs/design.md §6.11), which is not built yet; "
+                                  "run on one rank or with device: cpu",
+                                  e.backend->name()));
   e.params = std::make_unique<model::ParamStore>(plan.params, plan.param_stage, m.num_routed(),
-                                                 model::ShardCoords{c.pp, c.tp, d.tp, c.ep, d.ep});
+                                                 model::ShardCoords{c.pp, c.tp, d.tp, c.ep, d.ep}, e.backend.get());
   e.params->initialize(uint64_t(cfg.seed), m.initializer_range, m.pad_token_id);
   if (options.gradients) {
     const comm::CommOptions copts{cfg.parallel.comm_timeout_s};

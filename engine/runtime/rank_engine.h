@@ -38,12 +38,14 @@ class RankGroups {
   int world_rank() const { return rank_; }
   // Ranks of the job on this host (1 without MPI): they share its memory.
   int ranks_on_host() const { return ranks_on_host_; }
+  // This rank's place among them (the GPU it binds to).
+  int local_rank() const { return local_rank_; }
   const plan::Coord& coord() const { return coord_; }
   const comm::ProcessGroup& group(plan::Axis axis) const;
   const comm::ProcessGroup& world() const { return world_; }
 
  private:
-  int rank_ = 0, ranks_on_host_ = 1;
+  int rank_ = 0, ranks_on_host_ = 1, local_rank_ = 0;
   plan::Coord coord_;
   std::vector<comm::ProcessGroup> groups_;  // in plan::kAllAxes order
   comm::ProcessGroup world_;
@@ -51,6 +53,19 @@ class RankGroups {
 
 // The layouts the runtime trains today. Throws ConfigError naming what is missing otherwise.
 void check_layout_trainable(const plan::ParallelPlan& plan);
+
+// The backend of `device` (config key; docs/design.md §2.8): the CPU backend with `threads`, or
+// the CUDA backend on GPU local_rank % GPUs; auto takes cuda when this build has it and a GPU is
+// visible. DSTRAIN_DEVICE_MEMORY_CHECK=1 puts the CPU backend behind memory the host cannot
+// address (make_device_check_backend). Throws ConfigError for cuda without the backend or a GPU.
+std::unique_ptr<kernels::Backend> make_backend(config::DeviceKind device, int threads, int local_rank);
+
+// One line on what `device` resolves to on this machine (the GPU, driver, runtime and cuBLASLt
+// versions), for --dry-run.
+std::string describe_device(config::DeviceKind device);
+
+// Whether make_backend would pick a GPU for `device` here.
+bool runs_on_gpu(config::DeviceKind device);
 
 // The GEMMs' compute type of a precision setting (fp32, bf16, fp16).
 kernels::DType compute_dtype(config::Precision p);
@@ -61,8 +76,9 @@ kernels::DType comm_dtype(const config::TrainConfig& c);
 // it has: this rank's parameters, gradients and optimizer state (ZeRO-sharded as configured)
 // and its activations for `micro_batch` sequences, times the ranks on the host, against
 // host_memory_available(). Throws ConfigError with the figures.
+// With a backend whose memory is a device's (a GPU), its free memory is the limit, per rank.
 void check_memory_fits(const plan::ParallelPlan& plan, const RankGroups& groups, int64_t micro_batch,
-                       bool gradients);
+                       bool gradients, kernels::Backend* backend = nullptr);
 
 struct EngineOptions {
   int threads = 0;          // CPU threads (0: all cores, or OMP_NUM_THREADS)

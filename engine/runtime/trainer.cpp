@@ -52,7 +52,7 @@ Trainer::Trainer(const plan::ParallelPlan& plan, RankGroups groups, int threads)
       tensorboard_ = TensorBoardWriter(cfg_.monitor.tensorboard);
     }
     check_layout_trainable(plan_);
-    check_memory_fits(plan_, groups_, plan_.batch.micro, true);
+    if (!runs_on_gpu(cfg_.device)) check_memory_fits(plan_, groups_, plan_.batch.micro, true);  // (a GPU's: at assembly)
   } catch (const Error& e) {
     local_error = e.what();
   }
@@ -118,12 +118,16 @@ Trainer::~Trainer() = default;
 // The device's measured fp32 GEMM peak: a square GEMM through the backend, best of ten (the
 // best run is the one least disturbed by anything else on the machine).
 double Trainer::measure_peak_flops() {
+  kernels::Backend& be = *engine_.backend;
   const int64_t n = 1536;
-  std::vector<float> a(n * n, 0.5f), b(n * n, 0.25f), c(n * n);
+  const kernels::DeviceBuffer a(be, n * n * 4), b(be, n * n * 4), c(be, n * n * 4);
+  be.fill(a.as<float>(), 0.5f, n * n), be.fill(b.as<float>(), 0.25f, n * n);
   double best = 0;
   for (int i = 0; i < 11; ++i) {
+    be.synchronize();
     const auto t = Clock::now();
-    engine_.backend->gemm(c.data(), a.data(), b.data(), n, n, n, false, false, 1.0f, 0.0f);
+    be.gemm(c.as<float>(), a.as<float>(), b.as<float>(), n, n, n, false, false, 1.0f, 0.0f);
+    be.synchronize();
     if (i > 0) best = std::max(best, 2.0 * n * n * n / seconds_since(t));
   }
   return best;
@@ -236,7 +240,8 @@ StepResult Trainer::compute_gradients(int64_t step) {
 // holds its own parameters (the last stage's embedding mirror is not among them).
 double Trainer::global_grad_norm() {
   const parallel::ZeroSharding& z = *engine_.zero;
-  const double sq = gradient_square_sum(*engine_.params, z.owned(false), z.owned(true), groups_.coord().tp == 0);
+  const double sq = gradient_square_sum(*engine_.backend, *engine_.params, z.owned(false), z.owned(true),
+                                        groups_.coord().tp == 0);
   return std::sqrt(comm::all_reduce_value(*world_, sq, comm::ReduceOp::kSum));
 }
 
@@ -263,9 +268,10 @@ std::string Trainer::divergence(int64_t step, const StepResult& r) {
     if (info.buffer || !params.has(info.name)) continue;
     const model::ParamView& v = params.view(info.name);
     const Range mine = parallel::intersect({v.offset, v.offset + v.numel}, z.owned(v.expert));
-    const float* g = (v.expert ? engine_.params->expert_grads() : engine_.params->dense_grads()).data();
-    for (int64_t j = mine.begin; j < mine.end; ++j)
-      if (!std::isfinite(g[j])) {
+    const std::vector<float> g =
+        (v.expert ? engine_.params->expert_grads() : engine_.params->dense_grads()).to_host(mine.begin, mine.size());
+    for (const float x : g)
+      if (!std::isfinite(x)) {
         first = int64_t(i);
         break;
       }
@@ -284,8 +290,8 @@ StepResult Trainer::train_step(int64_t step) {
   StepResult r = compute_gradients(step);
   const auto t0 = Clock::now();
   if (inf_grad_step_ == step + 1 && rank_ == 0) {  // injected fault: one gradient element overflows
-    model::FlatBuffer& g = engine_.params->dense_grads();
-    g[size_t(engine_.zero->owned(false).begin)] = std::numeric_limits<float>::infinity();
+    const float inf = std::numeric_limits<float>::infinity();
+    engine_.params->dense_grads().write(engine_.zero->owned(false).begin, 1, &inf);
   }
   // The overflow check is the norm's own pass: an inf or NaN anywhere makes the sum of squares
   // non-finite (DeepSpeed checks the same way).
@@ -322,9 +328,13 @@ StepResult Trainer::train_step(int64_t step) {
   }
   for (const auto& [id, moe] : engine_.pipeline->moe_layers_by_id()) {  // this rank's MoE layers
     const size_t i = size_t(std::find(moe_ids_.begin(), moe_ids_.end(), id) - moe_ids_.begin());
-    if (moe->router_bias() && cfg_.model.bias_update_speed > 0)
-      model::update_router_bias(moe->router_bias(), r.expert_loads.at(i).data(), int64_t(r.expert_loads[i].size()),
-                                float(cfg_.model.bias_update_speed));
+    if (moe->router_bias() && cfg_.model.bias_update_speed > 0) {  // on the host: E values
+      const int64_t E = int64_t(r.expert_loads.at(i).size());
+      std::vector<float> bias(static_cast<size_t>(E));
+      engine_.backend->copy_to_host(bias.data(), moe->router_bias(), E * 4);
+      model::update_router_bias(bias.data(), r.expert_loads[i].data(), E, float(cfg_.model.bias_update_speed));
+      engine_.backend->copy_from_host(moe->router_bias(), bias.data(), E * 4);
+    }
   }
   r.optimizer_s = seconds_since(t0);
   return r;

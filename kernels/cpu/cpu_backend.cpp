@@ -73,7 +73,18 @@ class CpuBackend final : public Backend {
   void copy_from_host(void* dst, const void* host, int64_t bytes) override {
     if (bytes > 0) std::memcpy(dst, host, size_t(bytes));
   }
+  void copy(void* dst, const void* src, int64_t bytes) override {
+    if (bytes > 0) std::memcpy(dst, src, size_t(bytes));
+  }
+  bool host_addressable() const override { return true; }
+  int64_t device_memory_free() override { return -1; }
   void synchronize() override {}  // every op has finished when it returns
+  void sum_squares(double* out, const float* x, int64_t n, bool accumulate) override {
+    double sum = 0;
+#pragma omp parallel for simd reduction(+ : sum) schedule(static)
+    for (int64_t i = 0; i < n; ++i) sum += double(x[i]) * double(x[i]);
+    *out = accumulate ? *out + sum : sum;
+  }
 
   void convert(View dst, ConstView src, int64_t n) override {
     if (n <= 0) return;

@@ -368,6 +368,33 @@ __global__ void embedding_backward_kernel(float* dtable, const float* dout, cons
   }
 }
 
+// ---- Sum of squares in double: fixed grid, fixed order -----------------------------------------
+
+constexpr int kSumBlocks = 264;  // 2 per H200 multiprocessor; part of the result's definition
+
+__device__ double block_sum_double(double x) {
+  __shared__ double part[kThreads / 32];
+  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+  __syncthreads();
+  if (threadIdx.x % 32 == 0) part[threadIdx.x / 32] = x;
+  __syncthreads();
+  double t = part[0];
+  for (int i = 1; i < kThreads / 32; ++i) t += part[i];
+  return t;
+}
+__global__ void sum_squares_partial_kernel(double* partials, const float* x, int64_t n) {
+  double s = 0;
+  GRID_STRIDE(i, n) s += double(x[i]) * double(x[i]);
+  s = block_sum_double(s);
+  if (threadIdx.x == 0) partials[blockIdx.x] = s;
+}
+__global__ void sum_squares_final_kernel(double* out, const double* partials, bool accumulate) {
+  double s = 0;
+  for (int i = threadIdx.x; i < kSumBlocks; i += blockDim.x) s += partials[i];
+  s = block_sum_double(s);
+  if (threadIdx.x == 0) *out = accumulate ? *out + s : s;
+}
+
 // ---- cuBLASLt ----------------------------------------------------------------------------------
 
 cudaDataType_t cuda_type(DType t) {
@@ -420,6 +447,7 @@ class CudaBackend final : public Backend {
     DS_CUDA(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
     DS_LT(cublasLtCreate(&lt_));
     workspace_ = allocate(kWorkspaceBytes);
+    partials_ = static_cast<double*>(allocate(kSumBlocks * int64_t(sizeof(double))));
   }
   ~CudaBackend() override {
     cudaStreamSynchronize(stream_);
@@ -431,12 +459,20 @@ class CudaBackend final : public Backend {
     }
     cublasLtDestroy(lt_);
     deallocate(workspace_);
+    deallocate(partials_);
     for (auto& [size, p] : free_) cudaFree(p);
     for (auto& [p, size] : used_) cudaFree(p);
     cudaStreamDestroy(stream_);
   }
 
-  std::string name() const override { return "cuda (" + device_name_ + ", device " + std::to_string(device_) + ")"; }
+  std::string name() const override {
+    int driver = 0, runtime = 0;
+    cudaDriverGetVersion(&driver);
+    cudaRuntimeGetVersion(&runtime);
+    const auto v = [](int x) { return std::to_string(x / 1000) + "." + std::to_string(x % 1000 / 10); };
+    return "cuda (" + device_name_ + ", device " + std::to_string(device_) + ", driver " + v(driver) + ", runtime " +
+           v(runtime) + ", cuBLASLt " + std::to_string(cublasLtGetVersion()) + ")";
+  }
   int num_threads() const override { return sms_; }
 
   // Caching pool. Sizes round up to 512 bytes (2 MiB above 1 MiB); a request takes the smallest
@@ -496,7 +532,23 @@ class CudaBackend final : public Backend {
     DS_CUDA(cudaMemcpyAsync(dst, host, size_t(bytes), cudaMemcpyHostToDevice, stream_));
     DS_CUDA(cudaStreamSynchronize(stream_));  // the caller may free or reuse `host` when this returns
   }
+  void copy(void* dst, const void* src, int64_t bytes) override {
+    if (bytes > 0) DS_CUDA(cudaMemcpyAsync(dst, src, size_t(bytes), cudaMemcpyDeviceToDevice, stream_));
+  }
+  bool host_addressable() const override { return false; }
+  int64_t device_memory_free() override {
+    size_t free = 0, total = 0;
+    DS_CUDA(cudaMemGetInfo(&free, &total));
+    std::lock_guard<std::mutex> lock(mu_);
+    return int64_t(free) + cached_;  // the pool's cached blocks are free for this backend too
+  }
   void synchronize() override { DS_CUDA(cudaStreamSynchronize(stream_)); }
+  // Two passes with a fixed grid (the same partial sums, in the same order, every time).
+  void sum_squares(double* out, const float* x, int64_t n, bool accumulate) override {
+    sum_squares_partial_kernel<<<kSumBlocks, kThreads, 0, stream_>>>(partials_, x, n);
+    sum_squares_final_kernel<<<1, kThreads, 0, stream_>>>(out, partials_, accumulate);
+    DS_LAUNCHED();
+  }
 
   void convert(View dst, ConstView src, int64_t n) override {
     if (n <= 0) return;
@@ -849,6 +901,7 @@ class CudaBackend final : public Backend {
   cudaStream_t stream_ = nullptr;
   cublasLtHandle_t lt_ = nullptr;
   void* workspace_ = nullptr;
+  double* partials_ = nullptr;  // sum_squares' per-block sums
   std::map<GemmKey, GemmPlan> plans_;
   int64_t attention_s_ = 0;
   float* scratch_ = nullptr;

@@ -254,3 +254,41 @@ TEST(DeviceMath, AttentionRowsMatchTheCpuBackendInEveryType) {
 
 }  // namespace
 }  // namespace dstrain::kernels
+
+namespace dstrain::kernels {
+namespace {
+
+// The device-memory check (kernels/cpu/device_check.cpp): what the engine's device-cleanliness
+// tests rely on.
+TEST(DeviceCheck, ItsMemoryIsNotHostMemoryAndItsOpsRefuseHostPointers) {
+  auto be = make_device_check_backend(make_cpu_backend(1));
+  EXPECT_FALSE(be->host_addressable());
+  EXPECT_TRUE(make_cpu_backend(1)->host_addressable());
+  DeviceBuffer a(*be, 16 * 4), b(*be, 16 * 4);
+  EXPECT_NE(reinterpret_cast<uintptr_t>(a.data()) & (uintptr_t(1) << 62), 0u);
+  FVec x = randn(16, 40), y(16), host(16);
+  be->copy_from_host(a.data(), x.data(), 16 * 4);
+  be->fill(b.as<float>(), 0.5f, 16);
+  be->add(b.as<float>(), a.as<float>(), 16);
+  be->copy_to_host(y.data(), b.data(), 16 * 4);
+  for (size_t i = 0; i < 16; ++i) EXPECT_EQ(y[i], x[i] + 0.5f);
+  DeviceArray<double> s(*be, 1);
+  be->sum_squares(s.data(), a.as<float>(), 16, false);
+  double got = 0, want = 0;
+  be->copy_to_host(&got, s.data(), 8);
+  for (float v : x) want += double(v) * v;
+  EXPECT_NEAR(got, want, 1e-12 * want);
+  // A host pointer where device memory belongs is refused, naming the op.
+  try {
+    be->add(host.data(), a.as<float>(), 16);
+    ADD_FAILURE() << "a host pointer was accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("add: a host pointer"), std::string::npos) << e.what();
+  }
+  // And the host cannot read device memory directly: the access faults.
+  float* dev = a.as<float>();
+  EXPECT_DEATH({ std::printf("%f\n", static_cast<volatile float*>(dev)[3]); }, "");
+}
+
+}  // namespace
+}  // namespace dstrain::kernels

@@ -47,7 +47,7 @@ RankState rank_state(const plan::ParallelPlan& p, bool fill) {
     s.params->initialize(1234, 0.02);
     for (auto [w, m, v] : {std::tuple{&s.params->dense_params(), &s.adam->exp_avg_dense(), &s.adam->exp_avg_sq_dense()},
                            std::tuple{&s.params->expert_params(), &s.adam->exp_avg_expert(), &s.adam->exp_avg_sq_expert()}})
-      for (size_t i = 0; i < w->size(); ++i) (*m)[i] = 2 * (*w)[i], (*v)[i] = 3 * (*w)[i];
+      for (size_t i = 0; i < size_t(w->size()); ++i) m->host()[i] = 2 * w->host()[i], v->host()[i] = 3 * w->host()[i];
   }
   return s;
 }
@@ -88,10 +88,10 @@ TEST_P(CheckpointLayouts, SaveOnOneLayoutLoadOnAnother) {
   RankState expected = rank_state(loader, true), got = rank_state(loader, false);
   runtime::Checkpointer ck2(loader, comm::ProcessGroup::world());
   EXPECT_EQ(ck2.load(path, *got.params, got.adam.get()).step, 5);
-  EXPECT_EQ(got.params->dense_params(), expected.params->dense_params());
-  EXPECT_EQ(got.params->expert_params(), expected.params->expert_params());
-  EXPECT_EQ(got.adam->exp_avg_sq_dense(), expected.adam->exp_avg_sq_dense());
-  EXPECT_EQ(got.adam->exp_avg_expert(), expected.adam->exp_avg_expert());
+  EXPECT_EQ(got.params->dense_params().to_host(), expected.params->dense_params().to_host());
+  EXPECT_EQ(got.params->expert_params().to_host(), expected.params->expert_params().to_host());
+  EXPECT_EQ(got.adam->exp_avg_sq_dense().to_host(), expected.adam->exp_avg_sq_dense().to_host());
+  EXPECT_EQ(got.adam->exp_avg_expert().to_host(), expected.adam->exp_avg_expert().to_host());
   MPI_Barrier(MPI_COMM_WORLD);
 }
 
@@ -138,7 +138,8 @@ ShardedState sharded_state(const plan::ParallelPlan& p, bool fill) {
       const auto& w = e ? s.params->expert_params() : s.params->dense_params();
       const parallel::Range sh = s.zero->shard(e);
       for (int64_t i = 0; i < sh.size(); ++i)
-        s.adam->moment(1, e)[size_t(i)] = 2 * w[size_t(sh.begin + i)], s.adam->moment(2, e)[size_t(i)] = 3 * w[size_t(sh.begin + i)];
+        s.adam->moment(1, e).host()[size_t(i)] = 2 * w.host()[size_t(sh.begin + i)],
+            s.adam->moment(2, e).host()[size_t(i)] = 3 * w.host()[size_t(sh.begin + i)];
     }
   }
   return s;
@@ -174,8 +175,8 @@ TEST_P(ZeroCheckpoint, ShardedMomentsAreGatheredOverTheirOwnGroups) {
   runtime::Checkpointer ck2(p, comm::ProcessGroup::world());
   ck2.load(path, *got.params, got.adam.get());
   for (const bool e : {false, true}) {
-    EXPECT_EQ(got.adam->moment(1, e), expected.adam->moment(1, e)) << (e ? "expert" : "dense");
-    EXPECT_EQ(got.adam->moment(2, e), expected.adam->moment(2, e)) << (e ? "expert" : "dense");
+    EXPECT_EQ(got.adam->moment(1, e).to_host(), expected.adam->moment(1, e).to_host()) << (e ? "expert" : "dense");
+    EXPECT_EQ(got.adam->moment(2, e).to_host(), expected.adam->moment(2, e).to_host()) << (e ? "expert" : "dense");
   }
   MPI_Barrier(MPI_COMM_WORLD);
 }

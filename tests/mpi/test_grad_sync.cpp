@@ -102,7 +102,7 @@ void check_reduction(Fixture& f, GradSync& sync, int rep) {
   const int r = world_rank();
   for (const bool expert : {false, true}) {
     auto& g = expert ? f.params.expert_grads() : f.params.dense_grads();
-    for (size_t i = 0; i < g.size(); ++i) g[i] = grad_value(r, int64_t(i), expert) * float(rep + 1);
+    for (size_t i = 0; i < size_t(g.size()); ++i) g.host()[i] = grad_value(r, int64_t(i), expert) * float(rep + 1);
   }
   sync.begin();
   for (int64_t layer : model::DeepSeekModel::backward_order(f.cfg.model)) {
@@ -118,7 +118,7 @@ void check_reduction(Fixture& f, GradSync& sync, int rep) {
     for (int64_t i = own.begin; i < std::min(own.end, n); ++i) {
       float want = 0;
       for (int q : f.members(expert)) want += grad_value(q, i, expert) * float(rep + 1);
-      bad += g[size_t(i)] != want;
+      bad += g.host()[size_t(i)] != want;
     }
     EXPECT_EQ(bad, 0) << (expert ? "expert" : "dense") << " rep " << rep;
   }

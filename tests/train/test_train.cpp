@@ -98,8 +98,8 @@ TEST(Optimizer, AdamWDecaysOnlyMatrices) {
   params.initialize(3, 0.02);
   auto be = kernels::make_cpu_backend(1);
   AdamW adam(p.config.optimizer, params, *be);
-  std::fill(params.dense_grads().begin(), params.dense_grads().end(), 0.2f);
-  std::fill(params.expert_grads().begin(), params.expert_grads().end(), 0.2f);
+  std::fill(params.dense_grads().host().begin(), params.dense_grads().host().end(), 0.2f);
+  std::fill(params.expert_grads().host().begin(), params.expert_grads().host().end(), 0.2f);
   const float w0 = params.param("lm_head.weight")[5], n0 = params.param("model.norm.weight")[5];
   const float e0 = params.param("model.layers.1.mlp.experts.2.up_proj.weight")[7];
   adam.step(0.01, 1);
@@ -108,8 +108,8 @@ TEST(Optimizer, AdamWDecaysOnlyMatrices) {
   EXPECT_NEAR(params.param("lm_head.weight")[5], w0 * (1 - 0.01 * 0.5) - update, 1e-7);
   EXPECT_NEAR(params.param("model.norm.weight")[5], n0 - update, 1e-7);
   EXPECT_NEAR(params.param("model.layers.1.mlp.experts.2.up_proj.weight")[7], e0 * (1 - 0.005) - update, 1e-7);
-  EXPECT_NEAR(adam.exp_avg_dense()[0], 0.02, 1e-8);
-  EXPECT_NEAR(adam.exp_avg_sq_dense()[0], 0.0004, 1e-9);
+  EXPECT_NEAR(adam.exp_avg_dense().host()[0], 0.02, 1e-8);
+  EXPECT_NEAR(adam.exp_avg_sq_dense().host()[0], 0.0004, 1e-9);
 }
 
 // ZeRO-1/2: a rank's optimizer state is the unsharded state / DP, up to the padding.
@@ -136,11 +136,12 @@ TEST(Optimizer, ZeroShardsHoldOneDataParallelShareOfTheState) {
 TEST(Optimizer, GradientSquareSumAndClipFactor) {
   const plan::ParallelPlan p = tiny_plan();
   model::ParamStore params(p.params, p.param_stage, 4, {});
-  std::fill(params.dense_grads().begin(), params.dense_grads().end(), 0.5f);
-  std::fill(params.expert_grads().begin(), params.expert_grads().end(), -1.0f);
+  std::fill(params.dense_grads().host().begin(), params.dense_grads().host().end(), 0.5f);
+  std::fill(params.expert_grads().host().begin(), params.expert_grads().host().end(), -1.0f);
   const int64_t nd = params.dense_numel(), ne = params.expert_numel();
-  EXPECT_NEAR(gradient_square_sum(params, {0, nd}, {0, ne}), 0.25 * double(nd) + double(ne), 1e-9);
-  EXPECT_NEAR(gradient_square_sum(params, {10, 20}, {0, 0}), 2.5, 1e-12);  // ranges of the buffers only
+  auto be = kernels::make_cpu_backend(1);
+  EXPECT_NEAR(gradient_square_sum(*be, params, {0, nd}, {0, ne}), 0.25 * double(nd) + double(ne), 1e-9);
+  EXPECT_NEAR(gradient_square_sum(*be, params, {10, 20}, {0, 0}), 2.5, 1e-12);  // ranges of the buffers only
   const double norm = 5.0;
   EXPECT_EQ(clip_factor(norm, 2 * norm), 1.0);  // under the limit: untouched
   EXPECT_NEAR(clip_factor(norm, 1.0), 1.0 / (norm + 1e-6), 1e-12);  // DeepSpeed: max / (norm + 1e-6)
@@ -156,8 +157,8 @@ TEST(Optimizer, AdamWithoutAdamWModeIsL2Regularised) {
   params.initialize(3, 0.02);
   auto be = kernels::make_cpu_backend(1);
   AdamW adam(p.config.optimizer, params, *be);
-  std::fill(params.dense_grads().begin(), params.dense_grads().end(), 0.2f);
-  std::fill(params.expert_grads().begin(), params.expert_grads().end(), 0.2f);
+  std::fill(params.dense_grads().host().begin(), params.dense_grads().host().end(), 0.2f);
+  std::fill(params.expert_grads().host().begin(), params.expert_grads().host().end(), 0.2f);
   const float w0 = params.param("lm_head.weight")[5], n0 = params.param("model.norm.weight")[5];
   adam.step(0.01, 1);
   const double g = 0.2 + 0.5 * double(w0);  // the matrix's gradient with the L2 term
@@ -165,7 +166,7 @@ TEST(Optimizer, AdamWithoutAdamWModeIsL2Regularised) {
   EXPECT_NEAR(params.param("lm_head.weight")[5], w0 - 0.01 * (m / 0.1) / (std::sqrt(v / 0.01) + 1e-8), 1e-7);
   EXPECT_NEAR(params.param("model.norm.weight")[5], n0 - 0.01 / (1.0 + 1e-8 / 0.2), 1e-7);  // no decay on norms
   const model::ParamView& lm = params.view("lm_head.weight");
-  EXPECT_NEAR(adam.exp_avg_dense()[size_t(lm.offset + 5)], m, 1e-8);
+  EXPECT_NEAR(adam.exp_avg_dense().host()[size_t(lm.offset + 5)], m, 1e-8);
 }
 
 // Same global batch of 8: one micro-batch of 8, or 4 micro-batches of 2 — same gradients.
@@ -182,8 +183,8 @@ TEST(Trainer, GradientAccumulationMatchesOneBigBatch) {
   EXPECT_NEAR(ra.loss.ce, rb.loss.ce, 1e-6 * ra.loss.ce);
   EXPECT_NEAR(ra.loss.aux, rb.loss.aux, 1e-6 * ra.loss.aux);
   for (auto pick : {&model::ParamStore::dense_grads, &model::ParamStore::expert_grads}) {
-    const auto& ga = (a.params().*pick)();
-    const auto& gb = (b.params().*pick)();
+    const auto ga = (a.params().*pick)().host();
+    const auto gb = (b.params().*pick)().host();
     ASSERT_EQ(ga.size(), gb.size());
     double scale = 0, worst = 0;
     for (size_t i = 0; i < ga.size(); ++i) scale = std::max(scale, double(std::fabs(ga[i])));

@@ -65,12 +65,22 @@ class Backend {
   virtual std::string name() const = 0;
   virtual int num_threads() const = 0;
 
+  // Whether the host may address this backend's memory directly (the CPU backend: it is host
+  // memory, and the engine keeps the parameter buffers in shared memory that data-parallel peers
+  // map). false on a GPU: the engine then holds every tensor in memory from allocate and
+  // touches it only through the copies below (docs/design.md §6.1).
+  virtual bool host_addressable() const = 0;
+  // Bytes the device can still hand out (a GPU's free memory); -1 where memory is the host's
+  // (the engine then measures the host's available memory itself).
+  virtual int64_t device_memory_free() = 0;
   // Device memory (host memory on the CPU backend), 64-byte aligned, uninitialised; bytes may be 0.
   virtual void* allocate(int64_t bytes) = 0;
   virtual void deallocate(void* p) = 0;
   // The only way the host reads or writes device memory: waits for the ops before it.
   virtual void copy_to_host(void* host, const void* src, int64_t bytes) = 0;
   virtual void copy_from_host(void* dst, const void* host, int64_t bytes) = 0;
+  // Device to device, ordered like an op.
+  virtual void copy(void* dst, const void* src, int64_t bytes) = 0;
   // Waits until every op issued so far has finished.
   virtual void synchronize() = 0;
 
@@ -203,6 +213,11 @@ class Backend {
   virtual void adamw(float* param, const float* grad, float* m, float* v, int64_t n,
                      const AdamWParams& p) = 0;
 
+  // out[0] (one double in device memory) = sum of x[i]^2 over n elements, accumulated in double
+  // (plus the old out[0] when `accumulate`): the gradient norm's local part; an inf or NaN
+  // gradient makes it non-finite (fp16's overflow check). Deterministic for a given n.
+  virtual void sum_squares(double* out, const float* x, int64_t n, bool accumulate) = 0;
+
   // Element-wise helpers.
   virtual void add(float* y, const float* x, int64_t n) = 0;  // y += x
   virtual void fill(float* y, float value, int64_t n) = 0;
@@ -279,5 +294,11 @@ class DeviceArray {
 // num_threads <= 0: all cores (OMP_NUM_THREADS if set).
 std::unique_ptr<Backend> make_cpu_backend(int num_threads = 0,
                                           GemmLibrary gemm = GemmLibrary::kOneDnn);
+
+// `inner` behind memory the host cannot address (kernels/cpu/device_check.cpp): the pointers it
+// hands out fault when the host dereferences them, and its ops refuse host pointers — the CPU
+// standing in for a GPU, so tests without one prove the engine touches device memory only
+// through the backend (DSTRAIN_DEVICE_MEMORY_CHECK=1).
+std::unique_ptr<Backend> make_device_check_backend(std::unique_ptr<Backend> inner);
 
 }  // namespace dstrain::kernels

@@ -1,0 +1,102 @@
+// A flat array where the engine's long-lived tensors live (docs/design.md §7.1): the parameter
+// store's parameter, gradient and compute-copy buffers, AdamW's moments and master weights.
+// With a backend whose memory the host can address (the CPU), or none, it is host shared memory
+// (engine/common/shared_memory.h), which data-parallel peers on one host map; with a device
+// backend (CUDA, or the device-memory check) it is device memory from the backend. data() is
+// always the pointer the backend's ops take; the host reads and writes elements only through
+// read / write / to_host, which are plain copies on the host and backend copies on a device.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <span>
+#include <stdexcept>
+#include <vector>
+
+#include "dstrain/kernels/backend.h"
+#include "engine/common/shared_memory.h"
+
+namespace dstrain::model {
+
+template <class T>
+class FlatArray {
+ public:
+  FlatArray() = default;
+  // Device memory when `be` exists and its memory is not host memory.
+  explicit FlatArray(kernels::Backend* be) : dev_be_(be && !be->host_addressable() ? be : nullptr) {}
+
+  bool on_device() const { return dev_be_ != nullptr; }
+  T* data() { return dev_be_ ? dev_.as<T>() : host_.data(); }
+  const T* data() const { return dev_be_ ? dev_.as<T>() : host_.data(); }
+  int64_t size() const { return n_; }
+  bool empty() const { return n_ == 0; }
+
+  // n zeros.
+  void assign(int64_t n) {
+    if (dev_be_) {
+      dev_ = n > 0 ? kernels::DeviceBuffer(*dev_be_, padded_bytes(n)) : kernels::DeviceBuffer();
+      if (n > 0) dev_be_->fill(dev_.as<float>(), 0.0f, padded_bytes(n) / 4);
+    } else {
+      host_.assign(size_t(n), T(0));
+    }
+    n_ = n;
+  }
+  // Keeps the first min(n, size()) elements; new ones are zero.
+  void resize(int64_t n) {
+    if (!dev_be_) {
+      host_.resize(size_t(n), T(0));
+      n_ = n;
+      return;
+    }
+    if (n == n_) return;
+    kernels::DeviceBuffer fresh(*dev_be_, padded_bytes(std::max<int64_t>(n, 1)));
+    dev_be_->fill(fresh.as<float>(), 0.0f, padded_bytes(std::max<int64_t>(n, 1)) / 4);
+    if (std::min(n, n_) > 0) dev_be_->copy(fresh.data(), dev_.data(), std::min(n, n_) * int64_t(sizeof(T)));
+    dev_ = std::move(fresh);
+    n_ = n;
+  }
+  void fill_zero() {
+    if (n_ == 0) return;
+    if (dev_be_) dev_be_->fill(dev_.as<float>(), 0.0f, padded_bytes(n_) / 4);
+    else std::fill(host_.begin(), host_.end(), T(0));
+  }
+  // The elements as host memory, for code that only ever runs on the CPU (tests, tools): throws
+  // std::logic_error for device memory.
+  std::span<T> host() {
+    if (dev_be_) throw std::logic_error("FlatArray::host() on device memory: read it with read() / to_host()");
+    return {host_.data(), host_.size()};
+  }
+  std::span<const T> host() const { return const_cast<FlatArray*>(this)->host(); }
+  // Elements [offset, offset + n) to or from host memory.
+  void read(int64_t offset, int64_t n, T* host) const {
+    if (n <= 0) return;
+    if (dev_be_) dev_be_->copy_to_host(host, data() + offset, n * int64_t(sizeof(T)));
+    else std::memcpy(host, data() + offset, size_t(n) * sizeof(T));
+  }
+  void write(int64_t offset, int64_t n, const T* host) {
+    if (n <= 0) return;
+    if (dev_be_) dev_be_->copy_from_host(data() + offset, host, n * int64_t(sizeof(T)));
+    else std::memcpy(data() + offset, host, size_t(n) * sizeof(T));
+  }
+  std::vector<T> to_host() const {
+    std::vector<T> v(static_cast<size_t>(n_));
+    read(0, n_, v.data());
+    return v;
+  }
+  std::vector<T> to_host(int64_t offset, int64_t n) const {
+    std::vector<T> v(static_cast<size_t>(n));
+    read(offset, n, v.data());
+    return v;
+  }
+
+ private:
+  static int64_t padded_bytes(int64_t n) { return (n * int64_t(sizeof(T)) + 3) / 4 * 4; }
+
+  kernels::Backend* dev_be_ = nullptr;
+  SharedVector<T> host_;
+  kernels::DeviceBuffer dev_;
+  int64_t n_ = 0;
+};
+
+}  // namespace dstrain::model

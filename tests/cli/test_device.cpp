@@ -1,0 +1,117 @@
+// The engine on device memory, without a GPU (docs/design.md §6.11): with
+// DSTRAIN_DEVICE_MEMORY_CHECK=1 the CPU backend hands out pointers the host cannot dereference
+// (a host access faults) and refuses host pointers in its ops, so a run that completes touched
+// the parameters, gradients, optimizer state, activations and routing only through the
+// backend — what the CUDA backend needs. Every feature that runs on one rank must give the same
+// bits as the plain CPU run: fp32, bf16, fp16, MTP, full and selective recomputation, ZeRO-2,
+// DeepSeek-V2 routing, --dump-grads, and a checkpoint save and bit-exact resume. Plus the
+// `device` key: cpu always works, cuda without a usable GPU is refused with the reason, and a
+// multi-rank job on device memory is refused until the NCCL communicator exists.
+#include <filesystem>
+
+#include "tests/cli/cli_util.h"
+
+namespace dstrain::testing {
+namespace {
+
+const std::string kCheck = "DSTRAIN_DEVICE_MEMORY_CHECK=1 ";
+
+std::string fresh_dir(const std::string& name) {
+  const std::string dir = ::testing::TempDir() + "/" + name;
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  return dir;
+}
+
+// Every step's loss and the final weights bit for bit.
+void expect_identical(const std::string& dir, const std::string& a, const std::string& b, int steps) {
+  const auto x = losses(dir + "/" + a + ".jsonl"), y = losses(dir + "/" + b + ".jsonl");
+  ASSERT_EQ(x.size(), size_t(steps)) << a;
+  EXPECT_EQ(x, y) << a << " vs " << b;
+  char last[32];
+  std::snprintf(last, sizeof last, "/step_%08d.h5", steps);
+  EXPECT_EQ(max_weight_difference(dir + "/" + a + last, dir + "/" + b + last), 0.0) << a << " vs " << b;
+}
+
+TEST(DeviceMemory, EveryOneRankFeatureTrainsBitwiseTheSameBehindDeviceMemory) {
+  const std::string dir = fresh_dir("devmem");
+  const std::vector<std::pair<std::string, std::string>> variants = {
+      {"fp32", ""},
+      {"bf16_full", " --set bf16.enabled=true --set activation_checkpointing.enabled=true"},
+      {"fp16_selective",
+       " --set fp16.enabled=true --set activation_checkpointing.enabled=true"
+       " --set activation_checkpointing.granularity=selective"},
+      {"mtp_zero2", " --set model.num_nextn_predict_layers=1 --set zero_optimization.stage=2 --set gradient_clipping=0.5"},
+      {"v2", " --set model.model_type=deepseek_v2 --set model.topk_method=greedy --set model.scoring_func=softmax"},
+  };
+  for (const auto& [name, extra] : variants) {
+    const Result cpu = run(train_cmd(dir, name + "_cpu", 4, "--resume none" + extra));
+    ASSERT_EQ(cpu.rc, 0) << name << cpu.err;
+    const Result dev = run(kCheck + train_cmd(dir, name + "_dev", 4, "--resume none" + extra));
+    ASSERT_EQ(dev.rc, 0) << name << dev.err;
+    EXPECT_NE((dev.out + dev.err).find("behind checked device memory"), std::string::npos) << dev.out;
+    expect_identical(dir, name + "_cpu", name + "_dev", 4);
+  }
+}
+
+TEST(DeviceMemory, ResumeAndDumpGradsBehindDeviceMemory) {
+  const std::string dir = fresh_dir("devmem_resume");
+  // 6 steps straight on the CPU; 4 behind device memory, then resumed there to 6 (the resume
+  // reads the checkpoint into device memory: master weights, moments, scaler state).
+  ASSERT_EQ(run(train_cmd(dir, "straight", 6, "--resume none --set fp16.enabled=true")).rc, 0);
+  ASSERT_EQ(run(kCheck + train_cmd(dir, "dev", 4, "--resume none --set fp16.enabled=true")).rc, 0);
+  const Result r = run(kCheck + train_cmd(dir, "dev", 6, "--resume auto --set fp16.enabled=true"));
+  ASSERT_EQ(r.rc, 0) << r.err;
+  EXPECT_NE((r.out + r.err).find("resumed from"), std::string::npos) << r.out;
+  const auto want = losses(dir + "/straight.jsonl"), got = losses(dir + "/dev.jsonl");
+  ASSERT_EQ(want.size(), 6u);
+  for (const auto& [step, loss] : want) EXPECT_EQ(got.at(step), loss) << "step " << step;
+  // --dump-grads: the gathered weights and gradients, bit for bit.
+  ASSERT_EQ(run(kDstrain + " configs/tiny.yaml --dump-grads " + dir + "/cpu.h5").rc, 0);
+  const Result d = run(kCheck + kDstrain + " configs/tiny.yaml --dump-grads " + dir + "/dev.h5");
+  ASSERT_EQ(d.rc, 0) << d.err;
+  io::H5File a(dir + "/cpu.h5", io::H5File::Mode::kRead), b(dir + "/dev.h5", io::H5File::Mode::kRead);
+  int tensors = 0;
+  for (const std::string& group : {"weights", "grads"})
+    for (const std::string& name : a.list(group)) {
+      EXPECT_EQ(a.read_floats(group + "/" + name), b.read_floats(group + "/" + name)) << group << "/" << name;
+      ++tensors;
+    }
+  EXPECT_GT(tensors, 20);
+}
+
+// The overflow and divergence checks read gradients through the backend: an fp16 overflow
+// injected into device memory skips exactly one step; the same in bf16 stops the run as diverged,
+// naming the first non-finite gradient (read back from device memory).
+TEST(DeviceMemory, OverflowAndDivergenceChecksReadDeviceMemory) {
+  const std::string dir = fresh_dir("devmem_inf");
+  const std::string fault = "DSTRAIN_FAULT_INJECT=inf_grad:3 ";
+  Result r = run(fault + kCheck + train_cmd(dir, "fp16", 4, "--resume none --set fp16.enabled=true"));
+  ASSERT_EQ(r.rc, 0) << r.err;
+  EXPECT_EQ(count(r.out + r.err, "step 3: fp16 gradients overflowed"), 1) << r.err;
+  r = run(fault + kCheck + train_cmd(dir, "bf16", 4, "--resume none --set bf16.enabled=true"));
+  EXPECT_EQ(r.rc, 1);
+  EXPECT_NE(r.err.find("training diverged (the first non-finite gradient is in"), std::string::npos) << r.err;
+}
+
+TEST(Device, TheDeviceKeySelectsTheBackendOrSaysWhyNot) {
+  const std::string dir = fresh_dir("device_key");
+  const Result cpu = run(train_cmd(dir, "cpu", 1, "--resume none --set device=cpu"));
+  ASSERT_EQ(cpu.rc, 0) << cpu.err;
+  EXPECT_NE((cpu.out + cpu.err).find("cpu ("), std::string::npos) << cpu.out;
+  // This machine has no usable GPU (CI never has one): cuda is refused with the reason.
+  const Result cuda = run(train_cmd(dir, "cuda", 1, "--resume none --set device=cuda"));
+  if (cuda.rc == 0) GTEST_SKIP() << "a GPU is usable here";
+  EXPECT_NE(cuda.err.find("device: cuda"), std::string::npos) << cuda.err;
+  const Result bad = run(train_cmd(dir, "bad", 1, "--resume none --set device=tpu"));
+  EXPECT_NE(bad.rc, 0);
+  EXPECT_NE(bad.err.find("device"), std::string::npos) << bad.err;
+  EXPECT_NE(bad.err.find("cuda"), std::string::npos) << bad.err;  // the valid values are named
+  // Device memory on several ranks needs the NCCL communicator: refused, not crashed.
+  const Result two = run(kCheck + mpirun(2) + train_cmd(dir, "two", 1, "--resume none"));
+  EXPECT_NE(two.rc, 0);
+  EXPECT_NE(two.err.find("NCCL"), std::string::npos) << two.err;
+}
+
+}  // namespace
+}  // namespace dstrain::testing
