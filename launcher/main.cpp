@@ -158,6 +158,7 @@ int run(const launcher::Options& cli, int rank, int world) {
                                  opts.config_path, p->degrees.world(),
                                  opts.world_size ? " (--world-size)" : "");
         std::cout << plan::dry_run_report(*p);
+        std::cout << "device: " << runtime::describe_device(p->config.device) << "\n";
       }
     }
     return 0;

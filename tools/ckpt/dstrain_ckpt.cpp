@@ -3,8 +3,12 @@
 //   dstrain-ckpt verify PATH            reads every tensor and checks its checksum
 //   dstrain-ckpt diff A B               per-tensor max |difference| of two checkpoints
 //   dstrain-ckpt export-hf PATH OUT_DIR config.json + model.safetensors for Hugging Face
+//   dstrain-ckpt compare-dumps A B TOL  two `dstrain --dump-grads` files: every weight and
+//                                       gradient tensor, and the losses, within TOL relative
+//                                       (to the tensor's largest magnitude in A)
 // PATH is a checkpoint file or a checkpoint directory (its `latest`). Exit status: 0 fine (diff:
-// identical), 1 an error or (diff) tensors that differ or are missing, 2 a bad command line.
+// identical; compare-dumps: within TOL), 1 an error or tensors that differ or are missing, 2 a
+// bad command line.
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -32,6 +36,7 @@ const char* kUsage =
     "       dstrain-ckpt verify PATH\n"
     "       dstrain-ckpt diff A B\n"
     "       dstrain-ckpt export-hf PATH OUT_DIR\n"
+    "       dstrain-ckpt compare-dumps A.h5 B.h5 TOL   (files of dstrain --dump-grads)\n"
     "PATH: a checkpoint file, or a checkpoint directory (its latest)\n";
 
 std::string resolve(const std::string& path) {
@@ -121,6 +126,48 @@ int diff(const std::string& a_arg, const std::string& b_arg) {
   return differing + missing == 0 ? 0 : 1;  // as diff(1)
 }
 
+// Two --dump-grads files (the same model and batch, e.g. on two backends or layouts).
+int compare_dumps(const std::string& a_path, const std::string& b_path, const std::string& tol_arg) {
+  const double tol = std::stod(tol_arg);
+  H5File a(a_path, H5File::Mode::kRead), b(b_path, H5File::Mode::kRead);
+  int over = 0, missing = 0, tensors = 0;
+  for (const char* group : {"weights", "grads"}) {
+    double group_worst = 0;
+    std::string worst_name;
+    for (const std::string& name : a.list(group)) {
+      const std::string ds = std::string(group) + "/" + name;
+      if (!b.exists(ds) || a.shape(ds) != b.shape(ds)) {
+        std::printf("%-70s missing or reshaped in B\n", ds.c_str());
+        ++missing;
+        continue;
+      }
+      const auto x = a.read_floats(ds), y = b.read_floats(ds);
+      double scale = 1e-30, d = 0;
+      for (float v : x) scale = std::max(scale, double(std::fabs(v)));
+      for (size_t i = 0; i < x.size(); ++i) {
+        const double e = std::fabs(double(x[i]) - double(y[i]));
+        d = std::isnan(e) ? INFINITY : std::max(d, e);
+      }
+      const double rel = d / scale;
+      ++tensors;
+      if (rel > tol) {
+        std::printf("%-70s relative difference %.3g > %.3g\n", ds.c_str(), rel, tol);
+        ++over;
+      }
+      if (rel >= group_worst) group_worst = rel, worst_name = name;
+    }
+    std::printf("%s: largest relative difference %.3g (%s)\n", group, group_worst, worst_name.c_str());
+  }
+  for (const char* attr : {"ce_loss", "aux_loss", "mtp_loss"}) {
+    const double x = a.attr_double(attr), y = b.attr_double(attr);
+    const double rel = std::fabs(x - y) / std::max(std::fabs(x), 1e-30);
+    std::printf("%s: %.9g vs %.9g (relative %.3g)\n", attr, x, y, rel);
+    if (x != 0 && rel > tol) ++over;
+  }
+  std::printf("%d tensors compared: %d over %.3g, %d missing\n", tensors, over, tol, missing);
+  return over + missing == 0 && tensors > 0 ? 0 : 1;
+}
+
 int verify(const std::string& arg) {
   const std::string path = resolve(arg);
   const int64_t tensors = dstrain::runtime::verify_checkpoint(path);
@@ -204,6 +251,7 @@ int main(int argc, char** argv) {
     if (a.size() == 2 && a[0] == "verify") return verify(a[1]);
     if (a.size() == 3 && a[0] == "diff") return diff(a[1], a[2]);
     if (a.size() == 3 && a[0] == "export-hf") return export_hf(a[1], a[2]);
+    if (a.size() == 4 && a[0] == "compare-dumps") return compare_dumps(a[1], a[2], a[3]);
     std::fputs(kUsage, stderr);
     return 2;
   } catch (const std::exception& e) {

@@ -426,6 +426,27 @@ void check_loss_embedding_optimizer(Backend& cpu, Backend& cuda) {
     cpu.add_strided(dst2.data(), ds, src.data(), ss, r, c);
     cuda.add_strided(gd2, ds, gsrc, ss, r, c);
     check("add_strided", g.get(gd2, dst2.size()), dst2, 0);
+    float* gc = g.zeros<float>(src.size());
+    cuda.copy(gc, gsrc, int64_t(src.size() * sizeof(float)));
+    check("copy (device to device)", g.get(gc, src.size()), src, 0);
+    // The gradient norm's pass: double sums, accumulated, an inf poisons it.
+    std::vector<double> want(2), gotd(2);
+    double* gs = g.zeros<double>(2);
+    cpu.sum_squares(&want[0], x.data(), n, false);
+    cpu.sum_squares(&want[0], y.data(), n, true);
+    cuda.sum_squares(gs, g.put(x), n, false);
+    cuda.sum_squares(gs, gy, n, true);
+    FVec inf = x;
+    inf[n / 2] = INFINITY;
+    cpu.sum_squares(&want[1], inf.data(), n, false);
+    cuda.sum_squares(gs + 1, g.put(inf), n, false);
+    gotd = g.get(gs, 2);
+    const bool ok = std::fabs(gotd[0] - want[0]) <= 1e-12 * want[0] && std::isinf(gotd[1]) && std::isinf(want[1]);
+    ++checks;
+    if (!ok) ++failures;
+    if (!ok || !quiet)
+      std::printf("%-4s %-46s %.15g vs %.15g, inf gives %g\n", ok ? "ok" : "FAIL", "sum_squares (double, accumulated)",
+                  gotd[0], want[0], gotd[1]);
   }
 }
 

@@ -1,0 +1,123 @@
+#!/usr/bin/env bash
+# The GPU check, for a lent device machine (one H200; CUDA toolkit, driver, PyTorch; no -dev
+# packages, no network). Prepare it here with tools/gpu-bundle.sh, then on the device machine,
+# from the repository root, with `.gpu-bundle` carried:
+#
+#   tests/gpu/run.sh [OUT_DIR]        (default: $OUT, else /tmp/dstrain-gpu-out)
+#
+# Steps, each logged to OUT_DIR/<step>.log, each under its own time limit, and all of them
+# within 470 s (a step with no time left is skipped and counted as failed):
+#   env      the GPU, driver and libraries; every library the binaries need resolves
+#   kernels  dstrain-gpu-check --bench: every CUDA op against the CPU backend, determinism, the
+#            caching pool; GEMM and attention TFLOP/s
+#   dump     --dump-grads of the tiny preset on CUDA (fp32, bf16) against the CPU backend's,
+#            computed when the bundle was made (fp32 to 1e-4, bf16 to 5e-2 of each tensor's
+#            largest value)
+#   train    50 steps of `small` on CUDA: the loss must fall
+#   bench    tokens/s, TFLOP/s and MFU against 989 dense bf16 TFLOP/s for `medium` (bf16,
+#            8 x 2048), and Hugging Face transformers on the same model and batch
+#            (tools/gpu/hf_baseline.py)
+#   h200     the same for configs/h200.yaml (4 x 2048), with the time that is left
+# Exit status 0 when every step passed. The figures are the last lines of each log.
+# DSTRAIN_GPU_REHEARSAL=1 (tools/gpu-rehearse.sh, in a clean root without a GPU) runs the same
+# steps on the CPU backend — the checker against a second CPU backend, the benchmark as a dry
+# run — so that everything but the CUDA execution itself is known to work before a GPU is lent.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+out=${1:-${OUT:-/tmp/dstrain-gpu-out}}
+mkdir -p "$out"
+bundle=.gpu-bundle/dstrain-gpu.tar.gz
+[ -f "$bundle" ] || { echo "no $bundle: run tools/gpu-bundle.sh here first, and carry .gpu-bundle" >&2; exit 2; }
+root=${DSTRAIN_GPU_ROOT:-/tmp/dstrain-gpu-root}
+rm -rf "$root" && mkdir -p "$root"
+tar -C "$root" -xzf "$bundle" || { echo "cannot unpack $bundle" >&2; exit 2; }
+B=$root/dstrain-gpu
+[ -x "$B/bin/dstrain" ] || { echo "$bundle holds no bin/dstrain" >&2; exit 2; }
+
+# The CUDA libraries come from the machine: the toolkit's, else the pip wheels PyTorch brought.
+cuda_dirs=""
+for d in /usr/local/cuda/lib64 /usr/local/cuda/lib /usr/local/cuda/targets/x86_64-linux/lib \
+         $(python3 -c 'import nvidia, os; r = nvidia.__path__[0]; print(" ".join(os.path.join(r, d, "lib") for d in os.listdir(r)))' 2>/dev/null); do
+  [ -d "$d" ] && cuda_dirs="$cuda_dirs:$d"
+done
+export LD_LIBRARY_PATH="$B/lib$cuda_dirs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export OPAL_PREFIX="$B/ompi" OMPI_MCA_ess_singleton_isolated=1 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+export PATH="$B/bin:$PATH"
+status=0
+failed=""
+dev=cuda
+[ "${DSTRAIN_GPU_REHEARSAL:-0}" = 1 ] && dev=cpu
+export dev
+
+# step NAME SECONDS COMMAND...: runs it with a time limit (never past the whole check's 470 s),
+# logs to OUT/NAME.log.
+deadline=470
+step() {
+  local name=$1 secs=$2
+  shift 2
+  local left=$((deadline - SECONDS))
+  if [ $left -lt 20 ]; then echo "== $name: skipped, the check's time is spent"; failed="$failed $name(no-time)"; status=1; return; fi
+  [ $secs -gt $left ] && secs=$left
+  echo "== $name (limit ${secs} s)"
+  local t0=$SECONDS
+  timeout "$secs" bash -o pipefail -c "$*" >"$out/$name.log" 2>&1
+  local rc=$?
+  tail -n 25 "$out/$name.log"
+  echo "== $name: exit $rc after $((SECONDS - t0)) s"
+  if [ $rc -ne 0 ]; then status=1; failed="$failed $name"; fi
+}
+
+step env 30 '
+  echo "dstrain revision $(cat '"$B"'/REVISION)"
+  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv || true
+  missing=$(for f in '"$B"'/bin/*; do ldd "$f"; done | grep "not found" | sort -u)
+  if [ -n "$missing" ]; then echo "unresolved libraries:"; echo "$missing"; exit 1; fi
+  for f in '"$B"'/bin/*; do ldd "$f" | grep -E "cudart|cublasLt"; done | sort -u'
+
+if [ $dev = cuda ]; then
+  step kernels 90 'dstrain-gpu-check --bench'
+else  # no GPU: the libraries load and the check says so (77), and the checker passes CPU against CPU
+  step kernels 90 'dstrain-gpu-check; rc=$?; [ $rc -eq 77 ] || exit 1; dstrain-gpu-check --against-cpu | tail -3'
+fi
+
+step dump 60 '
+  set -e
+  dstrain configs/tiny.yaml --set device=$dev --dump-grads '"$out"'/tiny_fp32_cuda.h5 | tail -2
+  dstrain-ckpt compare-dumps '"$B"'/expected/tiny_fp32.h5 '"$out"'/tiny_fp32_cuda.h5 1e-4
+  dstrain configs/tiny.yaml --set device=$dev --set bf16.enabled=true --dump-grads '"$out"'/tiny_bf16_cuda.h5 | tail -2
+  dstrain-ckpt compare-dumps '"$B"'/expected/tiny_bf16.h5 '"$out"'/tiny_bf16_cuda.h5 5e-2'
+
+step train 90 '
+  set -e
+  rm -rf /tmp/dstrain-gpu-train
+  dstrain configs/small.yaml --set device=$dev --resume none --set train_steps=50 --set steps_per_print=1 \
+    --set data.eval_interval=0 --set checkpoint.interval=0 --set checkpoint.dir=/tmp/dstrain-gpu-train \
+    --set monitor.metrics_file='"$out"'/train.jsonl --set monitor.tensorboard=null | grep -E "step (1|10|20|30|40|50)/"
+  first=$(grep -o "\"loss\":[-0-9.e+]*" '"$out"'/train.jsonl | head -1 | cut -d: -f2)
+  last=$(grep -o "\"loss\":[-0-9.e+]*" '"$out"'/train.jsonl | tail -1 | cut -d: -f2)
+  echo "loss at the first step: $first, at step 50: $last"
+  awk -v a="$first" -v b="$last" "BEGIN { exit !(b < a - 0.5) }"'
+
+dry=""
+[ $dev = cpu ] && dry="--dry-run"
+step bench 100 '
+  rm -rf /tmp/dstrain-gpu-bench
+  dstrain configs/medium.yaml '"$dry"' --set device=$dev --resume none --set bf16.enabled=true --set train_steps=6 \
+    --set train_batch_size=8 --set train_micro_batch_size_per_gpu=8 --set seq_length=2048 \
+    --set steps_per_print=1 --set data.eval_interval=0 --set checkpoint.interval=0 \
+    --set checkpoint.dir=/tmp/dstrain-gpu-bench --set monitor.peak_tflops=989 --set monitor.tensorboard=null \
+    | grep -E "step [0-9]+/|memory|backend|peak|micro-batch|tokens" | tail -12'
+
+if [ $dev = cuda ] && python3 -c "import torch, transformers" 2>/dev/null; then
+  step hf 80 'python3 tools/gpu/hf_baseline.py configs/medium.yaml --batch 8 --seq 2048 --steps 6'
+fi
+
+# The preset that fills one H200 (DeepSeek-V2-Lite shapes, 8 layers), with whatever time is left.
+step h200 110 '
+  rm -rf /tmp/dstrain-gpu-h200
+  dstrain configs/h200.yaml '"$dry"' --set device=$dev --resume none --set train_steps=4 --set steps_per_print=1 \
+    --set data.eval_interval=0 --set checkpoint.dir=/tmp/dstrain-gpu-h200 --set monitor.peak_tflops=989 \
+    --set monitor.tensorboard=null | grep -E "step [0-9]+/|memory|backend|peak|tokens" | tail -10'
+
+if [ -n "$failed" ]; then echo "GPU check: failed:$failed; logs in $out"; else echo "GPU check: every step passed; logs in $out"; fi
+exit $status

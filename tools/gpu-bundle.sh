@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# Prepares the GPU check (tests/gpu/run.sh) for a machine that can install nothing: the device
+# machine has the CUDA toolkit, the driver and PyTorch, but none of Debian's -dev packages (so
+# none of dstrain's libraries) and no network, and at most 64 MiB of working tree travels there.
+# Builds dstrain here for sm_90a (the default preset builds the CUDA backend where nvcc is) and
+# packs into .gpu-bundle/dstrain-gpu.tar.gz (git-ignored; name `.gpu-bundle` in the device
+# tool's carry):
+#   bin/       dstrain, dstrain-gpu-check, dstrain-ckpt
+#   lib/       every shared library they and Open MPI's plugins need, except glibc's, libstdc++ /
+#              libgcc_s (the device machine's own are newer, and the CUDA libraries use them) and
+#              the CUDA toolkit's (cudart, cuBLASLt: the device machine's own, same major version)
+#   ompi/      Open MPI's plugins, help files and defaults in the layout OPAL_PREFIX relocates
+#   expected/  outputs computed here by the CPU backend (--dump-grads of the tiny preset in fp32
+#              and bf16) for the CUDA runs to match
+# Then rehearses the bundle (tools/gpu-rehearse.sh) unless DSTRAIN_GPU_REHEARSE=0.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+cmake --preset default >/dev/null
+cmake --build --preset default --target dstrain dstrain-gpu-check dstrain-ckpt
+stage=$(mktemp -d)
+trap 'rm -rf "$stage"' EXIT
+b=$stage/dstrain-gpu
+mkdir -p "$b/bin" "$b/lib" "$b/expected"
+cp build/bin/dstrain build/bin/dstrain-gpu-check build/bin/dstrain-ckpt "$b/bin/"
+
+# Open MPI: Debian's prefix is /usr; OPAL_PREFIX=$b/ompi moves every install directory under it.
+pkglib=$(ompi_info --path pkglibdir --parsable | sed 's/^path:pkglibdir://')
+pkgdata=$(ompi_info --path pkgdatadir --parsable | sed 's/^path:pkgdatadir://')
+sysconf=$(ompi_info --path sysconfdir --parsable | sed 's/^path:sysconfdir://')
+for d in "$pkglib" "$pkgdata" "$sysconf"; do
+  case $d in /usr/*|/etc*) ;; *) echo "unexpected Open MPI directory $d" >&2; exit 1 ;; esac
+done
+mkdir -p "$b/ompi/${pkglib#/usr/}" "$b/ompi/${pkgdata#/usr/}" "$b/ompi/etc/openmpi"
+cp -a "$pkglib"/. "$b/ompi/${pkglib#/usr/}/"
+cp -a "$pkgdata"/. "$b/ompi/${pkgdata#/usr/}/"
+cp -a "$sysconf"/. "$b/ompi/etc/openmpi/" 2>/dev/null || true
+
+# Shared libraries of the binaries and of the plugins, the system's and CUDA's left out.
+skip='^(libc|libm|libdl|librt|libpthread|libutil|ld-linux-x86-64|libstdc\+\+|libgcc_s|libcuda|libcudart|libcublas|libcublasLt|libnccl|libcudnn.*|linux-vdso)\.so'
+{
+  for f in "$b"/bin/* "$b/ompi/${pkglib#/usr/}"/*.so; do ldd "$f" 2>/dev/null || true; done
+} | awk '/=> \// {print $1, $3}' | sort -u | while read -r name path; do
+  if [[ $name =~ $skip ]]; then continue; fi
+  [ -e "$b/lib/$name" ] || cp -L "$path" "$b/lib/$name"
+done
+
+# Expected outputs, from the CPU backend.
+for p in fp32 bf16; do
+  extra=""
+  [ $p = bf16 ] && extra="--set bf16.enabled=true"
+  build/bin/dstrain configs/tiny.yaml --set device=cpu $extra --dump-grads "$b/expected/tiny_$p.h5" >/dev/null
+done
+git rev-parse --short HEAD >"$b/REVISION" 2>/dev/null || echo unknown >"$b/REVISION"
+mkdir -p .gpu-bundle
+rm -f .gpu-bundle/dstrain-gpu.tar.*
+tar -C "$stage" -cf - dstrain-gpu | gzip -9 >.gpu-bundle/dstrain-gpu.tar.gz  # gzip: every machine unpacks it
+echo "bundle: .gpu-bundle/dstrain-gpu.tar.gz, $(du -h .gpu-bundle/dstrain-gpu.tar.gz | cut -f1)" \
+     "($(du -sh "$b" | cut -f1) unpacked, $(ls "$b/lib" | wc -l) libraries, revision $(cat "$b/REVISION"))"
+if [ "${DSTRAIN_GPU_REHEARSE:-1}" != 0 ]; then tools/gpu-rehearse.sh; fi
