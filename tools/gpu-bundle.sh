@@ -5,10 +5,10 @@
 # Builds dstrain here for sm_90a (the default preset builds the CUDA backend where nvcc is) and
 # packs into .gpu-bundle/dstrain-gpu.tar.gz (git-ignored; name `.gpu-bundle` in the device
 # tool's carry):
-#   bin/       dstrain, dstrain-gpu-check, dstrain-ckpt
+#   bin/       dstrain, dstrain-gpu-check, dstrain-nccl-check, dstrain-ckpt
 #   lib/       every shared library they and Open MPI's plugins need, except glibc's, libstdc++ /
 #              libgcc_s (the device machine's own are newer, and the CUDA libraries use them) and
-#              the CUDA toolkit's (cudart, cuBLASLt: the device machine's own, same major version)
+#              the CUDA toolkit's (cudart, cuBLASLt, NCCL: the device machine's own, same major version)
 #   ompi/      Open MPI's plugins, help files and defaults in the layout OPAL_PREFIX relocates
 #   expected/  outputs computed here by the CPU backend (--dump-grads of the tiny preset in fp32
 #              and bf16) for the CUDA runs to match
@@ -16,12 +16,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cmake --preset default >/dev/null
-cmake --build --preset default --target dstrain dstrain-gpu-check dstrain-ckpt
+cmake --build --preset default --target dstrain dstrain-gpu-check dstrain-nccl-check dstrain-ckpt
 stage=$(mktemp -d)
 trap 'rm -rf "$stage"' EXIT
 b=$stage/dstrain-gpu
 mkdir -p "$b/bin" "$b/lib" "$b/expected"
-cp build/bin/dstrain build/bin/dstrain-gpu-check build/bin/dstrain-ckpt "$b/bin/"
+cp build/bin/dstrain build/bin/dstrain-gpu-check build/bin/dstrain-nccl-check build/bin/dstrain-ckpt "$b/bin/"
 
 # Open MPI: Debian's prefix is /usr; OPAL_PREFIX=$b/ompi moves every install directory under it.
 pkglib=$(ompi_info --path pkglibdir --parsable | sed 's/^path:pkglibdir://')

@@ -10,6 +10,7 @@
 #   env      the GPU, driver and libraries; every library the binaries need resolves
 #   kernels  dstrain-gpu-check --bench: every CUDA op against the CPU backend, determinism, the
 #            caching pool; GEMM and attention TFLOP/s
+#   nccl     dstrain-nccl-check: the NCCL communicator's operations on device buffers (one rank)
 #   dump     --dump-grads of the tiny preset on CUDA (fp32, bf16) against the CPU backend's,
 #            computed when the bundle was made (fp32 to 1e-4, bf16 to 5e-2 of each tensor's
 #            largest value)
@@ -72,12 +73,18 @@ step env 30 '
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv || true
   missing=$(for f in '"$B"'/bin/*; do ldd "$f"; done | grep "not found" | sort -u)
   if [ -n "$missing" ]; then echo "unresolved libraries:"; echo "$missing"; exit 1; fi
-  for f in '"$B"'/bin/*; do ldd "$f" | grep -E "cudart|cublasLt"; done | sort -u'
+  for f in '"$B"'/bin/*; do ldd "$f" | grep -E "cudart|cublasLt|nccl"; done | sort -u'
 
 if [ $dev = cuda ]; then
   step kernels 90 'dstrain-gpu-check --bench'
 else  # no GPU: the libraries load and the check says so (77), and the checker passes CPU against CPU
   step kernels 90 'dstrain-gpu-check; rc=$?; [ $rc -eq 77 ] || exit 1; dstrain-gpu-check --against-cpu | tail -3'
+fi
+
+if [ $dev = cuda ]; then
+  step nccl 40 'dstrain-nccl-check'
+else
+  step nccl 40 'dstrain-nccl-check; [ $? -eq 77 ]'
 fi
 
 step dump 60 '

@@ -1,0 +1,225 @@
+#include "engine/comm/nccl_communicator.h"
+
+#include <cuda_runtime.h>
+#include <fmt/format.h>
+#include <nccl.h>
+
+#include <chrono>
+#include <thread>
+#include <vector>
+
+#include "engine/common/error.h"
+
+namespace dstrain::comm {
+namespace {
+
+void cuda_check(cudaError_t e, const std::string& what) {
+  if (e != cudaSuccess) throw CommError(fmt::format("{}: CUDA error {} ({})", what, cudaGetErrorName(e), cudaGetErrorString(e)));
+}
+
+ncclRedOp_t nccl_op(ReduceOp op) { return op == ReduceOp::kSum ? ncclSum : ncclMax; }
+
+class NcclCommunicator;
+
+class NcclWork final : public Work {
+ public:
+  NcclWork(NcclCommunicator* c, cudaEvent_t done, std::string what) : c_(c), done_(done), what_(std::move(what)) {}
+  ~NcclWork() override;
+  void wait() override;
+  bool done() override;
+
+ private:
+  NcclCommunicator* c_;
+  cudaEvent_t done_;
+  std::string what_;
+  bool finished_ = false;
+};
+
+class NcclCommunicator final : public Communicator {
+ public:
+  NcclCommunicator(Communicator& bootstrap, void* compute_stream, std::string name, CommOptions options)
+      : name_(std::move(name)), options_(options), compute_(static_cast<cudaStream_t>(compute_stream)) {
+    rank_ = bootstrap.rank(), size_ = bootstrap.size();
+    ncclUniqueId id{};
+    if (rank_ == 0) check(ncclGetUniqueId(&id), "ncclGetUniqueId");
+    bootstrap.broadcast(reinterpret_cast<char*>(&id), int64_t(sizeof id), 0)->wait();
+    check(ncclCommInitRank(&comm_, size_, id, rank_), "ncclCommInitRank");
+    cuda_check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "group " + name_);
+    cuda_check(cudaEventCreateWithFlags(&issued_, cudaEventDisableTiming), "group " + name_);
+    cuda_check(cudaMalloc(&scratch_, 64), "group " + name_);
+  }
+  ~NcclCommunicator() override {
+    cudaStreamSynchronize(stream_);
+    if (comm_) ncclCommDestroy(comm_);
+    cudaFree(scratch_);
+    cudaEventDestroy(issued_);
+    cudaStreamDestroy(stream_);
+  }
+
+  const std::string& name() const override { return name_; }
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  uint64_t seq() const override { return seq_; }
+
+  std::unique_ptr<Work> all_reduce(float* buf, int64_t n, ReduceOp op) override {
+    return issue("all_reduce", [&] { return ncclAllReduce(buf, buf, size_t(n), ncclFloat32, nccl_op(op), comm_, stream_); });
+  }
+  std::unique_ptr<Work> all_reduce(double* buf, int64_t n, ReduceOp op) override {
+    return issue("all_reduce", [&] { return ncclAllReduce(buf, buf, size_t(n), ncclFloat64, nccl_op(op), comm_, stream_); });
+  }
+  std::unique_ptr<Work> all_reduce(int64_t* buf, int64_t n, ReduceOp op) override {
+    return issue("all_reduce", [&] { return ncclAllReduce(buf, buf, size_t(n), ncclInt64, nccl_op(op), comm_, stream_); });
+  }
+  std::unique_ptr<Work> reduce_scatter(float* out, const float* in, int64_t n, ReduceOp op) override {
+    return issue("reduce_scatter",
+                 [&] { return ncclReduceScatter(in, out, size_t(n), ncclFloat32, nccl_op(op), comm_, stream_); });
+  }
+  // Block p reduced onto rank p: one rooted reduction per block, grouped.
+  std::unique_ptr<Work> reduce_scatter_v(float* buf, const std::vector<int64_t>& counts, ReduceOp op) override {
+    check_counts(counts, "reduce_scatter_v");
+    return issue("reduce_scatter_v", [&] {
+      ncclResult_t r = ncclGroupStart();
+      int64_t at = 0;
+      for (int p = 0; p < size_ && r == ncclSuccess; at += counts[size_t(p)], ++p)
+        if (counts[size_t(p)] > 0)
+          r = ncclReduce(buf + at, buf + at, size_t(counts[size_t(p)]), ncclFloat32, nccl_op(op), p, comm_, stream_);
+      const ncclResult_t end = ncclGroupEnd();
+      return r != ncclSuccess ? r : end;
+    });
+  }
+  std::unique_ptr<Work> all_gather(float* out, const float* in, int64_t n) override {
+    return issue("all_gather", [&] { return ncclAllGather(in, out, size_t(n), ncclFloat32, comm_, stream_); });
+  }
+  std::unique_ptr<Work> all_gather_v(float* buf, const std::vector<int64_t>& counts) override {
+    check_counts(counts, "all_gather_v");
+    return issue("all_gather_v", [&] {
+      ncclResult_t r = ncclGroupStart();
+      int64_t at = 0;
+      for (int p = 0; p < size_ && r == ncclSuccess; at += counts[size_t(p)], ++p)
+        if (counts[size_t(p)] > 0)
+          r = ncclBroadcast(buf + at, buf + at, size_t(counts[size_t(p)]), ncclFloat32, p, comm_, stream_);
+      const ncclResult_t end = ncclGroupEnd();
+      return r != ncclSuccess ? r : end;
+    });
+  }
+  std::unique_ptr<Work> all_to_all_v(float* out, const std::vector<int64_t>& out_counts, const float* in,
+                                     const std::vector<int64_t>& in_counts) override {
+    check_counts(out_counts, "all_to_all_v");
+    check_counts(in_counts, "all_to_all_v");
+    return issue("all_to_all_v", [&] {
+      ncclResult_t r = ncclGroupStart();
+      int64_t si = 0, ri = 0;
+      for (int p = 0; p < size_ && r == ncclSuccess; ++p) {
+        if (in_counts[size_t(p)] > 0) r = ncclSend(in + si, size_t(in_counts[size_t(p)]), ncclFloat32, p, comm_, stream_);
+        if (r == ncclSuccess && out_counts[size_t(p)] > 0)
+          r = ncclRecv(out + ri, size_t(out_counts[size_t(p)]), ncclFloat32, p, comm_, stream_);
+        si += in_counts[size_t(p)], ri += out_counts[size_t(p)];
+      }
+      const ncclResult_t end = ncclGroupEnd();
+      return r != ncclSuccess ? r : end;
+    });
+  }
+  std::unique_ptr<Work> send(const float* buf, int64_t n, int peer) override {
+    check_peer(peer, "send");
+    return issue("send", [&] { return ncclSend(buf, size_t(n), ncclFloat32, peer, comm_, stream_); });
+  }
+  std::unique_ptr<Work> recv(float* buf, int64_t n, int peer) override {
+    check_peer(peer, "recv");
+    return issue("recv", [&] { return ncclRecv(buf, size_t(n), ncclFloat32, peer, comm_, stream_); });
+  }
+  std::unique_ptr<Work> broadcast(float* buf, int64_t n, int root) override {
+    return issue("broadcast", [&] { return ncclBroadcast(buf, buf, size_t(n), ncclFloat32, root, comm_, stream_); });
+  }
+  std::unique_ptr<Work> broadcast(char* buf, int64_t n, int root) override {
+    return issue("broadcast", [&] { return ncclBroadcast(buf, buf, size_t(n), ncclInt8, root, comm_, stream_); });
+  }
+  std::unique_ptr<Work> barrier() override {
+    return issue("barrier", [&] { return ncclAllReduce(scratch_, scratch_, 1, ncclFloat32, ncclSum, comm_, stream_); });
+  }
+  void progress() override {}  // NCCL progresses on the device
+  bool register_peer_memory(float*, int64_t) override { return false; }
+
+  // For NcclWork: NCCL's asynchronous error, as a CommError after aborting the communicator.
+  void check_async(const std::string& what) {
+    ncclResult_t async = ncclSuccess;
+    ncclCommGetAsyncError(comm_, &async);
+    if (async != ncclSuccess && async != ncclInProgress) abort_with(what + ": " + ncclGetErrorString(async));
+  }
+  [[noreturn]] void abort_with(const std::string& message) {
+    ncclCommAbort(comm_);
+    comm_ = nullptr;
+    throw CommError(message);
+  }
+  double timeout_s() const { return options_.timeout_s; }
+
+ private:
+  template <class F>
+  std::unique_ptr<Work> issue(const char* op, F&& call) {
+    if (!comm_) throw CommError(fmt::format("group {}: the NCCL communicator was aborted", name_));
+    const std::string what = fmt::format("group {} {} #{} (rank {} of {})", name_, op, seq_++, rank_, size_);
+    cuda_check(cudaEventRecord(issued_, compute_), what);  // after everything the compute stream has
+    cuda_check(cudaStreamWaitEvent(stream_, issued_, 0), what);
+    const ncclResult_t r = call();
+    if (r != ncclSuccess && r != ncclInProgress) abort_with(what + ": " + ncclGetErrorString(r));
+    cudaEvent_t done = nullptr;
+    cuda_check(cudaEventCreateWithFlags(&done, cudaEventDisableTiming), what);
+    cuda_check(cudaEventRecord(done, stream_), what);
+    return std::make_unique<NcclWork>(this, done, what);
+  }
+  void check(ncclResult_t r, const char* call) const {
+    if (r != ncclSuccess) throw CommError(fmt::format("group {}: {} failed: {}", name_, call, ncclGetErrorString(r)));
+  }
+  void check_counts(const std::vector<int64_t>& counts, const char* op) const {
+    if (int(counts.size()) != size_)
+      throw CommError(fmt::format("group {} {}: {} block counts for {} ranks", name_, op, counts.size(), size_));
+  }
+  void check_peer(int peer, const char* op) const {
+    if (peer < 0 || peer >= size_ || peer == rank_)
+      throw CommError(fmt::format("group {} {}: peer {} (rank {} of {})", name_, op, peer, rank_, size_));
+  }
+
+  std::string name_;
+  CommOptions options_;
+  cudaStream_t compute_ = nullptr, stream_ = nullptr;
+  cudaEvent_t issued_ = nullptr;
+  ncclComm_t comm_ = nullptr;
+  void* scratch_ = nullptr;
+  int rank_ = 0, size_ = 1;
+  uint64_t seq_ = 0;
+};
+
+NcclWork::~NcclWork() { cudaEventDestroy(done_); }
+
+bool NcclWork::done() {
+  if (finished_) return true;
+  const cudaError_t e = cudaEventQuery(done_);
+  if (e == cudaSuccess) return finished_ = true;
+  if (e != cudaErrorNotReady) cuda_check(e, what_);
+  c_->check_async(what_);
+  return false;
+}
+
+void NcclWork::wait() {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(c_->timeout_s());
+  while (!done()) {
+    if (std::chrono::steady_clock::now() > deadline)
+      c_->abort_with(fmt::format("{}: not complete after {} s (comm_timeout_s); a peer skipped it, died or hangs",
+                                 what_, c_->timeout_s()));
+    std::this_thread::sleep_for(std::chrono::microseconds(20));
+  }
+}
+
+}  // namespace
+
+std::unique_ptr<Communicator> make_nccl_communicator(Communicator& bootstrap, void* compute_stream, std::string name,
+                                                     CommOptions options) {
+  return std::make_unique<NcclCommunicator>(bootstrap, compute_stream, std::move(name), options);
+}
+
+std::string nccl_version() {
+  int v = 0;
+  ncclGetVersion(&v);
+  return fmt::format("{}.{}.{}", v / 10000, v / 100 % 100, v % 100);
+}
+
+}  // namespace dstrain::comm
