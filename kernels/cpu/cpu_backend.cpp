@@ -25,15 +25,6 @@ const char* to_string(GemmLibrary lib) {
   return lib == GemmLibrary::kOneDnn ? "oneDNN" : "OpenBLAS";
 }
 
-const char* to_string(DType t) {
-  switch (t) {
-    case DType::kF32: return "fp32";
-    case DType::kBF16: return "bf16";
-    case DType::kF16: return "fp16";
-  }
-  return "?";
-}
-
 namespace {
 
 cpu::LowPrecision low(DType t) {

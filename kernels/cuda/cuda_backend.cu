@@ -915,46 +915,58 @@ class CudaBackend final : public Backend {
 
 }  // namespace
 
-CudaDeviceInfo cuda_device_info(int device) {
-  CudaDeviceInfo info;
-  cudaError_t e = cudaGetDeviceCount(&info.count);
-  cudaRuntimeGetVersion(&info.runtime_version);
-  cudaDriverGetVersion(&info.driver_version);
-  info.cublaslt_version = int64_t(cublasLtGetVersion());
+// The plugin's entry points (kernels/cuda/cuda_loader.cpp finds them with dlsym). The structs
+// cross the boundary by pointer: the plugin and its loader are built together, from one header.
+extern "C" __attribute__((visibility("default"))) int dstrain_cuda_plugin_abi() { return kCudaPluginAbi; }
+
+extern "C" __attribute__((visibility("default"))) void dstrain_cuda_device_info(int device, CudaDeviceInfo* info) {
+  *info = CudaDeviceInfo{};
+  cudaError_t e = cudaGetDeviceCount(&info->count);
+  cudaRuntimeGetVersion(&info->runtime_version);
+  cudaDriverGetVersion(&info->driver_version);
+  info->cublaslt_version = int64_t(cublasLtGetVersion());
   if (e != cudaSuccess) {
-    info.count = 0;
-    info.error = std::string(cudaGetErrorName(e)) + ": " + cudaGetErrorString(e);
+    info->count = 0;
+    info->error = std::string(cudaGetErrorName(e)) + ": " + cudaGetErrorString(e);
     cudaGetLastError();
-    return info;
+    return;
   }
-  if (info.count == 0) {
-    info.error = "no CUDA device";
-    return info;
+  if (info->count == 0) {
+    info->error = "no CUDA device";
+    return;
   }
-  if (device < 0 || device >= info.count) {
-    info.error = "device " + std::to_string(device) + " of " + std::to_string(info.count);
-    return info;
+  if (device < 0 || device >= info->count) {
+    info->error = "device " + std::to_string(device) + " of " + std::to_string(info->count);
+    return;
   }
   cudaDeviceProp prop{};
   e = cudaGetDeviceProperties(&prop, device);
   if (e != cudaSuccess) {
-    info.error = cudaGetErrorString(e);
-    return info;
+    info->error = cudaGetErrorString(e);
+    return;
   }
-  info.name = prop.name;
-  info.memory_bytes = int64_t(prop.totalGlobalMem);
-  info.cc_major = prop.major;
-  info.cc_minor = prop.minor;
-  info.multiprocessors = prop.multiProcessorCount;
-  return info;
+  info->name = prop.name;
+  info->memory_bytes = int64_t(prop.totalGlobalMem);
+  info->cc_major = prop.major;
+  info->cc_minor = prop.minor;
+  info->multiprocessors = prop.multiProcessorCount;
 }
 
-std::unique_ptr<Backend> make_cuda_backend(int device) { return std::make_unique<CudaBackend>(device); }
+// Returns null and fills `error` when the backend cannot be made.
+extern "C" __attribute__((visibility("default"))) Backend* dstrain_cuda_make_backend(int device, std::string* error) {
+  try {
+    return new CudaBackend(device);
+  } catch (const std::exception& e) {
+    *error = e.what();
+    return nullptr;
+  }
+}
 
-CudaPoolStats cuda_pool_stats(Backend& be) {
-  auto* c = dynamic_cast<CudaBackend*>(&be);
-  if (!c) throw std::invalid_argument("cuda_pool_stats: " + be.name() + " is not a CUDA backend");
-  return c->pool_stats();
+extern "C" __attribute__((visibility("default"))) bool dstrain_cuda_pool_stats(Backend* be, CudaPoolStats* out) {
+  auto* c = dynamic_cast<CudaBackend*>(be);
+  if (!c) return false;
+  *out = c->pool_stats();
+  return true;
 }
 
 }  // namespace dstrain::kernels

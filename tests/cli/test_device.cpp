@@ -72,9 +72,10 @@ TEST(DeviceMemory, ResumeAndDumpGradsBehindDeviceMemory) {
   ASSERT_EQ(d.rc, 0) << d.err;
   io::H5File a(dir + "/cpu.h5", io::H5File::Mode::kRead), b(dir + "/dev.h5", io::H5File::Mode::kRead);
   int tensors = 0;
-  for (const std::string& group : {"weights", "grads"})
+  for (const char* group : {"weights", "grads"})
     for (const std::string& name : a.list(group)) {
-      EXPECT_EQ(a.read_floats(group + "/" + name), b.read_floats(group + "/" + name)) << group << "/" << name;
+      EXPECT_EQ(a.read_floats(std::string(group) + "/" + name), b.read_floats(std::string(group) + "/" + name))
+          << group << "/" << name;
       ++tensors;
     }
   EXPECT_GT(tensors, 20);

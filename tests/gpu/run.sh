@@ -71,9 +71,9 @@ step() {
 step env 30 '
   echo "dstrain revision $(cat '"$B"'/REVISION)"
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv || true
-  missing=$(for f in '"$B"'/bin/*; do ldd "$f"; done | grep "not found" | sort -u)
+  missing=$(for f in '"$B"'/bin/* '"$B"'/lib/libdstrain_cuda.so; do ldd "$f"; done | grep "not found" | sort -u)
   if [ -n "$missing" ]; then echo "unresolved libraries:"; echo "$missing"; exit 1; fi
-  for f in '"$B"'/bin/*; do ldd "$f" | grep -E "cudart|cublasLt|nccl"; done | sort -u'
+  for f in '"$B"'/bin/* '"$B"'/lib/libdstrain_cuda.so; do ldd "$f" | grep -E "cudart|cublasLt|nccl"; done | sort -u'
 
 if [ $dev = cuda ]; then
   step kernels 90 'dstrain-gpu-check --bench'

@@ -24,7 +24,14 @@ namespace dstrain::kernels {
 // IEEE fp16; conversions from fp32 round to nearest even.
 enum class DType : uint8_t { kF32, kBF16, kF16 };
 inline int64_t dtype_size(DType t) { return t == DType::kF32 ? 4 : 2; }
-const char* to_string(DType t);
+inline const char* to_string(DType t) {
+  switch (t) {
+    case DType::kF32: return "fp32";
+    case DType::kBF16: return "bf16";
+    case DType::kF16: return "fp16";
+  }
+  return "?";
+}
 
 // A typed view of device memory: the pointer and the type of its elements.
 struct ConstView {

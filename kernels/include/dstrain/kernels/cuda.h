@@ -1,7 +1,11 @@
 // The CUDA backend (kernels/cuda/, docs/design.md §6.11): the Backend of backend.h on one GPU —
 // device memory from a caching pool, every op ordered on one compute stream, GEMMs through
 // cuBLASLt, the other ops as kernels whose per-element math is kernels/cuda/device_math.h.
-// Declared only in builds with the backend (DSTRAIN_HAVE_CUDA, CMake option DSTRAIN_CUDA).
+// It lives in a plugin, libdstrain_cuda.so, which these functions load on first use
+// (kernels/cuda/cuda_loader.cpp): a process that never asks for a GPU never maps the CUDA
+// libraries (cuBLASLt alone costs about 200 MB of memory to load), and a binary built with the
+// backend still starts where the CUDA runtime is missing. Built with the backend only
+// (DSTRAIN_HAVE_CUDA, CMake option DSTRAIN_CUDA).
 #pragma once
 
 #include <cstdint>
@@ -13,7 +17,7 @@
 namespace dstrain::kernels {
 
 // What the CUDA runtime reports; count 0 (and `error` saying why) where there is no usable GPU
-// or driver — the call itself never throws.
+// or driver, or the plugin cannot be loaded — the call itself never throws.
 struct CudaDeviceInfo {
   int count = 0;             // visible devices
   std::string error;         // why count is 0
@@ -35,5 +39,8 @@ struct CudaPoolStats {
 };
 // Throws std::invalid_argument when `be` is not a CUDA backend.
 CudaPoolStats cuda_pool_stats(Backend& be);
+
+// The plugin's interface version: the loader refuses a libdstrain_cuda.so of another.
+constexpr int kCudaPluginAbi = 1;
 
 }  // namespace dstrain::kernels
