@@ -164,6 +164,9 @@ class NcclCommunicator final : public Communicator {
     cudaEvent_t done = nullptr;
     cuda_check(cudaEventCreateWithFlags(&done, cudaEventDisableTiming), what);
     cuda_check(cudaEventRecord(done, stream_), what);
+    // And the compute stream after it: what follows on that stream (a kernel reading the result,
+    // the backend's pool handing the buffer to someone else) waits for the transfer.
+    cuda_check(cudaStreamWaitEvent(compute_, done, 0), what);
     return std::make_unique<NcclWork>(this, done, what);
   }
   void check(ncclResult_t r, const char* call) const {

@@ -2,7 +2,8 @@
 // dstrain_comm_nccl, built where the CUDA backend is and NCCL is found. A group's NCCL communicator is bootstrapped over the
 // group's MPI communicator (rank 0 makes the unique id and broadcasts it) and bound to the
 // current CUDA device. Every operation runs on the communicator's own stream, ordered after all
-// the work issued so far on the compute stream it was given (the backend's), through an event;
+// the work issued so far on the compute stream it was given (Backend::native_stream()), through
+// an event, and the compute stream is ordered after the operation in turn;
 // reduce-scatter-v and all-gather-v are grouped rooted reductions and broadcasts, all-to-all-v
 // grouped sends and receives. A Work's wait() blocks the host until the operation has finished
 // on the device, polling NCCL's asynchronous error state meanwhile: an error, or the group's

@@ -26,6 +26,7 @@ class DeviceCheckBackend final : public Backend {
   std::string name() const override { return in_->name() + " behind checked device memory"; }
   int num_threads() const override { return in_->num_threads(); }
   bool host_addressable() const override { return false; }
+  void* native_stream() override { return in_->native_stream(); }
   int64_t device_memory_free() override { return in_->device_memory_free(); }  // host memory, really
 
   void* allocate(int64_t bytes) override {

@@ -45,7 +45,8 @@ void lt_ok(cublasStatus_t s, const char* what, const char* file, int line) {
 
 constexpr int kThreads = 256;
 constexpr int kMaxHeadDim = 256;   // attention's dqk and dv (device_math.h MAXD)
-constexpr int kMaxExperts = 256;   // the router's local arrays (device_math.h MAXE)
+constexpr int kMaxExperts = 256;   // the router's bit masks (device_math.h MAXE)
+constexpr int kMaxGroups = 64;     // its group scores (MAXG)
 
 int blocks_for(int64_t n, int threads = kThreads) {
   const int64_t b = (n + threads - 1) / threads;
@@ -241,14 +242,14 @@ __global__ void swiglu_backward_kernel(float* dGU, const float* dM, const float*
 __global__ void router_forward_kernel(int32_t* idx, float* w, float* scores, const float* logits, const float* bias,
                                       int64_t N, RouterParams p) {
   GRID_STRIDE(t, N) {
-    dev::router_forward_row<kMaxExperts>(idx + t * p.top_k, w + t * p.top_k, scores + t * p.num_experts,
+    dev::router_forward_row<kMaxExperts, kMaxGroups>(idx + t * p.top_k, w + t * p.top_k, scores + t * p.num_experts,
                                          logits + t * p.num_experts, bias, p);
   }
 }
 __global__ void router_backward_kernel(float* dlogits, const float* dw, const float* dscores_extra,
                                        const float* scores, const int32_t* idx, int64_t N, RouterParams p) {
   GRID_STRIDE(t, N) {
-    dev::router_backward_row<kMaxExperts>(dlogits + t * p.num_experts, dw + t * p.top_k,
+    dev::router_backward_row(dlogits + t * p.num_experts, dw + t * p.top_k,
                                           dscores_extra ? dscores_extra + t * p.num_experts : nullptr,
                                           scores + t * p.num_experts, idx + t * p.top_k, p);
   }
@@ -268,19 +269,21 @@ __global__ void moe_combine_kernel(float* out, const float* Y, const float* w, c
 // One warp per (token, choice).
 __global__ void moe_combine_backward_kernel(float* dY, float* dw, const float* dout, const float* Y, const float* w,
                                             const int32_t* pos, int64_t N, int64_t k, int64_t H) {
-  const int64_t tj = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
-  if (tj >= N * k) return;
   const int lane = threadIdx.x % 32;
-  const int64_t t = tj / k, row = pos[tj];
-  const float wj = w[tj];
-  float dot = 0;
-  for (int64_t c = lane; c < H; c += 32) {
-    const float g = dout[t * H + c];
-    dot += g * Y[row * H + c];
-    dY[row * H + c] = wj * g;
+  const int64_t warps = int64_t(gridDim.x) * (blockDim.x / 32);
+  // Warp-strided (the grid is capped): the loop condition is the same for a warp's 32 lanes.
+  for (int64_t tj = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32; tj < N * k; tj += warps) {
+    const int64_t t = tj / k, row = pos[tj];
+    const float wj = w[tj];
+    float dot = 0;
+    for (int64_t c = lane; c < H; c += 32) {
+      const float g = dout[t * H + c];
+      dot += g * Y[row * H + c];
+      dY[row * H + c] = wj * g;
+    }
+    dot = warp_sum(dot);
+    if (lane == 0) dw[tj] = dot;
   }
-  dot = warp_sum(dot);
-  if (lane == 0) dw[tj] = dot;
 }
 __global__ void moe_dispatch_backward_kernel(float* dx, const float* dXp, const int32_t* pos, int64_t N, int64_t k,
                                              int64_t H) {
@@ -451,12 +454,7 @@ class CudaBackend final : public Backend {
   }
   ~CudaBackend() override {
     cudaStreamSynchronize(stream_);
-    for (auto& [key, plan] : plans_) {
-      cublasLtMatrixLayoutDestroy(plan.a);
-      cublasLtMatrixLayoutDestroy(plan.b);
-      cublasLtMatrixLayoutDestroy(plan.c);
-      cublasLtMatmulDescDestroy(plan.op);
-    }
+    for (auto& [key, plan] : plans_) destroy(plan);
     cublasLtDestroy(lt_);
     deallocate(workspace_);
     deallocate(partials_);
@@ -536,6 +534,7 @@ class CudaBackend final : public Backend {
     if (bytes > 0) DS_CUDA(cudaMemcpyAsync(dst, src, size_t(bytes), cudaMemcpyDeviceToDevice, stream_));
   }
   bool host_addressable() const override { return false; }
+  void* native_stream() override { return stream_; }
   int64_t device_memory_free() override {
     size_t free = 0, total = 0;
     DS_CUDA(cudaMemGetInfo(&free, &total));
@@ -825,6 +824,7 @@ class CudaBackend final : public Backend {
 
  private:
   static constexpr int64_t kWorkspaceBytes = 32ll << 20;  // cuBLASLt's, one for every GEMM
+  static constexpr size_t kMaxPlans = 4096;                // GEMM shapes cached at most
 
   static const float* f(const void* p) { return static_cast<const float*>(p); }
   static float* fm(void* p) { return static_cast<float*>(p); }
@@ -841,9 +841,10 @@ class CudaBackend final : public Backend {
                                   " exceed the CUDA kernel's " + std::to_string(kMaxHeadDim));
   }
   static void check_router(const RouterParams& p) {
-    if (p.num_experts > kMaxExperts)
-      throw std::invalid_argument("router: " + std::to_string(p.num_experts) +
-                                  " experts exceed the CUDA kernel's " + std::to_string(kMaxExperts));
+    if (p.num_experts > kMaxExperts || p.n_group > kMaxGroups)
+      throw std::invalid_argument("router: " + std::to_string(p.num_experts) + " experts in " +
+                                  std::to_string(p.n_group) + " groups exceed the CUDA kernel's " +
+                                  std::to_string(kMaxExperts) + " / " + std::to_string(kMaxGroups));
   }
 
   // Backend-owned scratch for the attention row sums: grows to the largest request, then stays.
@@ -856,9 +857,23 @@ class CudaBackend final : public Backend {
     return scratch_;
   }
 
+  void destroy(GemmPlan& plan) {
+    if (plan.a) cublasLtMatrixLayoutDestroy(plan.a);
+    if (plan.b) cublasLtMatrixLayoutDestroy(plan.b);
+    if (plan.c) cublasLtMatrixLayoutDestroy(plan.c);
+    if (plan.op) cublasLtMatmulDescDestroy(plan.op);
+    plan = GemmPlan{};
+  }
+
   const GemmPlan& gemm_plan(const GemmKey& k) {
     auto it = plans_.find(k);
     if (it != plans_.end()) return it->second;
+    // The experts' row counts change every step: keep the cache bounded (descriptors are host
+    // objects that cuBLASLt reads at the call, so dropping them all here is safe).
+    if (plans_.size() >= kMaxPlans) {
+      for (auto& [key, plan] : plans_) destroy(plan);
+      plans_.clear();
+    }
     GemmPlan p;
     const cudaDataType_t in = cuda_type(k.dtype);
     DS_LT(cublasLtMatmulDescCreate(&p.op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
@@ -887,10 +902,12 @@ class CudaBackend final : public Backend {
     int found = 0;
     const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(lt_, p.op, p.a, p.b, p.c, p.c, pref, 1, &result, &found);
     cublasLtMatmulPreferenceDestroy(pref);
-    if (st != CUBLAS_STATUS_SUCCESS || found == 0)
+    if (st != CUBLAS_STATUS_SUCCESS || found == 0) {
+      destroy(p);
       throw std::runtime_error("cuBLASLt has no algorithm for a " + std::string(to_string(k.dtype)) + " GEMM " +
                                std::to_string(k.M) + "x" + std::to_string(k.N) + "x" + std::to_string(k.K) +
                                " (status " + std::to_string(int(st)) + ")");
+    }
     p.algo = result.algo;
     return plans_.emplace(k, p).first->second;
   }

@@ -148,18 +148,26 @@ DSTRAIN_HD void adamw_element(float* param, float grad, float* m, float* v, cons
 }
 
 // ---- Router, one token (docs/model.md §3.6) --------------------------------------------------
-// MAXE bounds the experts (and groups) a row handles in local arrays: the CUDA backend uses 256
-// (DeepSeek-V3's count) and checks E against it; the host tests use the CPU backend's 1024.
+// A GPU thread per token must not hold E-sized arrays (the driver reserves a thread's local
+// memory for every thread the device can hold: 1 KB a thread is ~270 MB on an H200), so the
+// selection values s[e] + bias[e] are read where they are needed and the masks are bit sets:
+// MAXE bounds the experts (bits of the masks) and MAXG the groups (the group scores). The CUDA
+// backend uses 256 / 64 and checks the config against them; the host tests use 1024 / 1024.
 
 template <int MAXE>
-DSTRAIN_HD int64_t argmax_masked(const float* v, const bool* mask, int64_t n) {
-  int64_t best = -1;
-  for (int64_t i = 0; i < n; ++i)
-    if (mask[i] && (best < 0 || v[i] > v[best])) best = i;
-  return best;
-}
+struct Bits {
+  uint32_t w[(MAXE + 31) / 32];
+  DSTRAIN_HD void clear(int64_t n) {
+    for (int64_t i = 0; i < (n + 31) / 32; ++i) w[i] = 0;
+  }
+  DSTRAIN_HD bool get(int64_t i) const { return (w[i >> 5] >> (i & 31)) & 1u; }
+  DSTRAIN_HD void set(int64_t i, bool on) {
+    if (on) w[i >> 5] |= 1u << (i & 31);
+    else w[i >> 5] &= ~(1u << (i & 31));
+  }
+};
 
-template <int MAXE>
+template <int MAXE, int MAXG>
 DSTRAIN_HD void router_forward_row(int32_t* idx, float* w, float* s, const float* l, const float* bias,
                                    const RouterParams& p) {
   const int64_t E = p.num_experts, k = p.top_k, G = p.n_group, per_group = E / G;
@@ -172,41 +180,48 @@ DSTRAIN_HD void router_forward_row(int32_t* idx, float* w, float* s, const float
     for (int64_t e = 0; e < E; ++e) sum += (s[e] = expf(l[e] - mx));
     for (int64_t e = 0; e < E; ++e) s[e] /= sum;
   }
-  float c[MAXE];
-  bool allowed[MAXE];
-  for (int64_t e = 0; e < E; ++e) {
-    c[e] = s[e] + ((p.method == TopkMethod::kNoauxTc && bias) ? bias[e] : 0.0f);
-    allowed[e] = true;
-  }
+  // Selection values: the scores, bias-corrected for noaux_tc.
+  const float* b = p.method == TopkMethod::kNoauxTc ? bias : nullptr;
+  const auto c = [&](int64_t e) { return s[e] + (b ? b[e] : 0.0f); };
+  Bits<MAXE> allowed;
+  allowed.clear(E);
+  for (int64_t e = 0; e < E; ++e) allowed.set(e, true);
   if (p.method != TopkMethod::kGreedy && p.topk_group < G) {
-    float group_score[MAXE];
-    bool keep[MAXE], open[MAXE];
+    float group_score[MAXG];
+    Bits<MAXG> open;
+    open.clear(G);
     for (int64_t g = 0; g < G; ++g) {
-      const float* cg = c + g * per_group;
       float best = neg_inf(), second = best;
-      for (int64_t e = 0; e < per_group; ++e) {
-        if (cg[e] > best) {
+      for (int64_t e = g * per_group; e < (g + 1) * per_group; ++e) {
+        const float v = c(e);
+        if (v > best) {
           second = best;
-          best = cg[e];
-        } else if (cg[e] > second) {
-          second = cg[e];
+          best = v;
+        } else if (v > second) {
+          second = v;
         }
       }
       group_score[g] = p.method == TopkMethod::kNoauxTc ? best + second : best;
-      keep[g] = false;
-      open[g] = true;
+      open.set(g, true);
     }
-    for (int64_t r = 0; r < p.topk_group; ++r) {
-      const int64_t g = argmax_masked<MAXE>(group_score, open, G);
-      keep[g] = true;
-      open[g] = false;
+    for (int64_t r = 0; r < p.topk_group; ++r) {  // the best open group, the lowest on ties
+      int64_t best = -1;
+      for (int64_t g = 0; g < G; ++g)
+        if (open.get(g) && (best < 0 || group_score[g] > group_score[best])) best = g;
+      open.set(best, false);
     }
-    for (int64_t e = 0; e < E; ++e) allowed[e] = keep[e / per_group];
+    for (int64_t e = 0; e < E; ++e) allowed.set(e, !open.get(e / per_group));  // kept groups are closed now
   }
   float sum = 0;
-  for (int64_t j = 0; j < k; ++j) {
-    const int64_t e = argmax_masked<MAXE>(c, allowed, E);
-    allowed[e] = false;
+  for (int64_t j = 0; j < k; ++j) {  // the best allowed expert, the lowest on ties
+    int64_t e = -1;
+    float ce = 0;
+    for (int64_t x = 0; x < E; ++x)
+      if (allowed.get(x)) {
+        const float v = c(x);
+        if (e < 0 || v > ce) e = x, ce = v;
+      }
+    allowed.set(e, false);
     idx[j] = int32_t(e);
     w[j] = s[e];
     sum += s[e];
@@ -217,28 +232,30 @@ DSTRAIN_HD void router_forward_row(int32_t* idx, float* w, float* s, const float
   for (int64_t j = 0; j < k; ++j) w[j] *= scale;
 }
 
-template <int MAXE>
+// The score gradient ds[e] = extra[e] + the weights' part (non-zero for the k chosen experts
+// only), evaluated per expert instead of kept in an array.
 DSTRAIN_HD void router_backward_row(float* dl, const float* dw, const float* dscores_extra, const float* s,
                                     const int32_t* id, const RouterParams& p) {
   const int64_t E = p.num_experts, k = p.top_k;
   const bool normalise = p.v2_weights ? (p.norm_topk_prob && k > 1) : p.norm_topk_prob;
   const float gamma = p.v2_weights && normalise ? 1.0f : p.routed_scaling_factor;
-  float ds[MAXE];
-  for (int64_t e = 0; e < E; ++e) ds[e] = dscores_extra ? dscores_extra[e] : 0.0f;
+  float Z = 1e-20f, dot = 0;
   if (normalise) {
-    float Z = 1e-20f, dot = 0;
     for (int64_t j = 0; j < k; ++j) Z += s[id[j]];
     for (int64_t j = 0; j < k; ++j) dot += dw[j] * s[id[j]];
-    for (int64_t j = 0; j < k; ++j) ds[id[j]] += gamma / Z * (dw[j] - dot / Z);
-  } else {
-    for (int64_t j = 0; j < k; ++j) ds[id[j]] += gamma * dw[j];
   }
+  const auto ds = [&](int64_t e) {
+    float d = dscores_extra ? dscores_extra[e] : 0.0f;
+    for (int64_t j = 0; j < k; ++j)
+      if (id[j] == e) d += normalise ? gamma / Z * (dw[j] - dot / Z) : gamma * dw[j];
+    return d;
+  };
   if (p.scoring == ScoringFunc::kSigmoid) {
-    for (int64_t e = 0; e < E; ++e) dl[e] = ds[e] * s[e] * (1.0f - s[e]);
+    for (int64_t e = 0; e < E; ++e) dl[e] = ds(e) * s[e] * (1.0f - s[e]);
   } else {
-    float dot = 0;
-    for (int64_t e = 0; e < E; ++e) dot += ds[e] * s[e];
-    for (int64_t e = 0; e < E; ++e) dl[e] = s[e] * (ds[e] - dot);
+    float sdot = 0;
+    for (int64_t e = 0; e < E; ++e) sdot += ds(e) * s[e];
+    for (int64_t e = 0; e < E; ++e) dl[e] = s[e] * (ds(e) - sdot);
   }
 }
 

@@ -162,9 +162,9 @@ TEST(DeviceMath, RouterRowsSelectAndDifferentiateAsTheCpuBackend) {
     be->router_forward(idx.data(), w.data(), s.data(), logits.data(), b, N, p);
     be->router_backward(dl.data(), dw.data(), extra.data(), s.data(), idx.data(), N, p);
     for (int64_t t = 0; t < N; ++t) {
-      dev::router_forward_row<1024>(idx2.data() + t * k, w2.data() + t * k, s2.data() + t * E, logits.data() + t * E,
+      dev::router_forward_row<1024, 1024>(idx2.data() + t * k, w2.data() + t * k, s2.data() + t * E, logits.data() + t * E,
                                     b, p);
-      dev::router_backward_row<1024>(dl2.data() + t * E, dw.data() + t * k, extra.data() + t * E, s.data() + t * E,
+      dev::router_backward_row(dl2.data() + t * E, dw.data() + t * k, extra.data() + t * E, s.data() + t * E,
                                      idx.data() + t * k, p);
     }
     EXPECT_EQ(idx2, idx) << "E " << E << " k " << k;

@@ -77,6 +77,9 @@ class Backend {
   // map). false on a GPU: the engine then holds every tensor in memory from allocate and
   // touches it only through the copies below (docs/design.md §6.1).
   virtual bool host_addressable() const = 0;
+  // The stream every op is ordered on (a cudaStream_t on the CUDA backend; null on the CPU), for
+  // a communicator that must order its transfers after the ops (the NCCL communicator).
+  virtual void* native_stream() { return nullptr; }
   // Bytes the device can still hand out (a GPU's free memory); -1 where memory is the host's
   // (the engine then measures the host's available memory itself).
   virtual int64_t device_memory_free() = 0;
