@@ -100,7 +100,7 @@ step train 90 '
   dstrain configs/small.yaml --set device=$dev --resume none --set train_steps=50 --set steps_per_print=1 \
     --set data.eval_interval=0 --set checkpoint.interval=0 --set checkpoint.dir=/tmp/dstrain-gpu-train \
     --set monitor.metrics_file='"$out"'/train.jsonl --set monitor.tensorboard=null | grep -E "step (1|10|20|30|40|50)/"
-  first=$(grep -o "\"loss\":[-0-9.e+]*" '"$out"'/train.jsonl | head -1 | cut -d: -f2)
+  first=$(grep -m1 -o "\"loss\":[-0-9.e+]*" '"$out"'/train.jsonl | cut -d: -f2)  # (no head: SIGPIPE under pipefail)
   last=$(grep -o "\"loss\":[-0-9.e+]*" '"$out"'/train.jsonl | tail -1 | cut -d: -f2)
   echo "loss at the first step: $first, at step 50: $last"
   awk -v a="$first" -v b="$last" "BEGIN { exit !(b < a - 0.5) }"'
