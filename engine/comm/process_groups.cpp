@@ -83,24 +83,16 @@ void ProcessGroup::verify() const {
                                 format_rank_list(spec_.ranks)));
 }
 
-int ProcessGroup::ranks_on_this_host() const {
-  if (!handle_) return 1;
+// This process's place among the group's members on its host, and their number (collective).
+std::pair<int, int> ProcessGroup::host_position() const {
+  if (!handle_) return {0, 1};
   MPI_Comm node = MPI_COMM_NULL;
   DS_MPI_CHECK(MPI_Comm_split_type(handle_->comm, MPI_COMM_TYPE_SHARED, rank_, MPI_INFO_NULL, &node));
-  int n = 1;
+  int r = 0, n = 1;
+  DS_MPI_CHECK(MPI_Comm_rank(node, &r));
   DS_MPI_CHECK(MPI_Comm_size(node, &n));
   MPI_Comm_free(&node);
-  return n;
-}
-
-int ProcessGroup::rank_on_this_host() const {
-  if (!handle_) return 0;
-  MPI_Comm node = MPI_COMM_NULL;
-  DS_MPI_CHECK(MPI_Comm_split_type(handle_->comm, MPI_COMM_TYPE_SHARED, rank_, MPI_INFO_NULL, &node));
-  int r = 0;
-  DS_MPI_CHECK(MPI_Comm_rank(node, &r));
-  MPI_Comm_free(&node);
-  return r;
+  return {r, n};
 }
 
 std::unique_ptr<Communicator> ProcessGroup::communicator(const std::string& name, CommOptions options) const {

@@ -7,6 +7,7 @@
 
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "engine/comm/communicator.h"
@@ -60,10 +61,9 @@ class ProcessGroup {
   // naming the group when MPI's communicator differs.
   void verify() const;
 
-  // Collective: how many members of this group run on this host (they share its memory).
-  int ranks_on_this_host() const;
-  // This process's place among them (0 without MPI): the GPU it takes.
-  int rank_on_this_host() const;
+  // Collective: this process's place among the members of this group that run on this host (0
+  // without MPI: the GPU it takes), and how many they are (they share its memory).
+  std::pair<int, int> host_position() const;
 
   // A new Communicator over this group (collective over its members, who must create their
   // communicators in the same order), named `name` in reports.

@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <cstdlib>
+#include <tuple>
 
 #if defined(DSTRAIN_HAVE_CUDA)
 #include "dstrain/kernels/cuda.h"
@@ -36,8 +37,7 @@ RankGroups::RankGroups(const plan::ParallelPlan& plan) : world_(comm::ProcessGro
 RankGroups::RankGroups(const plan::ParallelPlan& plan, int rank, std::vector<comm::ProcessGroup> groups,
                        comm::ProcessGroup world)
     : rank_(rank), coord_(plan.grid.coord(rank)), groups_(std::move(groups)), world_(std::move(world)) {
-  ranks_on_host_ = world_.ranks_on_this_host();
-  local_rank_ = world_.rank_on_this_host();
+  std::tie(local_rank_, ranks_on_host_) = world_.host_position();
   DS_CHECK(groups_.size() == std::size(plan::kAllAxes), "{} process groups, one per axis expected", groups_.size());
   for (size_t i = 0; i < groups_.size(); ++i)
     DS_CHECK(groups_[i].name() == plan::axis_name(plan::kAllAxes[i]) &&
@@ -122,10 +122,15 @@ std::string describe_device(config::DeviceKind device) {
 #endif
 }
 
-bool runs_on_gpu(config::DeviceKind device) {
-  if (device == config::DeviceKind::kCpu) return false;
+namespace {
+bool device_memory_check() {
   const char* check = std::getenv("DSTRAIN_DEVICE_MEMORY_CHECK");
-  if (check && std::string(check) == "1") return false;
+  return check && std::string(check) == "1";
+}
+}  // namespace
+
+bool runs_on_gpu(config::DeviceKind device) {
+  if (device == config::DeviceKind::kCpu || device_memory_check()) return false;
 #if defined(DSTRAIN_HAVE_CUDA)
   return kernels::cuda_device_info(0).count > 0;
 #else
@@ -134,8 +139,7 @@ bool runs_on_gpu(config::DeviceKind device) {
 }
 
 std::unique_ptr<kernels::Backend> make_backend(config::DeviceKind device, int threads, int local_rank) {
-  const char* check = std::getenv("DSTRAIN_DEVICE_MEMORY_CHECK");
-  const bool checked = check && std::string(check) == "1";
+  const bool checked = device_memory_check();
 #if defined(DSTRAIN_HAVE_CUDA)
   if (device != config::DeviceKind::kCpu && !checked) {
     const kernels::CudaDeviceInfo info = kernels::cuda_device_info(0);

@@ -34,16 +34,9 @@ double max_rel_err(const FVec& got, const FVec& want) {
   return err / scale;
 }
 
-uint32_t bits(float x) {
-  uint32_t u;
-  std::memcpy(&u, &x, 4);
-  return u;
-}
-float from_bits(uint32_t u) {
-  float x;
-  std::memcpy(&x, &u, 4);
-  return x;
-}
+using dev::f32_bits;
+float from_bits(uint32_t u) { return dev::bits_f32(u); }
+uint32_t bits(float x) { return f32_bits(x); }
 
 struct Identity {
   float operator()(float x) const { return x; }
