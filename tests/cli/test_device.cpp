@@ -4,7 +4,8 @@
 // the parameters, gradients, optimizer state, activations and routing only through the
 // backend — what the CUDA backend needs. Every feature that runs on one rank must give the same
 // bits as the plain CPU run: fp32, bf16, fp16, MTP, full and selective recomputation, ZeRO-2,
-// DeepSeek-V2 routing, --dump-grads, and a checkpoint save and bit-exact resume. Plus the
+// DeepSeek-V2 routing, --dump-grads (and dstrain-ckpt compare-dumps on those files), and a
+// checkpoint save and bit-exact resume. Plus the
 // `device` key: cpu always works, cuda without a usable GPU is refused with the reason, and a
 // multi-rank job on device memory is refused until the NCCL communicator exists.
 #include <filesystem>
@@ -79,6 +80,20 @@ TEST(DeviceMemory, ResumeAndDumpGradsBehindDeviceMemory) {
       ++tensors;
     }
   EXPECT_GT(tensors, 20);
+  // The GPU check's comparison tool on these files: equal within any tolerance; an fp32 and a bf16
+  // dump differ beyond 1e-6 (named, exit 1) but not beyond their scale; a missing file is an error.
+  const std::string ckpt = std::string(DSTRAIN_CKPT_BIN) + " compare-dumps ";
+  Result c = run(ckpt + dir + "/cpu.h5 " + dir + "/dev.h5 0");
+  EXPECT_EQ(c.rc, 0) << c.out << c.err;
+  EXPECT_NE(c.out.find("0 over 0"), std::string::npos) << c.out;
+  ASSERT_EQ(run(kDstrain + " configs/tiny.yaml --set bf16.enabled=true --dump-grads " + dir + "/bf16.h5").rc, 0);
+  c = run(ckpt + dir + "/cpu.h5 " + dir + "/bf16.h5 1e-6");
+  EXPECT_EQ(c.rc, 1);
+  EXPECT_NE(c.out.find("grads/model.layers.0.self_attn"), std::string::npos) << c.out;
+  EXPECT_EQ(run(ckpt + dir + "/cpu.h5 " + dir + "/bf16.h5 1").rc, 0);
+  c = run(ckpt + dir + "/cpu.h5 " + dir + "/missing.h5 1e-4");
+  EXPECT_EQ(c.rc, 1);
+  EXPECT_NE(c.err.find("dstrain-ckpt: error"), std::string::npos) << c.err;
 }
 
 // The overflow and divergence checks read gradients through the backend: an fp16 overflow
