@@ -5,8 +5,8 @@
 # Builds dstrain here for sm_90a (the default preset builds the CUDA backend where nvcc is) and
 # packs into .gpu-bundle/dstrain-gpu.tar.gz (git-ignored; name `.gpu-bundle` in the device
 # tool's carry):
-#   bin/       dstrain, dstrain-gpu-check, dstrain-nccl-check, dstrain-ckpt (and the CUDA backend's
-#              plugin, lib/libdstrain_cuda.so)
+#   bin/       dstrain, dstrain-gpu-check, dstrain-nccl-check, dstrain-ckpt (and the plugins
+#              lib/libdstrain_cuda.so, lib/libdstrain_nccl.so)
 #   lib/       every shared library they and Open MPI's plugins need, except glibc's, libstdc++ /
 #              libgcc_s (the device machine's own are newer, and the CUDA libraries use them) and
 #              the CUDA toolkit's (cudart, cuBLASLt, NCCL: the device machine's own, same major version)
@@ -23,7 +23,7 @@ trap 'rm -rf "$stage"' EXIT
 b=$stage/dstrain-gpu
 mkdir -p "$b/bin" "$b/lib" "$b/expected"
 cp build/bin/dstrain build/bin/dstrain-gpu-check build/bin/dstrain-nccl-check build/bin/dstrain-ckpt "$b/bin/"
-cp build/lib/libdstrain_cuda.so "$b/lib/"  # the CUDA backend's plugin (dlopen'ed from bin/../lib)
+cp build/lib/libdstrain_cuda.so build/lib/libdstrain_nccl.so "$b/lib/"  # the plugins (dlopen'ed from bin/../lib)
 
 # Open MPI: Debian's prefix is /usr; OPAL_PREFIX=$b/ompi moves every install directory under it.
 pkglib=$(ompi_info --path pkglibdir --parsable | sed 's/^path:pkglibdir://')
@@ -40,7 +40,7 @@ cp -a "$sysconf"/. "$b/ompi/etc/openmpi/" 2>/dev/null || true
 # Shared libraries of the binaries and of the plugins, the system's and CUDA's left out.
 skip='^(libc|libm|libdl|librt|libpthread|libutil|ld-linux-x86-64|libstdc\+\+|libgcc_s|libcuda|libcudart|libcublas|libcublasLt|libnccl|libcudnn.*|linux-vdso)\.so'
 {
-  for f in "$b"/bin/* "$b/lib/libdstrain_cuda.so" "$b/ompi/${pkglib#/usr/}"/*.so; do ldd "$f" 2>/dev/null || true; done
+  for f in "$b"/bin/* "$b"/lib/libdstrain_*.so "$b/ompi/${pkglib#/usr/}"/*.so; do ldd "$f" 2>/dev/null || true; done
 } | awk '/=> \// {print $1, $3}' | sort -u | while read -r name path; do
   if [[ $name =~ $skip ]]; then continue; fi
   [ -e "$b/lib/$name" ] || cp -L "$path" "$b/lib/$name"

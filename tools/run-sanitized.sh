@@ -8,7 +8,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cmake --preset sanitize >/dev/null
-cmake --build --preset sanitize
+# Only what the stage runs: the unit and command-line test binaries, the executables test_cli
+# starts, and the fuzz targets (the kernel / model / MPI test binaries run in the main suite).
+cmake --build --preset sanitize --target test_unit test_cli dstrain dstrain-ckpt dstrain-prep dstrain-bench \
+  fuzz_config fuzz_tokenizer fuzz_checkpoint
 ctest --preset sanitize "$@"
 seconds=${DSTRAIN_FUZZ_SECONDS:-20}
 work=$(mktemp -d)

@@ -1,7 +1,8 @@
 // One object per process group (docs/design.md §6.3): the collectives every parallel runtime uses,
 // non-blocking — each call returns a Work to wait on — on host memory over MPI
-// (mpi_communicator.h), or for a group of one process without MPI (make_self_communicator); a
-// device-memory implementation over NCCL is to implement the same interface. All members must call the same
+// (mpi_communicator.h), for a group of one process without MPI (make_self_communicator), on
+// device memory over NCCL (nccl_communicator.h), or routing each call to one of those by where
+// its buffers are (routing_communicator.h). All members must call the same
 // operations in the same order. Every call is checked and numbered; every outstanding Work is
 // registered with the watchdog (watchdog.h), which aborts the job with a report naming the
 // group, the operation and its sequence number when one outlives its deadline.

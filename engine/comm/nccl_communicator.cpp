@@ -164,9 +164,11 @@ class NcclCommunicator final : public Communicator {
     cudaEvent_t done = nullptr;
     cuda_check(cudaEventCreateWithFlags(&done, cudaEventDisableTiming), what);
     cuda_check(cudaEventRecord(done, stream_), what);
-    // And the compute stream after it: what follows on that stream (a kernel reading the result,
-    // the backend's pool handing the buffer to someone else) waits for the transfer.
-    cuda_check(cudaStreamWaitEvent(compute_, done, 0), what);
+    // The compute stream is not made to wait for the transfer here: a receive posted ahead of the
+    // kernels before its use (the pipeline's) would hold those kernels — and the sends they feed
+    // — until the peer's data came, which may never happen. wait() blocks the host until the
+    // transfer is done instead, so whatever is issued after it (a kernel reading the result,
+    // the pool handing the buffer on) comes after; a Work dropped unwaited is waited for.
     return std::make_unique<NcclWork>(this, done, what);
   }
   void check(ncclResult_t r, const char* call) const {
@@ -191,7 +193,15 @@ class NcclCommunicator final : public Communicator {
   uint64_t seq_ = 0;
 };
 
-NcclWork::~NcclWork() { cudaEventDestroy(done_); }
+NcclWork::~NcclWork() {
+  if (!finished_) {
+    try {
+      wait();
+    } catch (...) {  // reported by whoever waits next on the (now aborted) communicator
+    }
+  }
+  cudaEventDestroy(done_);
+}
 
 bool NcclWork::done() {
   if (finished_) return true;
@@ -213,16 +223,29 @@ void NcclWork::wait() {
 }
 
 }  // namespace
+}  // namespace dstrain::comm
 
-std::unique_ptr<Communicator> make_nccl_communicator(Communicator& bootstrap, void* compute_stream, std::string name,
-                                                     CommOptions options) {
-  return std::make_unique<NcclCommunicator>(bootstrap, compute_stream, std::move(name), options);
+// The plugin's entry points (engine/comm/nccl_loader.cpp finds them with dlsym). Errors come back
+// as messages, not exceptions, across the library boundary.
+extern "C" {
+
+__attribute__((visibility("default"))) int dstrain_nccl_plugin_abi() { return dstrain::comm::kNcclPluginAbi; }
+
+__attribute__((visibility("default"))) dstrain::comm::Communicator* dstrain_nccl_make_communicator(
+    dstrain::comm::Communicator* bootstrap, void* compute_stream, const char* name, double timeout_s,
+    std::string* error) {
+  try {
+    return new dstrain::comm::NcclCommunicator(*bootstrap, compute_stream, name, dstrain::comm::CommOptions{timeout_s});
+  } catch (const std::exception& e) {
+    *error = e.what();
+    return nullptr;
+  }
 }
 
-std::string nccl_version() {
+__attribute__((visibility("default"))) void dstrain_nccl_version(std::string* out) {
   int v = 0;
   ncclGetVersion(&v);
-  return fmt::format("{}.{}.{}", v / 10000, v / 100 % 100, v % 100);
+  *out = fmt::format("{}.{}.{}", v / 10000, v / 100 % 100, v % 100);
 }
 
-}  // namespace dstrain::comm
+}  // extern "C"

@@ -64,6 +64,10 @@ class BackwardObserver {
 // instance, which stays as it is until the instance is released after W, and is read in place.
 class WeightGradDeferral {
  public:
+  // Copies are made in `be`'s memory. On a backend whose memory the host cannot address (a GPU)
+  // each keep() copies anew; on the host, inputs several GEMMs read are copied once (compared
+  // byte for byte).
+  explicit WeightGradDeferral(kernels::Backend& be) : be_(&be) {}
   static WeightGradDeferral* active();
   class Scope {  // makes `d` (null: none) the active deferral until destroyed
    public:
@@ -87,7 +91,7 @@ class WeightGradDeferral {
   // n floats at p as W will read them: p itself, or a copy (kept alive with the queued GEMM)
   // when they lie in a volatile range.
   struct Kept {
-    std::shared_ptr<std::vector<char>> copy;
+    std::shared_ptr<kernels::DeviceBuffer> copy;
     const float* data = nullptr;
   };
   Kept keep(const float* p, int64_t n) {
@@ -96,7 +100,7 @@ class WeightGradDeferral {
   }
   // The same for `bytes` bytes of a typed buffer (a 16-bit saved activation).
   struct KeptView {
-    std::shared_ptr<std::vector<char>> copy;
+    std::shared_ptr<kernels::DeviceBuffer> copy;
     kernels::ConstView view;
   };
   KeptView keep(kernels::ConstView v, int64_t bytes) {
@@ -113,10 +117,12 @@ class WeightGradDeferral {
     if (!copy) return {nullptr, v};
     // Several queued GEMMs read the same input (a layer's normed input feeds three): one copy,
     // shared while the bytes there are still those copied.
-    for (const auto& [q, c] : copies_)
-      if (q == p && int64_t(c->size()) == bytes && std::memcmp(c->data(), p, size_t(bytes)) == 0)
-        return {c, {c->data(), v.dtype}};
-    auto c = std::make_shared<std::vector<char>>(p, p + bytes);
+    if (be_->host_addressable())
+      for (const auto& [q, c] : copies_)
+        if (q == p && c->bytes() == bytes && std::memcmp(c->data(), p, size_t(bytes)) == 0)
+          return {c, {c->data(), v.dtype}};
+    auto c = std::make_shared<kernels::DeviceBuffer>(*be_, bytes);
+    be_->copy(c->data(), p, bytes);
     copies_.emplace_back(p, c);
     copied_ += bytes;
     held_ += bytes;
@@ -139,7 +145,8 @@ class WeightGradDeferral {
   std::vector<std::pair<const float*, const float*>> volatile_;
   std::vector<const kernels::DeviceArray<float>*> volatile_vectors_;
   std::vector<const kernels::DeviceBuffer*> volatile_buffers_;
-  std::vector<std::pair<const char*, std::shared_ptr<std::vector<char>>>> copies_;  // queued since run()
+  kernels::Backend* be_;
+  std::vector<std::pair<const char*, std::shared_ptr<kernels::DeviceBuffer>>> copies_;  // queued since run()
   int64_t copied_ = 0, held_ = 0, peak_held_ = 0;  // bytes
 };
 

@@ -13,7 +13,7 @@ class TpCollectives final : public model::Collectives {
  public:
   TpCollectives(comm::Communicator& tp, int64_t staging_floats)
       : tp_(tp), staging_(size_t(std::max<int64_t>(staging_floats, 1))) {
-    staged_ = tp_.register_peer_memory(staging_.data(), int64_t(staging_.size()));
+    staged_ = staging_floats > 0 && tp_.register_peer_memory(staging_.data(), int64_t(staging_.size()));
   }
   int tp_rank() const override { return tp_.rank(); }
   int tp_size() const override { return tp_.size(); }

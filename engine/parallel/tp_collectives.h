@@ -19,7 +19,8 @@
 namespace dstrain::parallel {
 
 // Collective over `tp` (the peer-memory registration). `staging_floats`: the largest call to
-// stage — the model's [tokens, hidden] tensors of one micro-batch. With an expert-parallel group
+// stage — the model's [tokens, hidden] tensors of one micro-batch; 0: none (tensors in device
+// memory, which the host cannot copy). With an expert-parallel group
 // `ep` of more than one rank, the ep_ calls go over it (the token exchanges of the MoE layers).
 std::unique_ptr<model::Collectives> make_tp_collectives(comm::Communicator& tp, int64_t staging_floats,
                                                         comm::Communicator* ep = nullptr);

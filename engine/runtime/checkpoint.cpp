@@ -165,15 +165,27 @@ const float* Checkpointer::local_data(model::ParamStore& params, AdamW& adam, co
     return gathered.data();
   }
   model::FlatArray<float>& m = adam.moment(k, v.expert);
-  if (!adam.sharded() || m.on_device()) {  // (device memory: a job of one rank, whose shard is the whole buffer)
-    const int64_t at = v.offset - (adam.sharded() ? adam.shard(v.expert).begin : 0);
-    if (!m.on_device()) return m.data() + at;
-    gathered = m.to_host(at, v.numel);
+  if (!adam.sharded()) {
+    if (!m.on_device()) return m.data() + v.offset;
+    gathered = m.to_host(v.offset, v.numel);
     return gathered.data();
   }
   DS_CHECK(zero, "sharded AdamW moments without their ZeRO partitions");
+  const parallel::Range r{v.offset, v.offset + v.numel};
   gathered.resize(size_t(v.numel));
-  zero->gather(v.expert, {v.offset, v.offset + v.numel}, gathered.data(), adam.moment(k, v.expert).data())->wait();
+  if (!m.on_device()) {
+    zero->gather(v.expert, r, gathered.data(), m.data())->wait();
+    return gathered.data();
+  }
+  // Device memory: this rank's part read back, the others' gathered into host memory over the
+  // host communicator (a few tensors' worth at a time, as rank 0 writes them).
+  const parallel::Range own = zero->owned(v.expert);
+  const int64_t lo = std::max(own.begin, r.begin), hi = std::min(own.end, r.end), base = zero->shard(v.expert).begin;
+  if (hi > lo) {
+    const std::vector<float> part = m.to_host(lo - base, hi - lo);
+    std::copy(part.begin(), part.end(), gathered.begin() + (lo - r.begin));
+  }
+  zero->gather(v.expert, r, gathered.data(), nullptr)->wait();
   return gathered.data();
 }
 

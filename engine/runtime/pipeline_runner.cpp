@@ -34,9 +34,9 @@ PipelineRunner::PipelineRunner(const plan::ParallelPlan& plan, const RankGroups&
   if (p_ > 1) {
     const comm::CommOptions o{cfg.parallel.comm_timeout_s};
     const comm::ProcessGroup& g = groups.group(plan::Axis::kPipeline);
-    act_ = g.communicator("pp-act", o);
-    grad_ = g.communicator("pp-grad", o);
-    embed_ = g.communicator("pp-embed", o);
+    act_ = make_communicator(g, "pp-act", o, be);
+    grad_ = make_communicator(g, "pp-grad", o, be);
+    embed_ = make_communicator(g, "pp-embed", o, be);
   }
   // The embedding's mirror: the last stage runs MTP modules without holding the embedding.
   const bool mtp = m.num_nextn_predict_layers > 0;
@@ -47,8 +47,8 @@ PipelineRunner::PipelineRunner(const plan::ParallelPlan& plan, const RankGroups&
     mirror_len_ = (std::min<int64_t>(m.vocab_size, v0 + block) - v0) * m.hidden_size;
     mirror_holder_ = r_ == last_rank;
     mirror_source_ = r_ == 0;
-    if (mirror_holder_) mirror_w_.resize(size_t(mirror_len_)), mirror_g_.resize(size_t(mirror_len_));
-    if (mirror_source_) mirror_in_.resize(size_t(mirror_len_));
+    if (mirror_holder_) mirror_w_.resize(be, mirror_len_), mirror_g_.resize(be, mirror_len_);
+    if (mirror_source_) mirror_in_.resize(be, mirror_len_);
   }
   for (int c = 0; c < v_; ++c) {
     Chunk ch;
@@ -83,7 +83,7 @@ int PipelineRunner::acquire(int chunk) {
   ch.pool.push_back(std::make_unique<model::DeepSeekModel>(cfg.model, be_, coll_, params_, micro_batch_, seq_,
                                                            cfg.parallel.sequence_parallel, ch.spec));
   ch.pool.back()->set_backward_observer(this);
-  ch.deferred.push_back(std::make_unique<model::WeightGradDeferral>());
+  ch.deferred.push_back(std::make_unique<model::WeightGradDeferral>(be_));
   ch.pool.back()->mark_workspace_volatile(*ch.deferred.back());
   return int(ch.pool.size()) - 1;
 }
@@ -179,7 +179,7 @@ void PipelineRunner::post_receives(size_t from) {
     const model::DeepSeekModel& any = *chunks_[size_t(in.chunk)].pool.at(0);
     const int64_t n = any.boundary_rows() * plan_.config.model.hidden_size;
     Pending& p = receives_[{in.micro, in.chunk, grad}];
-    p.buf.resize(size_t(n));
+    p.buf.resize(be_, n);
     p.work = (grad ? grad_ : act_)->recv(p.buf.data(), n, in.peer);
   }
   posted_ = std::max(posted_, i);
@@ -217,7 +217,7 @@ PipelineStepResult PipelineRunner::run(const Fetch& fetch, const model::LossScal
     mirror_work_ = embed_->send(params_.param("model.embed_tokens.weight"), mirror_len_, p_ - 1);
   if (mirror_holder_) {
     embed_->recv(mirror_w_.data(), mirror_len_, 0)->wait();
-    std::fill(mirror_g_.begin(), mirror_g_.end(), 0.0f);
+    be_.fill(mirror_g_.data(), 0.0f, mirror_len_);
   }
   const auto& list = schedule_.ranks[size_t(r_)];
   post_receives(0);  // those before the first compute op
@@ -287,7 +287,8 @@ PipelineStepResult PipelineRunner::run(const Fetch& fetch, const model::LossScal
         const int64_t n = inst.boundary_rows() * plan_.config.model.hidden_size;
         const float* src = grad ? inst.input_grad() : inst.output();
         Pending s;
-        s.buf.assign(src, src + n);
+        s.buf.resize(be_, n);
+        be_.copy(s.buf.data(), src, n * int64_t(sizeof(float)));
         s.work = (grad ? grad_ : act_)->send(s.buf.data(), n, in.peer);
         sends_.push_back(std::move(s));
         if (grad && !zero_bubble_) {  // the backward is complete: the instance is free
@@ -323,7 +324,7 @@ model::Losses PipelineRunner::forward_only(int64_t micro_batches, const Fetch& f
   model::Losses out;
   if (mirror_source_) embed_->send(params_.param("model.embed_tokens.weight"), mirror_len_, p_ - 1)->wait();
   if (mirror_holder_) embed_->recv(mirror_w_.data(), mirror_len_, 0)->wait();
-  std::vector<float> in;
+  kernels::DeviceArray<float> in;
   for (int64_t micro = 0; micro < micro_batches; ++micro) {
     fetch(micro, tokens_.data());
     for (int c = 0; c < v_; ++c) {
@@ -332,14 +333,15 @@ model::Losses PipelineRunner::forward_only(int64_t micro_batches, const Fetch& f
       const int vs = ch.virtual_stage;
       const int64_t n = inst.boundary_rows() * plan_.config.model.hidden_size;
       if (vs > 0) {
-        in.resize(size_t(n));
+        in.resize(be_, n);
         act_->recv(in.data(), n, (vs - 1) % p_)->wait();
       }
       const model::Losses l = inst.forward_stage(tokens_.data(), vs > 0 ? in.data() : nullptr, scale);
       out.ce += l.ce, out.aux += l.aux, out.mtp += l.mtp;
       if (vs + 1 < p_ * v_) {
         Pending s;
-        s.buf.assign(inst.output(), inst.output() + n);
+        s.buf.resize(be_, n);
+        be_.copy(s.buf.data(), inst.output(), n * int64_t(sizeof(float)));
         s.work = act_->send(s.buf.data(), n, (vs + 1) % p_);
         sends_.push_back(std::move(s));
       }

@@ -94,7 +94,7 @@ class PipelineRunner final : public model::BackwardObserver {
     std::vector<int> free;
   };
   struct Pending {
-    std::vector<float> buf;            // declared first: destroyed after the transfer is waited for
+    kernels::DeviceArray<float> buf;   // declared first: destroyed after the transfer is waited for
     std::unique_ptr<comm::Work> work;  // (a Work's destructor waits for it)
   };
   int acquire(int chunk);
@@ -124,7 +124,7 @@ class PipelineRunner final : public model::BackwardObserver {
   // The embedding's mirror on the last stage (MTP modules without the embedding), and its roles.
   bool mirror_holder_ = false, mirror_source_ = false;
   int64_t mirror_len_ = 0;
-  std::vector<float> mirror_w_, mirror_g_, mirror_in_;
+  kernels::DeviceArray<float> mirror_w_, mirror_g_, mirror_in_;  // in the backend's memory
   std::unique_ptr<comm::Work> mirror_work_;
   bool armed_ = false;  // the op running now makes gradients final (the last micro-batch)
   model::BackwardObserver* observer_ = nullptr;

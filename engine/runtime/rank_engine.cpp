@@ -9,6 +9,8 @@
 #include "dstrain/kernels/cuda.h"
 #endif
 
+#include "engine/comm/nccl_communicator.h"
+#include "engine/comm/routing_communicator.h"
 #include "engine/common/error.h"
 #include "engine/common/host_memory.h"
 #include "engine/common/strings.h"
@@ -157,6 +159,25 @@ std::unique_ptr<kernels::Backend> make_backend(config::DeviceKind device, int th
   return checked ? kernels::make_device_check_backend(std::move(cpu)) : std::move(cpu);
 }
 
+std::unique_ptr<comm::Communicator> make_communicator(const comm::ProcessGroup& g, const std::string& name,
+                                                      comm::CommOptions options, kernels::Backend& be) {
+  // A group of one moves nothing: its calls are copies at most, which the engine makes only where
+  // a one-rank run (proven device-clean by the tests) makes them too.
+  if (!be.host_addressable() && g.size() == 1) return comm::make_self_communicator(name);
+  std::unique_ptr<comm::Communicator> host = g.communicator(name, options);
+  if (be.host_addressable()) return host;
+  kernels::Backend* b = &be;
+  std::unique_ptr<comm::Communicator> device;
+  if (device_memory_check()) {  // the device-check backend: its device memory is host memory elsewhere
+    device = comm::make_mapped_communicator(g.communicator(name, options),
+                                            [b](const void* p) { return b->host_mapping(p); });
+  } else {
+    device = comm::make_nccl_communicator(*host, be.native_stream(), name, options);
+  }
+  return comm::make_routing_communicator(std::move(host), std::move(device),
+                                         [b](const void* p) { return b->is_device_memory(p); });
+}
+
 RankEngine build_rank_engine(const plan::ParallelPlan& plan, const RankGroups& groups, const EngineOptions& options) {
   check_layout_trainable(plan);
   const config::TrainConfig& cfg = plan.config;
@@ -167,18 +188,20 @@ RankEngine build_rank_engine(const plan::ParallelPlan& plan, const RankGroups& g
   e.backend = make_backend(cfg.device, options.threads, groups.local_rank());
   check_memory_fits(plan, groups, !options.model ? 0 : options.micro_batch > 0 ? options.micro_batch : plan.batch.micro,
                     options.gradients, e.backend.get());
-  if (!e.backend->host_addressable() && groups.world().size() > 1)
-    throw ConfigError(fmt::format("{} runs one rank per job for now: the collectives between ranks on device "
-                                  "memory need the NCCL communicator (docs/design.md §6.11), which is not built yet; "
-                                  "run on one rank or with device: cpu",
-                                  e.backend->name()));
+  if (!e.backend->host_addressable() && groups.world().size() > 1 && !device_memory_check()) {
+    std::string why;
+    if (!comm::nccl_available(&why))
+      throw ConfigError(fmt::format("{} on {} ranks needs the NCCL communicator for the collectives between them: {}; "
+                                    "run on one rank or with device: cpu",
+                                    e.backend->name(), groups.world().size(), why));
+  }
   e.params = std::make_unique<model::ParamStore>(plan.params, plan.param_stage, m.num_routed(),
                                                  model::ShardCoords{c.pp, c.tp, d.tp, c.ep, d.ep}, e.backend.get());
   e.params->initialize(uint64_t(cfg.seed), m.initializer_range, m.pad_token_id);
   if (options.gradients) {
     const comm::CommOptions copts{cfg.parallel.comm_timeout_s};
-    e.dp = groups.group(plan::Axis::kData).communicator("dp", copts);
-    e.edp = groups.group(plan::Axis::kExpertData).communicator("edp", copts);
+    e.dp = make_communicator(groups.group(plan::Axis::kData), "dp", copts, *e.backend);
+    e.edp = make_communicator(groups.group(plan::Axis::kExpertData), "edp", copts, *e.backend);
     const config::ZeroConfig& z = cfg.zero_optimization;
     e.zero = std::make_unique<parallel::ZeroSharding>(int(z.stage), e.params->dense_numel(), e.params->expert_numel(),
                                                       *e.dp, *e.edp);
@@ -211,10 +234,12 @@ RankEngine build_rank_engine(const plan::ParallelPlan& plan, const RankGroups& g
   // the compute type (the same on every rank), from which the master weights start.
   for (const bool expert : {false, true})
     e.params->round_to_compute(*e.backend, expert, 0, int64_t(e.params->params(expert).size()));
-  e.tp = groups.group(plan::Axis::kTensor).communicator("tp", comm::CommOptions{cfg.parallel.comm_timeout_s});
-  e.ep = groups.group(plan::Axis::kExpert).communicator("ep", comm::CommOptions{cfg.parallel.comm_timeout_s});
+  e.tp = make_communicator(groups.group(plan::Axis::kTensor), "tp", {cfg.parallel.comm_timeout_s}, *e.backend);
+  e.ep = make_communicator(groups.group(plan::Axis::kExpert), "ep", {cfg.parallel.comm_timeout_s}, *e.backend);
   const int64_t micro = options.micro_batch > 0 ? options.micro_batch : plan.batch.micro;
-  e.collectives = parallel::make_tp_collectives(*e.tp, micro * cfg.seq_length * m.hidden_size, e.ep.get());
+  // The staging buffer is host shared memory: only for tensors the host can address.
+  e.collectives = parallel::make_tp_collectives(
+      *e.tp, e.backend->host_addressable() ? micro * cfg.seq_length * m.hidden_size : 0, e.ep.get());
   if (!options.model) return e;
   e.pipeline = std::make_unique<PipelineRunner>(plan, groups, *e.backend, *e.collectives, *e.params, micro,
                                                 options.micro_batches > 0 ? options.micro_batches

@@ -80,6 +80,14 @@ kernels::DType comm_dtype(const config::TrainConfig& c);
 void check_memory_fits(const plan::ParallelPlan& plan, const RankGroups& groups, int64_t micro_batch,
                        bool gradients, kernels::Backend* backend = nullptr);
 
+// A communicator named `name` over group `g` for a run on `be`: the group's MPI communicator
+// where the backend's memory is the host's; otherwise a routing communicator
+// (comm/routing_communicator.h) sending device buffers over NCCL on the backend's stream — or,
+// behind the device-check backend, over MPI at the buffers' host addresses — and host buffers
+// over MPI. Collective over the group's members.
+std::unique_ptr<comm::Communicator> make_communicator(const comm::ProcessGroup& g, const std::string& name,
+                                                      comm::CommOptions options, kernels::Backend& be);
+
 struct EngineOptions {
   int threads = 0;          // CPU threads (0: all cores, or OMP_NUM_THREADS)
   bool gradients = true;    // build the ZeRO partitions and the gradient reduction (training)

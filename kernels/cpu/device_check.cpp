@@ -27,6 +27,11 @@ class DeviceCheckBackend final : public Backend {
   int num_threads() const override { return in_->num_threads(); }
   bool host_addressable() const override { return false; }
   void* native_stream() override { return in_->native_stream(); }
+  bool is_device_memory(const void* p) const override { return (reinterpret_cast<uintptr_t>(p) & kDeviceBit) != 0; }
+  void* host_mapping(const void* p) const override {
+    const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+    return a & kDeviceBit ? reinterpret_cast<void*>(a & ~kDeviceBit) : nullptr;
+  }
   int64_t device_memory_free() override { return in_->device_memory_free(); }  // host memory, really
 
   void* allocate(int64_t bytes) override {

@@ -535,6 +535,14 @@ class CudaBackend final : public Backend {
   }
   bool host_addressable() const override { return false; }
   void* native_stream() override { return stream_; }
+  bool is_device_memory(const void* p) const override {
+    cudaPointerAttributes a{};
+    if (!p || cudaPointerGetAttributes(&a, p) != cudaSuccess) {
+      cudaGetLastError();  // clear the error a host pointer may leave on older runtimes
+      return false;
+    }
+    return a.type == cudaMemoryTypeDevice || a.type == cudaMemoryTypeManaged;
+  }
   int64_t device_memory_free() override {
     size_t free = 0, total = 0;
     DS_CUDA(cudaMemGetInfo(&free, &total));

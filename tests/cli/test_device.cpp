@@ -5,9 +5,11 @@
 // backend — what the CUDA backend needs. Every feature that runs on one rank must give the same
 // bits as the plain CPU run: fp32, bf16, fp16, MTP, full and selective recomputation, ZeRO-2,
 // DeepSeek-V2 routing, --dump-grads (and dstrain-ckpt compare-dumps on those files), and a
-// checkpoint save and bit-exact resume. Plus the
-// `device` key: cpu always works, cuda without a usable GPU is refused with the reason, and a
-// multi-rank job on device memory is refused until the NCCL communicator exists.
+// checkpoint save and bit-exact resume. Every parallel layout too, its device buffers moving
+// between ranks through the routing communicator (over MPI at the buffers' host addresses,
+// where a GPU run uses NCCL): the same gradients as one rank, and a 3D run's training, ZeRO-2
+// checkpoint and resume bit for bit those of the plain CPU run. Plus the `device` key: cpu
+// always works, cuda without a usable GPU is refused with the reason.
 #include <filesystem>
 
 #include "tests/cli/cli_util.h"
@@ -123,10 +125,51 @@ TEST(Device, TheDeviceKeySelectsTheBackendOrSaysWhyNot) {
   EXPECT_NE(bad.rc, 0);
   EXPECT_NE(bad.err.find("device"), std::string::npos) << bad.err;
   EXPECT_NE(bad.err.find("cuda"), std::string::npos) << bad.err;  // the valid values are named
-  // Device memory on several ranks needs the NCCL communicator: refused, not crashed.
-  const Result two = run(kCheck + mpirun(2) + train_cmd(dir, "two", 1, "--resume none"));
-  EXPECT_NE(two.rc, 0);
-  EXPECT_NE(two.err.find("NCCL"), std::string::npos) << two.err;
+}
+
+// --dump-grads of every kind of layout behind device memory against one rank: tensor and
+// sequence parallelism (the tensor-parallel calls without the host staging buffer), ZeRO-2's
+// bucketed reduce-scatter, a zero-bubble pipeline (activations and gradients sent from device
+// buffers, the W queue's copies in device memory, the MTP module's embedding mirror), expert
+// parallelism's token exchanges, and combinations.
+TEST(DeviceMemory, EveryLayoutMatchesOneRankBehindDeviceMemory) {
+  const std::string dir = fresh_dir("devmem_layouts");
+  const std::string base = kDstrain + " configs/tiny.yaml --resume none --set model.num_nextn_predict_layers=1 --dump-grads ";
+  ASSERT_EQ(run(base + dir + "/one.h5").rc, 0);
+  const std::vector<std::pair<int, std::string>> layouts = {
+      {2, " --set parallel.tensor=2 --set parallel.sequence_parallel=true"},
+      {2, " --set zero_optimization.stage=2"},
+      {2, " --set parallel.pipeline=2 --set parallel.pipeline_schedule=zb-h1"},
+      {2, " --set parallel.expert=2"},
+      {4, " --set parallel.pipeline=2 --set parallel.tensor=2 --set parallel.sequence_parallel=true"},
+      {4, " --set parallel.expert=2 --set parallel.tensor=2 --set zero_optimization.stage=1"},
+  };
+  int i = 0;
+  for (const auto& [np, extra] : layouts) {
+    const std::string path = dir + "/layout" + std::to_string(i++) + ".h5";
+    const Result r = run(kCheck + mpirun(np) + base + path + extra);
+    ASSERT_EQ(r.rc, 0) << extra << r.err;
+    expect_same_dump(dir + "/one.h5", path, extra);
+  }
+}
+
+// Training on 2 stages x 2 data-parallel ranks (zero-bubble schedule, ZeRO-2, MTP) behind device
+// memory: a save (the sharded moments gathered from device memory) and a resume, every loss and
+// the final weights bit for bit those of the plain CPU run of the same layout.
+TEST(DeviceMemory, PipelineAndZeroTrainingSaveAndResumeBehindDeviceMemory) {
+  const std::string dir = fresh_dir("devmem_3d");
+  const std::string layout = " --set parallel.pipeline=2 --set parallel.pipeline_schedule=zb-h1"
+                             " --set zero_optimization.stage=2 --set model.num_nextn_predict_layers=1";
+  Result r = run(mpirun(4) + train_cmd(dir, "plain", 6, "--resume none" + layout));
+  ASSERT_EQ(r.rc, 0) << r.err;
+  r = run(kCheck + mpirun(4) + train_cmd(dir, "dev", 4, "--resume none" + layout));
+  ASSERT_EQ(r.rc, 0) << r.err;
+  EXPECT_NE((r.out + r.err).find("behind checked device memory x 2 pipeline stages x 2 data-parallel ranks"),
+            std::string::npos) << r.out;
+  r = run(kCheck + mpirun(4) + train_cmd(dir, "dev", 6, "--resume auto" + layout));
+  ASSERT_EQ(r.rc, 0) << r.err;
+  EXPECT_NE((r.out + r.err).find("resumed from"), std::string::npos) << r.out;
+  expect_identical(dir, "plain", "dev", 6);
 }
 
 }  // namespace

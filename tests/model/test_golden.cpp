@@ -115,7 +115,7 @@ TEST_P(Golden, TwoPipelineStagesMatchHuggingFace) {
     const model::LossScale scale{double(B * S), double(B)};
     const model::Losses first = stage[0]->forward_stage(tokens.data(), nullptr, scale);
     const model::Losses last = stage[1]->forward_stage(tokens.data(), stage[0]->output(), scale);
-    model::WeightGradDeferral deferred[2];
+    model::WeightGradDeferral deferred[2] = {model::WeightGradDeferral(*be), model::WeightGradDeferral(*be)};
     for (int s = 0; s < 2; ++s) stage[size_t(s)]->mark_workspace_volatile(deferred[s]);
     {
       const model::WeightGradDeferral::Scope d(split ? &deferred[1] : nullptr);

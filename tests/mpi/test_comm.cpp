@@ -1,6 +1,7 @@
 // Every Communicator operation under mpirun -np 2 / 4 against values each rank can compute
 // alone: sums and maxima, scatter blocks, gathers, variable all-to-all, point-to-point, broadcast,
-// overlapping non-blocking calls, and the sequence numbers.
+// overlapping non-blocking calls, and the sequence numbers; the routing communicator of a run on
+// device memory (each buffer to its memory's communicator, mixed buffers refused).
 #include <gtest/gtest.h>
 #include <mpi.h>
 
@@ -8,6 +9,7 @@
 #include <thread>
 
 #include "engine/comm/mpi_communicator.h"
+#include "engine/comm/routing_communicator.h"
 #include "engine/comm/watchdog.h"
 #include "engine/common/shared_memory.h"
 #include "engine/common/error.h"
@@ -219,6 +221,93 @@ TEST(Communicator, OutstandingWorkIsRegisteredWithTheWatchdog) {
       c->send(&v, 1, 0)->wait();
     }
   }
+}
+
+
+// The routing communicator (a run on device memory): "device" buffers here are host memory behind
+// pointers with bit 62 set — as the device-check backend hands out — carried by a mapped
+// communicator over a second MPI communicator, as NCCL carries them on a GPU.
+constexpr uintptr_t kDev = uintptr_t(1) << 62;
+template <class T>
+T* as_device(T* p) { return reinterpret_cast<T*>(reinterpret_cast<uintptr_t>(p) | kDev); }
+
+struct Routed {
+  Communicator* host = nullptr;    // owned by `c`
+  Communicator* device = nullptr;  // owned by `c`
+  std::unique_ptr<Communicator> c;
+};
+Routed routed() {
+  Routed r;
+  auto host = make_mpi_communicator(MPI_COMM_WORLD, "routed");
+  auto device = make_mapped_communicator(make_mpi_communicator(MPI_COMM_WORLD, "routed-dev"), [](const void* p) {
+    const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+    return a & kDev ? reinterpret_cast<void*>(a & ~kDev) : nullptr;
+  });
+  r.host = host.get(), r.device = device.get();
+  r.c = make_routing_communicator(std::move(host), std::move(device),
+                                  [](const void* p) { return (reinterpret_cast<uintptr_t>(p) & kDev) != 0; });
+  return r;
+}
+
+TEST(RoutingCommunicator, EachBufferGoesToTheCommunicatorOfItsMemory) {
+  Routed g = routed();
+  Communicator& c = *g.c;
+  const int r = c.rank(), P = c.size();
+  std::vector<double> host = {double(r), 1.0};
+  std::vector<float> dev = {float(r), 2.0f, float(-r)};
+  c.all_reduce(host.data(), 2, ReduceOp::kSum)->wait();
+  EXPECT_EQ(g.host->seq(), 1u);
+  EXPECT_EQ(g.device->seq(), 0u);
+  c.all_reduce(as_device(dev.data()), 3, ReduceOp::kSum)->wait();
+  EXPECT_EQ(g.host->seq(), 1u);
+  EXPECT_EQ(g.device->seq(), 1u);
+  EXPECT_EQ(c.seq(), 2u);
+  EXPECT_EQ(host, (std::vector<double>{double(P * (P - 1) / 2), double(P)}));
+  EXPECT_EQ(dev, (std::vector<float>{float(P * (P - 1) / 2), 2.0f * float(P), -float(P * (P - 1) / 2)}));
+  // Gathers, all-to-all and point to point on device buffers, interleaved with host calls.
+  std::vector<float> mine(3, float(r + 1)), all(size_t(3 * P), -1.0f);
+  c.all_gather(as_device(all.data()), as_device(mine.data()), 3)->wait();
+  for (int p = 0; p < P; ++p) EXPECT_EQ(all[size_t(3 * p)], float(p + 1));
+  std::vector<int64_t> counts(size_t(P), 1);
+  std::vector<float> in(static_cast<size_t>(P)), out(static_cast<size_t>(P), -1.0f);
+  for (int p = 0; p < P; ++p) in[size_t(p)] = float(100 * r + p);
+  auto a2a = c.all_to_all_v(as_device(out.data()), counts, as_device(in.data()), counts);
+  EXPECT_EQ(all_reduce_value(c, int64_t(1), ReduceOp::kSum), P);  // a host call while it is in flight
+  a2a->wait();
+  for (int p = 0; p < P; ++p) EXPECT_EQ(out[size_t(p)], float(100 * p + r));
+  if (P >= 2 && r < 2) {
+    float x = float(r == 0 ? 7 : 0);
+    if (r == 0) c.send(as_device(&x), 1, 1)->wait();
+    else c.recv(as_device(&x), 1, 0)->wait();
+    EXPECT_EQ(x, 7.0f);
+  }
+  // Device buffers map no peer memory (as with NCCL).
+  EXPECT_FALSE(c.register_peer_memory(as_device(dev.data()), 3));
+  c.barrier()->wait();
+}
+
+TEST(RoutingCommunicator, EmptyBuffersGoToTheDeviceAndMixedBuffersAreRefused) {
+  Routed g = routed();
+  Communicator& c = *g.c;
+  // Nothing to send (a null pointer): the device side, the same on every rank whatever it holds.
+  c.all_reduce(static_cast<float*>(nullptr), 0, ReduceOp::kSum)->wait();
+  EXPECT_EQ(g.device->seq(), 1u);
+  EXPECT_EQ(g.host->seq(), 0u);
+  // One device and one host buffer: refused on every rank before anything is sent.
+  std::vector<float> a(4), b(4 * size_t(c.size()));
+  try {
+    c.reduce_scatter(a.data(), as_device(b.data()), 4, ReduceOp::kSum);
+    ADD_FAILURE() << "a host output with a device input was accepted";
+  } catch (const CommError& e) {
+    EXPECT_NE(std::string(e.what()).find("group routed reduce_scatter: one buffer is in device memory"),
+              std::string::npos) << e.what();
+  }
+  // The mapped communicator refuses a pointer it cannot map.
+  auto mapped = make_mapped_communicator(make_mpi_communicator(MPI_COMM_WORLD, "mapped"),
+                                         [](const void*) -> void* { return nullptr; });
+  EXPECT_THROW(mapped->all_reduce(a.data(), 4, ReduceOp::kSum), CommError);
+  EXPECT_EQ(g.host->seq() + g.device->seq(), 1u);
+  c.barrier()->wait();
 }
 
 }  // namespace

@@ -80,6 +80,14 @@ class Backend {
   // The stream every op is ordered on (a cudaStream_t on the CUDA backend; null on the CPU), for
   // a communicator that must order its transfers after the ops (the NCCL communicator).
   virtual void* native_stream() { return nullptr; }
+  // Whether p points into memory this backend allocated on its device (false on the CPU, where
+  // there is no device memory). Communicators that carry both kinds of buffer route by it
+  // (engine/comm/routing_communicator.h): device buffers over NCCL, host ones over MPI.
+  virtual bool is_device_memory(const void* p) const { (void)p; return false; }
+  // Where a backend's device memory is in fact host memory behind other addresses (the
+  // device-check backend), the host address of device pointer p; nullptr elsewhere (a GPU).
+  // Lets a test without a GPU move device buffers between ranks over MPI.
+  virtual void* host_mapping(const void* p) const { (void)p; return nullptr; }
   // Bytes the device can still hand out (a GPU's free memory); -1 where memory is the host's
   // (the engine then measures the host's available memory itself).
   virtual int64_t device_memory_free() = 0;

@@ -41,6 +41,6 @@ struct CudaPoolStats {
 CudaPoolStats cuda_pool_stats(Backend& be);
 
 // The plugin's interface version: the loader refuses a libdstrain_cuda.so of another.
-constexpr int kCudaPluginAbi = 1;
+constexpr int kCudaPluginAbi = 2;
 
 }  // namespace dstrain::kernels
