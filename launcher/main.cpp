@@ -158,6 +158,14 @@ int run(const launcher::Options& cli, int rank, int world) {
                                  opts.config_path, p->degrees.world(),
                                  opts.world_size ? " (--world-size)" : "");
         std::cout << plan::dry_run_report(*p);
+        const auto transfers = runtime::planned_step_communication(*p, 0);
+        std::cout << "comm       per step on rank 0 (gradient reduction, ZeRO all-gather, pipeline; monitor.comm_log "
+                     "measures every call)";
+        if (transfers.empty()) std::cout << ": none";
+        for (const auto& t : transfers)
+          std::cout << fmt::format("\n  {:<8} {:<15} {} ({} bytes)", t.group, t.op, human_bytes(t.bytes),
+                                   with_commas(int64_t(t.bytes)));
+        std::cout << "\n";
         std::cout << "device: " << runtime::describe_device(p->config.device) << "\n";
       }
     }

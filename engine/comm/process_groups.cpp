@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "engine/comm/comm_log.h"
 #include "engine/comm/mpi_check.h"
 #include "engine/comm/mpi_communicator.h"
 #include "engine/common/strings.h"
@@ -96,8 +97,9 @@ std::pair<int, int> ProcessGroup::host_position() const {
 }
 
 std::unique_ptr<Communicator> ProcessGroup::communicator(const std::string& name, CommOptions options) const {
-  if (!handle_) return make_self_communicator(name);
-  return make_mpi_communicator(handle_->comm, name, options);
+  if (!handle_) return make_self_communicator(name);  // (moves nothing: never logged)
+  std::unique_ptr<Communicator> c = make_mpi_communicator(handle_->comm, name, options);
+  return log_new_communicators() ? make_logged_communicator(std::move(c), "MPI") : std::move(c);
 }
 
 std::vector<ProcessGroup> create_groups(const std::vector<GroupSpec>& specs) {

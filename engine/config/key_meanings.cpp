@@ -247,6 +247,12 @@ const std::string& key_meaning(const std::string& path) {
        "steps between per-MoE-layer expert load lines (min / max / CV); 0 disables"},
       {"monitor.peak_tflops",
        "peak TFLOP/s for MFU; 0 measures this machine's fp32 GEMM peak at start"},
+      {"monitor.comm_log",
+       "log every collective per group and operation: count, bytes, time, algorithm and bus bandwidth (at the end and in the metrics file)"},
+      {"monitor.trace",
+       "Chrome / Perfetto trace (JSON) of monitor.trace_steps, every rank's events merged by rank 0; empty disables"},
+      {"monitor.trace_steps",
+       "[first, last]: the steps traced (1-based, inclusive)"},
   };
   static const std::string none;
   const auto it = meanings.find(path);

@@ -226,6 +226,9 @@ void describe(V& v, MonitorConfig& c) {
   v.field("log_level", c.log_level, one_of({"trace", "debug", "info", "warn", "error", "off"}));
   v.field("expert_stats_interval", c.expert_stats_interval, at_least(0));
   v.field("peak_tflops", c.peak_tflops, non_negative());
+  v.field("comm_log", c.comm_log);
+  v.field("trace", c.trace);
+  v.field("trace_steps", c.trace_steps, at_least(1));
 }
 
 template <class V>

@@ -187,6 +187,9 @@ struct MonitorConfig {
   std::string log_level = "info";
   int64_t expert_stats_interval = 100;  // steps between per-expert load lines; 0: none
   double peak_tflops = 0.0;             // MFU denominator; 0: measure the GEMM peak at start
+  bool comm_log = false;                // per-collective counts, bytes, times, bandwidths (DeepSpeed's comms logger)
+  std::string trace;                    // Chrome / Perfetto trace file of trace_steps; "" disables
+  std::vector<int64_t> trace_steps = {2, 3};  // first and last step traced (1-based, inclusive)
 };
 
 struct TrainConfig {

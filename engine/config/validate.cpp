@@ -4,6 +4,8 @@
 #include <fstream>
 #include <numeric>
 
+#include <fmt/ranges.h>
+
 #include "engine/common/error.h"
 #include "engine/common/strings.h"
 #include "engine/config/load_config.h"
@@ -204,6 +206,10 @@ void validate_parallel(const TrainConfig& cfg) {
 }
 
 void validate_training(TrainConfig& cfg) {
+  const auto& ts = cfg.monitor.trace_steps;
+  if (ts.size() != 2 || ts[0] > ts[1])
+    fail_at(cfg, "monitor.trace_steps",
+            fmt::format("[{}]: valid: [first, last] with 1 <= first <= last", fmt::join(ts, ", ")));
   if (cfg.fp16.enabled && cfg.bf16.enabled)
     fail_at(cfg, "bf16.enabled",
             "true while fp16.enabled is also true; valid: at most one of fp16 and bf16 enabled");

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "engine/common/trace.h"
 #include "engine/plan/param_table.h"
 
 namespace dstrain::model {
@@ -367,6 +368,7 @@ Losses DeepSeekModel::forward_stage(const int32_t* tokens, const float* h_in, co
   be_.copy_from_host(local_ids_.data(), local_ids_host_.data(), N * int64_t(sizeof(int32_t)));
   be_.copy_from_host(targets_.data(), targets_host_.data(), N * int64_t(sizeof(int32_t)));
   for (auto* moe : moe_layers()) moe->stats().aux_loss = 0.0;
+  const trace::Scope whole("model", "forward");
   if (!has_embed_) {
     DS_CHECK(h_in, "a pipeline stage after the first needs the previous stage's output");
     be_.copy_strided(hidden_[0].data(), H_, h_in, H_, rows_, H_);
@@ -374,12 +376,16 @@ Losses DeepSeekModel::forward_stage(const int32_t* tokens, const float* h_in, co
     be_.embedding_forward(tmp1_.data(), embed_.w, local_ids_.data(), N, H_);
     coll_.tp_reduce_scatter_rows(hidden_[0].data(), tmp1_.data(), rows_, H_);
   } else {
+    const trace::Scope t("model", "forward embedding");
     embed(hidden_[0].data(), local_ids_.data(), N);
   }
-  for (size_t j = 0; j < layers_.size(); ++j)
+  for (size_t j = 0; j < layers_.size(); ++j) {
+    const trace::Scope t("model", "forward layer", first_ + int64_t(j));
     layers_[j]->forward(hidden_[j + 1].data(), hidden_[j].data(), B_, S_, scale);
+  }
   Losses out;
   if (has_head_) {
+    const trace::Scope t("model", "forward head");
     be_.rmsnorm_forward(z_.data(), rstd_f_.data(), hidden_.back().data(), norm_.w, rows_, H_,
                         float(cfg_.rms_norm_eps));
     const float* z = z_.data();
@@ -425,7 +431,9 @@ void DeepSeekModel::mtp_forward(const int32_t* tokens, const LossScale& scale, L
 
 void DeepSeekModel::backward_stage(const float* dh_out) {
   const int64_t N = B_ * S_;
+  const trace::Scope whole("model", "backward");
   if (has_head_) {
+    const trace::Scope t("model", "backward head");
     const float* z = sp_ ? z_full_.data() : z_.data();
     // Head: dz = dlogits W_lm, this rank's vocabulary columns' part, summed over the ranks;
     // dW_lm += dlogits^T z (this rank's rows, complete). MTP adds its gradient of h^0 = z.
@@ -450,10 +458,12 @@ void DeepSeekModel::backward_stage(const float* dh_out) {
     be_.copy_strided(dh_.data(), H_, dh_out, H_, rows_, H_);
   }
   for (int64_t j = int64_t(layers_.size()) - 1; j >= 0; --j) {
+    const trace::Scope t("model", "backward layer", first_ + j);
     layers_[size_t(j)]->backward(dh_.data(), hidden_[size_t(j)].data(), B_, S_, tmp1_.data(), tmp2_.data());
     progress_.grads_final(first_ + j);
   }
   if (!has_embed_) return;
+  const trace::Scope t("model", "backward embedding");
   const float* dh0 = dh_.data();
   if (sp_) coll_.tp_all_gather_rows(tmp1_.data(), dh_.data(), rows_, H_), dh0 = tmp1_.data();
   be_.embedding_backward(embed_.g, dh0, local_ids_.data(), N, H_, Vl_);

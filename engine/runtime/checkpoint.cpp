@@ -20,6 +20,7 @@
 
 #include "engine/comm/communicator.h"
 #include "engine/common/error.h"
+#include "engine/common/trace.h"
 #include "engine/common/fault_inject.h"
 #include "engine/config/load_config.h"
 #include "engine/common/strings.h"
@@ -191,6 +192,7 @@ const float* Checkpointer::local_data(model::ParamStore& params, AdamW& adam, co
 
 std::string Checkpointer::save(const TrainState& state, model::ParamStore& params, AdamW& adam,
                                const parallel::ZeroSharding* zero) {
+  const trace::Scope t("checkpoint", "checkpoint save");
   std::string error;
   try {
     wait();  // one save in flight at a time; its error is reported on every rank below
@@ -295,6 +297,7 @@ std::string Checkpointer::save(const TrainState& state, model::ParamStore& param
       pending->tensors.resize(staged);  // before the writer reads them
       Pending* p = pending.get();
       pending->writer = std::thread([p, tmp, path, write_meta, this] {
+        const trace::Scope t("checkpoint", "checkpoint write (background)");
         try {
           io::H5File f(tmp, io::H5File::Mode::kCreate, io::H5File::Driver::kDirect);
           for (const auto& t : p->tensors) f.write_checked(t.name, t.data.data(), t.shape);

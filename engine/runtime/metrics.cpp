@@ -89,6 +89,12 @@ void MetricsFile::write(int64_t step, const Scalars& values) {
   std::fflush(f_);
 }
 
+void MetricsFile::write_line(const std::string& json_object) {
+  if (!f_) return;
+  std::fputs((json_object + "\n").c_str(), f_);
+  std::fflush(f_);
+}
+
 TensorBoardWriter::TensorBoardWriter(const std::string& dir) {
   if (dir.empty()) return;
   std::error_code ec;

@@ -24,6 +24,7 @@ class MetricsFile {
     return *this;
   }
   void write(int64_t step, const Scalars& values);  // {"step": s, "k": v, ...}, flushed
+  void write_line(const std::string& json_object);  // one line as given, flushed
 
  private:
   std::FILE* f_ = nullptr;

@@ -6,6 +6,7 @@
 #include <chrono>
 
 #include "engine/common/error.h"
+#include "engine/common/trace.h"
 #include "engine/runtime/rank_engine.h"
 
 namespace dstrain::runtime {
@@ -237,6 +238,7 @@ PipelineStepResult PipelineRunner::run(const Fetch& fetch, const model::LossScal
         const int slot = acquire(in.chunk);
         active_[{in.micro, in.chunk}] = slot;
         const auto tc = Clock::now();
+        const trace::Scope t("pipeline", "forward micro-batch", in.micro);
         const model::Losses l = ch.pool[size_t(slot)]->forward_stage(tokens_.data(), h_in, scale);
         r.forward_s += seconds_since(tc);
         r.loss.ce += l.ce, r.loss.aux += l.aux, r.loss.mtp += l.mtp;
@@ -252,6 +254,9 @@ PipelineStepResult PipelineRunner::run(const Fetch& fetch, const model::LossScal
         armed_ = in.micro == m - 1;
         const auto tc = Clock::now();
         {
+          const trace::Scope t("pipeline", in.op == PipeOp::kBackwardInput ? "input-gradient backward micro-batch"
+                                                                           : "backward micro-batch",
+                               in.micro);
           const model::WeightGradDeferral::Scope defer(
               in.op == PipeOp::kBackwardInput ? ch.deferred[size_t(slot)].get() : nullptr);
           ch.pool[size_t(slot)]->backward_stage(dh);
@@ -271,7 +276,10 @@ PipelineStepResult PipelineRunner::run(const Fetch& fetch, const model::LossScal
         const int slot = active_.at({in.micro, in.chunk});
         armed_ = in.micro == m - 1;
         const auto tc = Clock::now();
-        ch.deferred[size_t(slot)]->run();
+        {
+          const trace::Scope t("pipeline", "weight-gradient backward micro-batch", in.micro);
+          ch.deferred[size_t(slot)]->run();
+        }
         r.weight_s += seconds_since(tc);
         armed_ = false;
         ++r.weights;

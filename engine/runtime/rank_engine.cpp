@@ -9,11 +9,13 @@
 #include "dstrain/kernels/cuda.h"
 #endif
 
+#include "engine/comm/comm_log.h"
 #include "engine/comm/nccl_communicator.h"
 #include "engine/comm/routing_communicator.h"
 #include "engine/common/error.h"
 #include "engine/common/host_memory.h"
 #include "engine/common/strings.h"
+#include "engine/common/trace.h"
 #include "engine/config/load_config.h"
 #include "engine/parallel/tp_collectives.h"
 
@@ -145,7 +147,12 @@ std::unique_ptr<kernels::Backend> make_backend(config::DeviceKind device, int th
 #if defined(DSTRAIN_HAVE_CUDA)
   if (device != config::DeviceKind::kCpu && !checked) {
     const kernels::CudaDeviceInfo info = kernels::cuda_device_info(0);
-    if (info.count > 0) return kernels::make_cuda_backend(local_rank % info.count);
+    if (info.count > 0) {
+      auto gpu = kernels::make_cuda_backend(local_rank % info.count);
+      const kernels::CudaRangeHooks ranges = kernels::cuda_range_hooks();  // the step trace's names in Nsight
+      trace::set_range_hooks(ranges.push, ranges.pop);
+      return gpu;
+    }
     if (device == config::DeviceKind::kCuda)
       throw ConfigError("device: cuda, but no GPU can be used here (" + info.error + ")");
   }
@@ -157,6 +164,45 @@ std::unique_ptr<kernels::Backend> make_backend(config::DeviceKind device, int th
 #endif
   auto cpu = kernels::make_cpu_backend(threads);
   return checked ? kernels::make_device_check_backend(std::move(cpu)) : std::move(cpu);
+}
+
+std::vector<PlannedTransfer> planned_step_communication(const plan::ParallelPlan& plan, int rank) {
+  const config::TrainConfig& cfg = plan.config;
+  const config::ModelConfig& m = cfg.model;
+  const plan::Degrees& d = plan.degrees;
+  const plan::Coord c = plan.grid.coord(rank);
+  // The flat buffers of this rank, as ParamStore lays them out: every held non-buffer tensor's
+  // slice, vocabulary-parallel ones padded to the vocabulary block.
+  int64_t dense = 0, expert = 0;
+  for (size_t i = 0; i < plan.params.size(); ++i) {
+    if (plan.param_stage[i] != c.pp) continue;
+    const plan::ParamInfo& info = plan.params[i];
+    const plan::ShardSpec s = plan::shard_of(info, m.num_routed(), c.tp, d.tp, c.ep, d.ep);
+    if (!s.held || info.buffer) continue;
+    const int64_t stored = info.shard == plan::Shard::kVocab
+                               ? plan::vocab_block(info.shape[0], d.tp) * (info.numel() / info.shape[0])
+                               : s.local_numel();
+    (info.shard == plan::Shard::kExpert ? expert : dense) += stored;
+  }
+  std::vector<PlannedTransfer> out;
+  const int zero = int(cfg.zero_optimization.stage);
+  const double elem = cfg.precision() == config::Precision::kFp32 ? 4.0 : 2.0;  // the all-gather moves compute copies
+  for (const auto& [group, numel, ranks] :
+       {std::tuple<std::string, int64_t, int>{"dp", dense, d.dp}, {"edp", expert, d.edp_group()}}) {
+    if (ranks == 1 || numel == 0) continue;
+    out.push_back({group, zero >= 2 ? "reduce_scatter" : "all_reduce", 4.0 * double(numel)});
+    if (zero >= 1)
+      out.push_back({group, "all_gather", elem * double(parallel::FlatPartition(numel, ranks, parallel::kZeroAlign).padded())});
+  }
+  if (d.pp > 1 && plan.chunks() == 1) {  // (interleaved: chunks cross both ways; not planned here)
+    const int64_t N = plan.batch.micro * cfg.seq_length;
+    const bool sp = cfg.parallel.sequence_parallel && d.tp > 1;
+    const int64_t rows = sp ? model::token_part(N, d.tp, c.tp).count : N;
+    const double bytes = 4.0 * double(rows * m.hidden_size) * double(plan.batch.accumulation);
+    if (c.pp + 1 < d.pp) out.push_back({"pp-act", "send", bytes}), out.push_back({"pp-grad", "recv", bytes});
+    if (c.pp > 0) out.push_back({"pp-act", "recv", bytes}), out.push_back({"pp-grad", "send", bytes});
+  }
+  return out;
 }
 
 std::unique_ptr<comm::Communicator> make_communicator(const comm::ProcessGroup& g, const std::string& name,
@@ -173,6 +219,7 @@ std::unique_ptr<comm::Communicator> make_communicator(const comm::ProcessGroup& 
                                             [b](const void* p) { return b->host_mapping(p); });
   } else {
     device = comm::make_nccl_communicator(*host, be.native_stream(), name, options);
+    if (comm::log_new_communicators()) device = comm::make_logged_communicator(std::move(device), "NCCL");
   }
   return comm::make_routing_communicator(std::move(host), std::move(device),
                                          [b](const void* p) { return b->is_device_memory(p); });

@@ -88,6 +88,18 @@ void check_memory_fits(const plan::ParallelPlan& plan, const RankGroups& groups,
 std::unique_ptr<comm::Communicator> make_communicator(const comm::ProcessGroup& g, const std::string& name,
                                                       comm::CommOptions options, kernels::Backend& be);
 
+// What world rank `rank` moves per training step by plan (docs/design.md §6.12): the gradient
+// reduction and the ZeRO parameter all-gather over dp and edp, and the pipeline's activation
+// sends / gradient receives — sizes as the comms log counts them (comm_log.h), from the same
+// layout rules as the parameter store and the ZeRO partitions. Validation, checkpoints, the
+// tensor- and expert-parallel calls (per layer, data-dependent for the experts) and scalar
+// all-reduces are not in it.
+struct PlannedTransfer {
+  std::string group, op;
+  double bytes = 0;
+};
+std::vector<PlannedTransfer> planned_step_communication(const plan::ParallelPlan& plan, int rank);
+
 struct EngineOptions {
   int threads = 0;          // CPU threads (0: all cores, or OMP_NUM_THREADS)
   bool gradients = true;    // build the ZeRO partitions and the gradient reduction (training)

@@ -4,13 +4,19 @@
 #include <atomic>
 #include <cmath>
 #include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
 
+#include <nlohmann/json.hpp>
 #include <spdlog/spdlog.h>
 
 
+#include "engine/comm/comm_log.h"
 #include "engine/common/error.h"
 #include "engine/common/fault_inject.h"
 #include "engine/common/strings.h"
+#include "engine/common/trace.h"
 #include "engine/config/load_config.h"
 
 namespace dstrain::runtime {
@@ -41,6 +47,10 @@ Trainer::Trainer(const plan::ParallelPlan& plan, int threads) : Trainer(plan, Ra
 Trainer::Trainer(const plan::ParallelPlan& plan, RankGroups groups, int threads)
     : plan_(plan), cfg_(plan_.config), groups_(std::move(groups)), schedule_(plan_.config), metrics_(""),
       tensorboard_("") {
+  // The comms log and the trace see the collectives through wrapped communicators: wrapped only
+  // when asked for, so that a run without either pays nothing.
+  comm::CommLog::instance().enable(cfg_.monitor.comm_log);
+  comm::set_log_new_communicators(cfg_.monitor.comm_log || !cfg_.monitor.trace.empty());
   // What can fail on some ranks only (a data file one host lacks, less free memory on one host)
   // is checked before the first collective, and the ranks agree on it: otherwise the others
   // would wait forever in the communicators' set-up for a rank that has given up.
@@ -220,7 +230,10 @@ StepResult Trainer::compute_gradients(int64_t step) {
         dataset_->train_batch(tokens, data::TokenDataset::position(step, b.global, dp_rank_, dp_size_, m, b.micro),
                               b.micro);
       },
-      scale, sync, [&] { return sync ? sync->finish() : 0.0; });
+      scale, sync, [&] {
+        const trace::Scope t("comm", "gradient reduction (finish)");
+        return sync ? sync->finish() : 0.0;
+      });
   r.loss = p.loss;
   r.forward_s = p.forward_s, r.backward_s = p.backward_s + p.weight_s, r.comm_wait_s = p.comm_wait_s;
   r.pp_wait_s = p.wait_s, r.pp_busy_s = p.busy_s, r.pp_span_s = p.span_s;
@@ -289,6 +302,7 @@ std::string Trainer::divergence(int64_t step, const StepResult& r) {
 StepResult Trainer::train_step(int64_t step) {
   StepResult r = compute_gradients(step);
   const auto t0 = Clock::now();
+  const trace::Scope t("optimizer", "optimizer step");
   if (inf_grad_step_ == step + 1 && rank_ == 0) {  // injected fault: one gradient element overflows
     const float inf = std::numeric_limits<float>::infinity();
     engine_.params->dense_grads().write(engine_.zero->owned(false).begin, 1, &inf);
@@ -464,6 +478,62 @@ std::string Trainer::save_checkpoint(int64_t steps_done) {
   return path;
 }
 
+void Trainer::write_trace() {
+  trace::stop();
+  const std::string& path = cfg_.monitor.trace;
+  const std::string part = fmt::format("{}.rank{}", path, rank_);
+  {
+    std::ofstream f(part, std::ios::trunc);
+    f << trace::take_events();
+    if (!f.flush()) spdlog::warn("{}: cannot write this rank's trace events", part);
+  }
+  world_->barrier()->wait();  // every rank's part is complete
+  if (rank_ != 0) return;
+  const int ranks = plan_.degrees.world();
+  std::ofstream out(path + ".tmp", std::ios::trunc);
+  out << "{\"traceEvents\": [";
+  int merged = 0;
+  for (int r = 0; r < ranks; ++r) {
+    const std::string p = fmt::format("{}.rank{}", path, r);
+    std::ifstream in(p);
+    std::stringstream text;
+    text << in.rdbuf();
+    if (!in || text.str().empty()) {
+      spdlog::warn("{}: rank {}'s trace events are missing", p, r);
+      continue;
+    }
+    out << (merged++ ? ",\n" : "\n") << text.str();
+    std::filesystem::remove(p);
+  }
+  out << fmt::format("\n], \"displayTimeUnit\": \"ms\", \"otherData\": {{\"steps\": [{}, {}], \"ranks\": {}, "
+                     "\"clock\": \"steady clock in microseconds, one per host\"}}}}\n",
+                     cfg_.monitor.trace_steps[0], cfg_.monitor.trace_steps[1], ranks);
+  out.close();
+  if (!out) {
+    spdlog::warn("{}: cannot write the trace (monitor.trace)", path);
+    return;
+  }
+  std::filesystem::rename(path + ".tmp", path);
+  spdlog::info("trace of steps {} to {} from {} rank{} written to {} (open in chrome://tracing or ui.perfetto.dev)",
+               cfg_.monitor.trace_steps[0], cfg_.monitor.trace_steps[1], merged, merged == 1 ? "" : "s", path);
+}
+
+void Trainer::report_comm_log(int64_t steps) {
+  if (rank_ != 0) return;
+  const std::vector<comm::CommStat> stats = comm::CommLog::instance().stats();
+  spdlog::info("comms log of rank 0, {} steps (with validation and checkpoints):\n{}", steps - start_step_,
+               comm::format_comm_stats(stats));
+  nlohmann::ordered_json j;
+  j["comm_log"] = nlohmann::ordered_json::array();
+  for (const comm::CommStat& s : stats)
+    j["comm_log"].push_back({{"group", s.group}, {"op", s.op}, {"transport", s.transport}, {"ranks", s.ranks},
+                             {"count", s.count}, {"bytes", s.bytes}, {"seconds", s.seconds},
+                             {"algbw_gbps", s.algbw() / 1e9}, {"busbw_gbps", s.busbw() / 1e9}});
+  j["rank"] = 0;
+  j["steps"] = steps - start_step_;
+  metrics_.write_line(j.dump());
+}
+
 TrainSummary Trainer::run() {
   const data::DatasetInfo& d = dataset_->info();
   if (rank_ == 0) {
@@ -542,7 +612,12 @@ TrainSummary Trainer::run() {
     spdlog::info("step {} reached train_steps {}: nothing to train (raise train_steps, or start afresh "
                  "with --set checkpoint.resume=none)",
                  start_step_, cfg_.train_steps);
+  const bool tracing = !cfg_.monitor.trace.empty();
+  const int64_t trace_first = cfg_.monitor.trace_steps.at(0), trace_last = cfg_.monitor.trace_steps.at(1);
   for (int64_t step = start_step_; step < cfg_.train_steps; ++step) {
+    if (tracing && step + 1 == std::max(trace_first, start_step_ + 1) && step + 1 <= trace_last) trace::start(rank_);
+    std::optional<trace::Scope> step_scope;
+    step_scope.emplace("step", "step", step + 1);
     try {
       last = train_step(step);
     } catch (const AgreedError&) {
@@ -581,6 +656,7 @@ TrainSummary Trainer::run() {
     if (cfg_.data.eval_interval > 0 && d.validation_samples > 0 &&
         ((step + 1) % cfg_.data.eval_interval == 0 || last_step)) {
       const auto t = Clock::now();
+      const trace::Scope v("validation", "validation");
       val = validate();
       out.final_val_loss = *val;
       excluded += seconds_since(t);
@@ -599,6 +675,8 @@ TrainSummary Trainer::run() {
       save_checkpoint(step + 1);
       excluded += seconds_since(t);
     }
+    step_scope.reset();
+    if (tracing && step + 1 == trace_last && trace::recording()) write_trace();
     if (stop) {
       if (rank_ == 0) spdlog::info("stopped by signal {} after step {}; checkpoint saved", stop, step + 1);
       out.stopped = true;
@@ -608,6 +686,8 @@ TrainSummary Trainer::run() {
     out.steps = step + 1;
   }
   checkpointer_->wait();
+  if (tracing && trace::recording()) write_trace();  // the run ended inside the traced steps
+  if (cfg_.monitor.comm_log) report_comm_log(out.steps);
   out.final_loss = last.loss.ce;
   out.seconds = seconds_since(start);
   out.tokens_per_sec = double((out.steps - start_step_) * plan_.batch.tokens_per_step()) / out.seconds;

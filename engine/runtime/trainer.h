@@ -100,6 +100,11 @@ class Trainer {
                 double elapsed_s, const std::optional<double>& val);
   void log_expert_stats(int64_t step, const StepResult& r);
   void agree_on_start(const std::string& local_error);
+  // Stops the trace, writes this rank's events beside monitor.trace and, on rank 0, merges every
+  // rank's into monitor.trace (collective over the world).
+  void write_trace();
+  // Rank 0: the comms log's table in the log, and its records in the metrics file.
+  void report_comm_log(int64_t steps);
 
   const plan::ParallelPlan plan_;  // owned: the parameter store's views point into its registry
   const config::TrainConfig& cfg_;

@@ -10,6 +10,7 @@
 // in order, so the same inputs give the same bits on every run.
 #include <cublasLt.h>
 #include <cuda_runtime.h>
+#include <nvtx3/nvToolsExt.h>
 
 #include <algorithm>
 #include <cstdio>
@@ -986,6 +987,11 @@ extern "C" __attribute__((visibility("default"))) Backend* dstrain_cuda_make_bac
     return nullptr;
   }
 }
+
+extern "C" __attribute__((visibility("default"))) void dstrain_cuda_range_push(const char* name) {
+  nvtxRangePushA(name);
+}
+extern "C" __attribute__((visibility("default"))) void dstrain_cuda_range_pop() { nvtxRangePop(); }
 
 extern "C" __attribute__((visibility("default"))) bool dstrain_cuda_pool_stats(Backend* be, CudaPoolStats* out) {
   auto* c = dynamic_cast<CudaBackend*>(be);

@@ -24,6 +24,7 @@ struct Plugin {
   void (*device_info)(int, CudaDeviceInfo*) = nullptr;
   Backend* (*make_backend)(int, std::string*) = nullptr;
   bool (*pool_stats)(Backend*, CudaPoolStats*) = nullptr;
+  CudaRangeHooks ranges;
 };
 
 std::string beside_executable() {
@@ -57,10 +58,12 @@ const Plugin& plugin() {
     p.device_info = reinterpret_cast<void (*)(int, CudaDeviceInfo*)>(dlsym(p.handle, "dstrain_cuda_device_info"));
     p.make_backend = reinterpret_cast<Backend* (*)(int, std::string*)>(dlsym(p.handle, "dstrain_cuda_make_backend"));
     p.pool_stats = reinterpret_cast<bool (*)(Backend*, CudaPoolStats*)>(dlsym(p.handle, "dstrain_cuda_pool_stats"));
+    p.ranges.push = reinterpret_cast<void (*)(const char*)>(dlsym(p.handle, "dstrain_cuda_range_push"));
+    p.ranges.pop = reinterpret_cast<void (*)()>(dlsym(p.handle, "dstrain_cuda_range_pop"));
     if (!abi || !p.device_info || !p.make_backend || !p.pool_stats || abi() != kCudaPluginAbi) {
       p.error = std::string("the CUDA backend's plugin is not this dstrain's (interface ") +
                 (abi ? std::to_string(abi()) : "missing") + ", expected " + std::to_string(kCudaPluginAbi) + ")";
-      p.device_info = nullptr, p.make_backend = nullptr, p.pool_stats = nullptr;
+      p.device_info = nullptr, p.make_backend = nullptr, p.pool_stats = nullptr, p.ranges = {};
     }
   });
   return p;
@@ -98,6 +101,12 @@ std::unique_ptr<Backend> make_cuda_backend(int device) {
   Backend* be = p.make_backend(device, &error);
   if (!be) throw std::runtime_error(error);
   return std::unique_ptr<Backend>(be);
+}
+
+CudaRangeHooks cuda_range_hooks() {
+  if (!driver_present()) return {};
+  const Plugin& p = plugin();
+  return p.ranges.push && p.ranges.pop ? p.ranges : CudaRangeHooks{};
 }
 
 CudaPoolStats cuda_pool_stats(Backend& be) {

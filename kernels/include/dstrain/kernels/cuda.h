@@ -40,6 +40,15 @@ struct CudaPoolStats {
 // Throws std::invalid_argument when `be` is not a CUDA backend.
 CudaPoolStats cuda_pool_stats(Backend& be);
 
+// The plugin's NVTX range functions (nvtxRangePushA / nvtxRangePop: Nsight Systems shows the
+// ranges; without a profiler attached they cost next to nothing), for the step trace's range
+// hooks (engine/common/trace.h); null where the plugin is not loaded.
+struct CudaRangeHooks {
+  void (*push)(const char*) = nullptr;
+  void (*pop)() = nullptr;
+};
+CudaRangeHooks cuda_range_hooks();
+
 // The plugin's interface version: the loader refuses a libdstrain_cuda.so of another.
 constexpr int kCudaPluginAbi = 2;
 

@@ -1,0 +1,180 @@
+// What a user reaches for when a run is slow or odd (docs/design.md §6.12): the step trace
+// (monitor.trace) is valid Chrome trace JSON whose complete events nest on every lane and cover
+// the traced steps — forward / backward per layer, the optimizer, checkpoint phases — with
+// every collective as an async span naming its group and bytes; the comms log
+// (monitor.comm_log) counts exactly the bytes the plan (--dry-run's comm lines) says a step
+// moves, for data parallelism at ZeRO-0 / 1 / 2 in fp32 and bf16 and for pipeline stages.
+#include <filesystem>
+#include <regex>
+#include <set>
+
+#include "tests/cli/cli_util.h"
+
+namespace dstrain::testing {
+namespace {
+
+std::string fresh_dir(const std::string& name) {
+  const std::string dir = ::testing::TempDir() + "/" + name;
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  return dir;
+}
+
+struct Span {
+  double t0, t1;
+  std::string name;
+};
+
+TEST(Monitor, TraceIsValidJsonWhoseEventsNestAndCoverTheTracedSteps) {
+  const std::string dir = fresh_dir("trace");
+  const std::string trace = dir + "/trace.json";
+  const Result r = run(mpirun(2) + train_cmd(dir, "run", 4,
+                                              "--resume none --set parallel.pipeline=2 --set checkpoint.interval=2"
+                                              " --set monitor.trace=" + trace + " --set monitor.trace_steps=[2,3]"));
+  ASSERT_EQ(r.rc, 0) << r.err;
+  EXPECT_NE(r.out.find("trace of steps 2 to 3 from 2 ranks written to " + trace), std::string::npos) << r.out;
+  EXPECT_FALSE(std::filesystem::exists(trace + ".rank0"));  // the parts are merged and removed
+  EXPECT_FALSE(std::filesystem::exists(trace + ".rank1"));
+  const nlohmann::json j = nlohmann::json::parse(slurp(trace));  // throws on invalid JSON
+  ASSERT_TRUE(j.contains("traceEvents"));
+  std::map<std::pair<int, int>, std::vector<Span>> lanes;  // (pid, tid) -> complete events
+  std::map<int, std::vector<Span>> steps;                  // pid -> step spans
+  std::map<std::pair<int, int64_t>, double> begins;        // (pid, id) -> async begin
+  std::set<std::string> names, comm;
+  int async_pairs = 0;
+  for (const auto& e : j["traceEvents"]) {
+    const std::string ph = e["ph"];
+    if (ph == "M") continue;
+    const int pid = e["pid"];
+    EXPECT_TRUE(pid == 0 || pid == 1) << e.dump();
+    if (ph == "X") {
+      const double ts = e["ts"], dur = e["dur"];
+      EXPECT_GE(dur, 0.0) << e.dump();
+      const Span s{ts, ts + dur, e["name"]};
+      lanes[{pid, int(e["tid"])}].push_back(s);
+      names.insert(s.name);
+      if (s.name.rfind("step ", 0) == 0) steps[pid].push_back(s);
+    } else if (ph == "b") {
+      begins[{pid, e["id"].get<int64_t>()}] = e["ts"];
+      comm.insert(e["name"].get<std::string>());
+      EXPECT_TRUE(e["args"].contains("bytes")) << e.dump();
+    } else if (ph == "e") {
+      const auto it = begins.find({pid, e["id"].get<int64_t>()});
+      ASSERT_NE(it, begins.end()) << e.dump();
+      EXPECT_GE(double(e["ts"]), it->second) << e.dump();
+      ++async_pairs;
+    } else {
+      ADD_FAILURE() << "unexpected event " << e.dump();
+    }
+  }
+  EXPECT_EQ(size_t(async_pairs), begins.size());
+  // Steps 2 and 3 on both ranks, nothing of 1 or 4.
+  for (int pid : {0, 1}) {
+    ASSERT_EQ(steps[pid].size(), 2u) << pid;
+    std::set<std::string> got;
+    for (const Span& s : steps[pid]) got.insert(s.name);
+    EXPECT_EQ(got, (std::set<std::string>{"step 2", "step 3"}));
+  }
+  // Complete events nest on every lane: each lies inside the one that encloses its start, or after it.
+  const double eps = 0.01;  // (the timestamps are printed to the nanosecond)
+  for (auto& [lane, spans] : lanes) {
+    std::sort(spans.begin(), spans.end(), [](const Span& a, const Span& b) {
+      return a.t0 != b.t0 ? a.t0 < b.t0 : a.t1 > b.t1;
+    });
+    std::vector<Span> open;
+    for (const Span& s : spans) {
+      while (!open.empty() && open.back().t1 <= s.t0 + eps) open.pop_back();
+      if (!open.empty()) EXPECT_LE(s.t1, open.back().t1 + eps) << s.name << " crosses " << open.back().name;
+      open.push_back(s);
+    }
+  }
+  // The main lane of each rank: everything in it lies inside a traced step, and each step holds
+  // its forward and backward passes, per layer, and the optimizer.
+  for (int pid : {0, 1}) {
+    for (const Span& s : lanes[{pid, 1}]) {
+      bool inside = false;
+      for (const Span& st : steps[pid]) inside = inside || (s.t0 >= st.t0 - eps && s.t1 <= st.t1 + eps);
+      EXPECT_TRUE(inside) << s.name << " outside the traced steps on rank " << pid;
+    }
+  }
+  for (const char* n : {"forward micro-batch 0", "backward micro-batch 0", "forward layer 0", "backward layer 0",
+                        "forward layer 1", "forward head", "backward embedding", "optimizer step", "checkpoint save"})
+    EXPECT_TRUE(names.count(n)) << n;
+  for (const char* n : {"group pp-act send", "group pp-act recv", "group pp-grad send", "group pp-grad recv",
+                        "group checkpoint recv", "group world all_reduce_f64"})
+    EXPECT_TRUE(comm.count(n)) << n;
+}
+
+// The plan's transfers of rank 0 from --dry-run's comm lines: (group, op) -> bytes per step.
+std::map<std::pair<std::string, std::string>, double> planned(int np, const std::string& extra) {
+  const Result r = run(kDstrain + " configs/tiny.yaml --dry-run --world-size " + std::to_string(np) + extra);
+  EXPECT_EQ(r.rc, 0) << r.err;
+  std::map<std::pair<std::string, std::string>, double> out;
+  const std::regex line(R"(^  (\S+)\s+(\S+)\s+.*\(([0-9,]+) bytes\)$)");
+  std::istringstream in(r.out);
+  bool comm = false;
+  for (std::string l; std::getline(in, l);) {
+    if (l.rfind("comm ", 0) == 0) comm = true;
+    else if (!l.empty() && l[0] != ' ') comm = false;
+    std::smatch m;
+    if (comm && std::regex_match(l, m, line)) {
+      std::string digits = m[3];
+      digits.erase(std::remove(digits.begin(), digits.end(), ','), digits.end());
+      out[{m[1], m[2]}] = std::stod(digits);
+    }
+  }
+  return out;
+}
+
+TEST(Monitor, CommLogBytesEqualThePlan) {
+  const std::string dir = fresh_dir("comm_log");
+  struct Case {
+    int np;
+    std::string name, extra;
+    size_t transfers;  // planned (group, op) pairs of rank 0
+  };
+  const std::vector<Case> cases = {
+      {2, "zero0", " --set zero_optimization.stage=0", 2},  // dp and edp all-reduces
+      {2, "zero1_bf16", " --set zero_optimization.stage=1 --set bf16.enabled=true", 4},
+      {2, "zero2", " --set zero_optimization.stage=2", 4},
+      {2, "pp2", " --set parallel.pipeline=2", 2},
+      {4, "pp2_dp2_zero2", " --set parallel.pipeline=2 --set zero_optimization.stage=2", 4},
+  };
+  // Two runs, of 3 and 4 steps: what the fourth step added is one step's traffic (the final
+  // checkpoint's gathers and the start-up calls are in both).
+  const auto measure = [&](const Case& c, int steps) {
+    const std::string name = c.name + std::to_string(steps);
+    const Result r = run(mpirun(c.np) + train_cmd(dir, name, steps, "--resume none --set monitor.comm_log=true" + c.extra));
+    EXPECT_EQ(r.rc, 0) << c.name << r.err;
+    EXPECT_NE(r.out.find("comms log of rank 0, " + std::to_string(steps) + " steps"), std::string::npos) << r.out;
+    std::map<std::pair<std::string, std::string>, double> measured;  // summed over transports
+    std::ifstream in(dir + "/" + name + ".jsonl");
+    int records = 0;
+    for (std::string l; std::getline(in, l);) {
+      const nlohmann::json row = nlohmann::json::parse(l);
+      if (!row.contains("comm_log")) continue;
+      ++records;
+      for (const auto& s : row["comm_log"]) {
+        measured[{s["group"], s["op"]}] += s["bytes"].get<double>();
+        const int n = s["ranks"];
+        const double alg = s["algbw_gbps"], bus = s["busbw_gbps"];
+        EXPECT_GE(alg, 0.0);
+        if (n > 1 && s["op"] == "all_reduce") EXPECT_NEAR(bus, alg * 2.0 * (n - 1) / n, 1e-9);
+        if (n > 1 && s["op"] == "reduce_scatter") EXPECT_NEAR(bus, alg * (n - 1) / n, 1e-9);
+        if (n > 1 && s["op"] == "send") EXPECT_NEAR(bus, alg, 1e-9);
+      }
+    }
+    EXPECT_EQ(records, 1) << c.name;
+    return measured;
+  };
+  for (const Case& c : cases) {
+    const auto plan = planned(c.np, c.extra);
+    EXPECT_EQ(plan.size(), c.transfers) << c.name;
+    auto three = measure(c, 3), four = measure(c, 4);
+    for (const auto& [key, bytes] : plan)
+      EXPECT_EQ(four[key] - three[key], bytes) << c.name << ": " << key.first << " " << key.second;
+  }
+}
+
+}  // namespace
+}  // namespace dstrain::testing
