@@ -10,7 +10,7 @@ cd "$(dirname "$0")/.."
 cmake --preset sanitize >/dev/null
 # Only what the stage runs: the unit and command-line test binaries, the executables test_cli
 # starts, and the fuzz targets (the kernel / model / MPI test binaries run in the main suite).
-cmake --build --preset sanitize --target test_unit test_cli dstrain dstrain-ckpt dstrain-prep dstrain-bench \
+cmake --build --preset sanitize --target test_unit test_cli dstrain dstrain-ckpt dstrain-prep dstrain-bench dstrain-report \
   fuzz_config fuzz_tokenizer fuzz_checkpoint
 ctest --preset sanitize "$@"
 seconds=${DSTRAIN_FUZZ_SECONDS:-20}
