@@ -18,6 +18,9 @@ options:
   --resume auto|none|PATH  continue from a checkpoint (same as --set checkpoint.resume=...)
   --dump-grads FILE.h5  one forward and backward on the first global batch on any layout; write
                         the full weights, gradients, tokens and losses to FILE.h5 and exit
+  --memory-breakdown    run one step (not saved) and print every rank's memory by kind
+                        (weights, gradients, optimizer, activations, workspace,
+                        communication buffers), planned and measured, then exit
   --threads N           CPU threads (default: all cores, or OMP_NUM_THREADS)
   --check-comm          build every process group's communicator, check its members, and exit
   --ranks-needed        print the rank count the config needs (parallel.data must be a number)
@@ -45,6 +48,8 @@ Options parse_args(const std::vector<std::string>& args) {
       o.print_config = true;
     } else if (a == "--resume") {
       o.overrides.push_back("checkpoint.resume=" + value("--resume"));
+    } else if (a == "--memory-breakdown") {
+      o.memory_breakdown = true;
     } else if (a == "--dump-grads") {
       o.dump_grads = value("--dump-grads");
     } else if (a == "--threads") {

@@ -19,6 +19,7 @@ struct Options {
   bool version = false;
   std::optional<int> world_size;  // --world-size N (dry run / print-config only)
   std::string dump_grads;         // --dump-grads FILE.h5
+  bool memory_breakdown = false;  // --memory-breakdown: one step, every rank's memory, exit
   int threads = 0;                // --threads N; 0: all cores (or OMP_NUM_THREADS)
 };
 

@@ -202,7 +202,8 @@ int run(const launcher::Options& cli, int rank, int world) {
   }
   if (agree_on_failure(error, rank, world)) return 1;
   try {
-    trainer->run();
+    if (opts.memory_breakdown) trainer->memory_report();
+    else trainer->run();
   } catch (const AgreedError& e) {
     error = e.what();  // every rank throws it at the same point
   } catch (const Error& e) {

@@ -41,4 +41,11 @@ int64_t host_memory_available() {
   return available;
 }
 
+int64_t peak_resident_bytes() {
+  std::ifstream in("/proc/self/status");
+  for (std::string line; std::getline(in, line);)
+    if (line.rfind("VmHWM:", 0) == 0) return std::stoll(line.substr(6)) * 1024;  // "VmHWM:   123 kB"
+  return 0;
+}
+
 }  // namespace dstrain

@@ -27,4 +27,7 @@ void tune_host_allocator();
 // less its usage when that is smaller (a container). 0 when neither can be read.
 int64_t host_memory_available();
 
+// This process's peak resident memory so far (VmHWM), in bytes; 0 where /proc does not say.
+int64_t peak_resident_bytes();
+
 }  // namespace dstrain

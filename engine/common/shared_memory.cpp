@@ -11,8 +11,6 @@
 namespace dstrain {
 namespace {
 
-constexpr size_t kSharedMin = size_t(1) << 20;
-
 std::mutex& registry_mutex() {
   static std::mutex m;
   return m;

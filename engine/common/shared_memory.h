@@ -15,6 +15,9 @@
 
 namespace dstrain {
 
+// Allocations from this size up are shared memory (below it: plain heap memory).
+inline constexpr size_t kSharedMin = size_t(1) << 20;
+
 struct SharedRegion {
   void* base = nullptr;
   size_t bytes = 0;

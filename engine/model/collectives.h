@@ -30,6 +30,8 @@ class Collectives {
   virtual void tp_reduce_scatter_rows(float* part, float* full, int64_t rows, int64_t width) = 0;
   // Seconds spent inside the calls so far (the step-time breakdown; 0 where nothing crosses ranks).
   virtual double seconds() const { return 0.0; }
+  // Bytes of communication buffers held (the tensor-parallel staging buffer).
+  virtual int64_t buffer_bytes() const { return 0; }
 
   // Expert parallelism (docs/model.md §10.2): the ranks of the expert-parallel group hold
   // different routed experts and exchange token rows. A call in flight; wait() completes it.

@@ -59,6 +59,8 @@ class GradSync final : public model::BackwardObserver {
   const std::vector<GradBucket>& buckets() const { return buckets_; }
   // Whether gradient buffers are reduced through mapped peer memory (else messages).
   bool peer_memory() const { return peer_memory_; }
+  // Bytes of its own buffers (a bucket in the communication type, when that is not fp32).
+  int64_t buffer_bytes() const { return round_buf_.bytes(); }
 
  private:
   void launch_ready();

@@ -39,6 +39,7 @@ class TpCollectives final : public model::Collectives {
     std::copy(mine, mine + n, part);
   }
   double seconds() const override { return seconds_; }
+  int64_t buffer_bytes() const override { return staged_ ? int64_t(staging_.size() * sizeof(float)) : 0; }
 
  private:
   struct Timer {
@@ -85,6 +86,7 @@ class EpCollectives final : public model::Collectives {
     base_->tp_reduce_scatter_rows(part, full, rows, width);
   }
   double seconds() const override { return base_->seconds(); }
+  int64_t buffer_bytes() const override { return base_->buffer_bytes(); }
 
   int ep_rank() const override { return ep_.rank(); }
   int ep_size() const override { return ep_.size(); }

@@ -12,9 +12,14 @@
 #include <spdlog/spdlog.h>
 
 
+#if defined(DSTRAIN_HAVE_CUDA)
+#include "dstrain/kernels/cuda.h"
+#endif
 #include "engine/comm/comm_log.h"
 #include "engine/common/error.h"
 #include "engine/common/fault_inject.h"
+#include "engine/common/host_memory.h"
+#include "engine/common/shared_memory.h"
 #include "engine/common/strings.h"
 #include "engine/common/trace.h"
 #include "engine/config/load_config.h"
@@ -478,6 +483,98 @@ std::string Trainer::save_checkpoint(int64_t steps_done) {
   return path;
 }
 
+std::vector<double> Trainer::memory_figures() {
+  const model::ParamStore& params = *engine_.params;
+  model::ParamStore& ps = *engine_.params;
+  const int pp = groups_.coord().pp;
+  const plan::MemoryEstimate m = plan_.memory(pp, int(cfg_.zero_optimization.stage), cfg_.precision());
+  const kernels::DType lp = compute_dtype(cfg_.precision());
+  const plan::ActivationMemory a =
+      plan_.activations(pp, 0, lp == kernels::DType::kF32 || engine_.backend->low_precision_attention(lp));
+  // The tensor-parallel staging buffer: host shared memory, for tensors in host memory, and
+  // only from 1 MiB (smaller calls go by messages, engine/common/shared_memory.h).
+  double staging = plan_.degrees.tp > 1 && engine_.backend->host_addressable()
+                       ? 4.0 * double(plan_.batch.micro * cfg_.seq_length * cfg_.model.hidden_size)
+                       : 0.0;
+  if (staging < double(kSharedMin)) staging = 0;
+  const double comm_planned =
+      staging + (engine_.grad_sync ? double(engine_.grad_sync->buffer_bytes()) : 0.0);  // (the bucket size is the config's)
+  const double weights = 4.0 * double(params.dense_numel() + params.expert_numel() + ps.buffers().size()) +
+                         (params.has_compute_copy() ? 2.0 * double(ps.compute_copy(false).size() + ps.compute_copy(true).size()) : 0.0);
+  const double grads = 4.0 * double(ps.dense_grads().size() + ps.expert_grads().size());
+  double optimizer = 4.0 * double(adam_->exp_avg_dense().size() + adam_->exp_avg_sq_dense().size() +
+                                  adam_->exp_avg_expert().size() + adam_->moment(2, true).size());
+  if (adam_->has_master()) optimizer += 4.0 * double(adam_->master(false).size() + adam_->master(true).size());
+  const PipelineRunner& runner = *engine_.pipeline;
+  const double saved = double(runner.saved_activation_bytes_held());
+  const double workspace = double(runner.activation_bytes_held()) - saved + double(runner.deferred_copy_bytes_peak());
+  const double comm = double(engine_.collectives->buffer_bytes()) +
+                      (engine_.grad_sync ? double(engine_.grad_sync->buffer_bytes()) : 0.0);
+  return {m.weights, m.gradients, m.optimizer, a.saved(), a.workspace, comm_planned,
+          weights, grads, optimizer, saved, workspace, comm};
+}
+
+void Trainer::log_memory_breakdown(bool all_ranks) {
+  constexpr int kKinds = 6, kFigures = 2 * kKinds + 1;
+  const int world = plan_.degrees.world();
+  std::vector<double> all(size_t(world * kFigures), 0.0);
+  const std::vector<double> mine = memory_figures();
+  std::copy(mine.begin(), mine.end(), all.begin() + rank_ * kFigures);
+  double peak = -1;  // the GPU pool's peak, or this process's peak resident memory
+#if defined(DSTRAIN_HAVE_CUDA)
+  if (!engine_.backend->host_addressable() && runs_on_gpu(cfg_.device))
+    peak = double(kernels::cuda_pool_stats(*engine_.backend).peak_bytes);
+#endif
+  if (peak < 0) peak = double(peak_resident_bytes());
+  all[size_t(rank_ * kFigures + 2 * kKinds)] = peak;
+  world_->all_reduce(all.data(), int64_t(all.size()), comm::ReduceOp::kSum)->wait();
+  if (rank_ != 0) return;
+  static const char* kNames[kKinds] = {"weights", "gradients", "optimizer state", "activations (saved)",
+                                       "workspace", "communication buffers"};
+  const bool gpu = !engine_.backend->host_addressable() && runs_on_gpu(cfg_.device);
+  std::string table = fmt::format("{:<24}", "memory per rank");
+  const std::vector<int> shown = [&] {
+    std::vector<int> r;
+    for (int k = 0; k < (all_ranks ? world : 1); ++k) r.push_back(k);
+    return r;
+  }();
+  for (int r : shown) table += fmt::format(" | {:>11} {:>11}", fmt::format("r{} plan", r), fmt::format("r{} now", r));
+  if (!all_ranks && world > 1) table += fmt::format(" | {:>18}", "largest now (rank)");
+  for (int k = 0; k <= kKinds; ++k) {
+    table += fmt::format("\n{:<24}", k < kKinds ? kNames[k] : "total");
+    for (int r : shown) {
+      const double* f = &all[size_t(r * kFigures)];
+      double planned = 0, now = 0;
+      for (int j = 0; j < kKinds; ++j)
+        if (k == kKinds || j == k) planned += f[j], now += f[kKinds + j];
+      table += fmt::format(" | {:>11} {:>11}", human_bytes(planned), human_bytes(now));
+    }
+    if (!all_ranks && world > 1) {
+      int who = 0;
+      double most = -1;
+      for (int r = 0; r < world; ++r) {
+        double v = 0;
+        for (int j = 0; j < kKinds; ++j)
+          if (k == kKinds || j == k) v += all[size_t(r * kFigures + kKinds + j)];
+        if (v > most) most = v, who = r;
+      }
+      table += fmt::format(" | {:>13} ({})", human_bytes(most), who);
+    }
+  }
+  table += fmt::format("\n{:<24}", gpu ? "GPU pool peak" : "process peak RSS");
+  for (int r : shown) table += fmt::format(" | {:>11} {:>11}", "", human_bytes(all[size_t(r * kFigures + 2 * kKinds)]));
+  spdlog::info("memory breakdown (plan: the plan's figures for the rank's stage; now: its buffers after step {}):\n{}",
+               start_step_ + 1, table);
+}
+
+void Trainer::memory_report() {
+  const StepResult r = train_step(start_step_);
+  if (rank_ == 0)
+    spdlog::info("--memory-breakdown: one step ({} -> {}, loss {:.4f}) run and not saved", start_step_,
+                 start_step_ + 1, r.loss.ce);
+  log_memory_breakdown(true);
+}
+
 void Trainer::write_trace() {
   trace::stop();
   const std::string& path = cfg_.monitor.trace;
@@ -643,6 +740,7 @@ TrainSummary Trainer::run() {
                                             human_bytes(double(queued)))
                               : "");
     }
+    if (step == start_step_) log_memory_breakdown(false);  // (collective)
     if (!last.diverged.empty()) {
       // The state after `step` steps is finite and untouched: keep it, unless it is saved already.
       std::string kept = saved_step_ >= 0 ? fmt::format("the last finite state is {} (step {})", saved_path_, saved_step_)

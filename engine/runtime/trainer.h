@@ -81,6 +81,13 @@ class Trainer {
   // Saves a checkpoint of the state after `steps_done` steps (collective).
   std::string save_checkpoint(int64_t steps_done);
   int64_t start_step() const { return start_step_; }
+  // Collective over the world: every rank's memory breakdown (weights, gradients, optimizer
+  // state, activations, workspace, communication buffers; planned and measured) to rank 0, which
+  // logs it as a table — every rank with `all_ranks`, else rank 0 and the largest of each kind —
+  // with each process's peak resident memory (or its GPU pool's peak).
+  void log_memory_breakdown(bool all_ranks);
+  // --memory-breakdown: one training step (not saved), then every rank's breakdown.
+  void memory_report();
 
   // Asks a running loop to save and stop after the current step. Returns false when no loop is
   // running or a stop was already requested (the caller should then exit at once).
@@ -100,6 +107,10 @@ class Trainer {
                 double elapsed_s, const std::optional<double>& val);
   void log_expert_stats(int64_t step, const StepResult& r);
   void agree_on_start(const std::string& local_error);
+  // This rank's memory by kind — weights, gradients, optimizer state, activations, workspace,
+  // communication buffers — planned (the plan's figures for its stage) and measured (what its
+  // buffers hold now), in bytes: {planned[6], measured[6]}.
+  std::vector<double> memory_figures();
   // Stops the trace, writes this rank's events beside monitor.trace and, on rank 0, merges every
   // rank's into monitor.trace (collective over the world).
   void write_trace();

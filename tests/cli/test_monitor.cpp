@@ -176,5 +176,55 @@ TEST(Monitor, CommLogBytesEqualThePlan) {
   }
 }
 
+// --memory-breakdown: one step, not saved, then every rank's memory by kind, planned and measured:
+// the weights, optimizer state, saved activations and workspace as planned (the activations to
+// 10%, the rest exactly), the communication buffers those of the layout (the 2 MiB tensor-parallel
+// staging buffer of `small` at TP 2), and each process's peak resident memory above the total.
+TEST(Monitor, MemoryBreakdownPlannedAndMeasuredPerRank) {
+  const std::string dir = fresh_dir("memory");
+  const Result r = run(mpirun(2) + kDstrain + " configs/small.yaml --resume none --set parallel.tensor=2" +
+                       " --set checkpoint.dir=" + dir + "/ckpt --memory-breakdown");
+  ASSERT_EQ(r.rc, 0) << r.err;
+  EXPECT_NE(r.out.find("--memory-breakdown: one step (0 -> 1"), std::string::npos) << r.out;
+  EXPECT_FALSE(std::filesystem::exists(dir + "/ckpt/step_00000001.h5"));  // nothing saved
+  const auto parse = [&](const std::string& row) {  // the figures of a row, in MiB
+    const auto lines = lines_with(r.out, row);
+    EXPECT_EQ(lines.size(), 1u) << row << r.out;
+    std::vector<double> out;
+    if (lines.empty()) return out;
+    const std::regex figure(R"(([0-9.]+) (B|KiB|MiB|GiB))");
+    for (std::sregex_iterator it(lines[0].begin(), lines[0].end(), figure), end; it != end; ++it) {
+      const std::string unit = (*it)[2];
+      const double scale = unit == "B" ? 1.0 / 1048576 : unit == "KiB" ? 1.0 / 1024 : unit == "MiB" ? 1.0 : 1024.0;
+      out.push_back(std::stod((*it)[1]) * scale);
+    }
+    return out;
+  };
+  EXPECT_NE(r.out.find("memory per rank          |     r0 plan      r0 now |     r1 plan      r1 now"), std::string::npos)
+      << r.out;
+  for (const char* row : {"weights  ", "optimizer state  ", "activations (saved)  ", "workspace  "}) {
+    const auto f = parse(row);
+    ASSERT_EQ(f.size(), 4u) << row;
+    for (int rank = 0; rank < 2; ++rank) {
+      EXPECT_GT(f[size_t(2 * rank)], 0.0) << row;
+      EXPECT_NEAR(f[size_t(2 * rank + 1)], f[size_t(2 * rank)], 0.1 * f[size_t(2 * rank)]) << row << " rank " << rank;
+    }
+  }
+  const auto comm = parse("communication buffers  ");
+  ASSERT_EQ(comm.size(), 4u);
+  EXPECT_NEAR(comm[1], 2.0, 1e-6);  // micro 8 x 256 tokens x 256 hidden x 4 bytes, staged in shared memory
+  const auto total = parse("total  "), rss = parse("process peak RSS");
+  ASSERT_EQ(total.size(), 4u);
+  ASSERT_EQ(rss.size(), 2u);
+  EXPECT_GT(rss[0], total[1]);
+  EXPECT_GT(rss[1], total[3]);
+  // The same table, rank 0 and the largest of each kind, at the start of a training run.
+  const Result t = run(mpirun(2) + train_cmd(dir, "run", 1, "--resume none --set parallel.data=2"));
+  ASSERT_EQ(t.rc, 0) << t.err;
+  EXPECT_NE(t.out.find("memory breakdown (plan: the plan's figures for the rank's stage; now: its buffers after step 1)"),
+            std::string::npos) << t.out;
+  EXPECT_NE(t.out.find("largest now (rank)"), std::string::npos) << t.out;
+}
+
 }  // namespace
 }  // namespace dstrain::testing
