@@ -23,6 +23,7 @@
 #include "engine/plan/report.h"
 #include "engine/runtime/dump_grads.h"
 #include "engine/runtime/rank_engine.h"
+#include "engine/runtime/generate.h"
 #include "engine/runtime/trainer.h"
 #include "launcher/cli.h"
 #include "launcher/signals.h"
@@ -219,8 +220,86 @@ int run(const launcher::Options& cli, int rank, int world) {
 
 }  // namespace
 
+// `dstrain generate CKPT --prompt TEXT [...]`: one process, no MPI.
+int generate_command(const std::vector<std::string>& args) {
+  const char* usage =
+      "usage: dstrain generate CHECKPOINT.h5 --prompt TEXT [--max-new-tokens N] [--temperature T] [--top-k K]\n"
+      "                        [--greedy] [--seed S] [--threads N]\n"
+      "  continues TEXT with the checkpoint's model, tokenized as its training data was;\n"
+      "  defaults: 200 new tokens, temperature 0.8, top-k 40 (--greedy: temperature 0)\n";
+  runtime::GenerateOptions o;
+  std::string ckpt;
+  bool has_prompt = false;
+  try {
+    for (size_t i = 0; i < args.size(); ++i) {
+      const std::string& a = args[i];
+      const auto value = [&]() -> std::string {
+        if (i + 1 >= args.size()) throw std::invalid_argument(a + " needs a value");
+        return args[++i];
+      };
+      const auto number = [&](double lo) {
+        const std::string v = value();
+        size_t used = 0;
+        double x = 0;
+        try {
+          x = std::stod(v, &used);
+        } catch (const std::exception&) {
+          used = 0;
+        }
+        if (used != v.size() || !(x >= lo)) throw std::invalid_argument(fmt::format("{} {}: not a number >= {}", a, v, lo));
+        return x;
+      };
+      if (a == "-h" || a == "--help") {
+        std::cout << usage;
+        return 0;
+      } else if (a == "--prompt") {
+        o.prompt = value(), has_prompt = true;
+      } else if (a == "--max-new-tokens") {
+        o.max_new_tokens = int64_t(number(1));
+      } else if (a == "--temperature") {
+        o.temperature = number(0);
+      } else if (a == "--top-k") {
+        o.top_k = int64_t(number(0));
+      } else if (a == "--greedy") {
+        o.temperature = 0;
+      } else if (a == "--seed") {
+        o.seed = uint64_t(number(0));
+      } else if (a == "--threads") {
+        o.threads = int(number(1));
+      } else if (!a.empty() && a[0] == '-') {
+        throw std::invalid_argument("unknown option '" + a + "'");
+      } else if (ckpt.empty()) {
+        ckpt = a;
+      } else {
+        throw std::invalid_argument("more than one checkpoint given: '" + ckpt + "' and '" + a + "'");
+      }
+    }
+    if (ckpt.empty() || !has_prompt) throw std::invalid_argument("generate needs a checkpoint and --prompt TEXT");
+  } catch (const std::invalid_argument& e) {
+    std::fprintf(stderr, "dstrain generate: error: %s\n%s", e.what(), usage);
+    return 2;
+  }
+  init_logging(0, "warn");
+  try {
+    const runtime::Generated g = runtime::generate(ckpt, o);
+    std::cout << o.prompt << g.text << "\n";
+    std::fprintf(stderr, "dstrain generate: %zu prompt + %zu new tokens (%s tokenizer) from step %lld of %s in %.2f s "
+                         "(%.1f tokens/s, %s)\n",
+                 g.prompt_ids.size(), g.new_ids.size(), g.tokenizer.c_str(), static_cast<long long>(g.step),
+                 ckpt.c_str(), g.seconds, double(g.new_ids.size()) / std::max(g.seconds, 1e-9),
+                 o.temperature <= 0 ? "greedy" : fmt::format("temperature {}, top-k {}, seed {}", o.temperature,
+                                                             o.top_k, o.seed).c_str());
+    return 0;
+  } catch (const Error& e) {
+    std::fprintf(stderr, "dstrain generate: error: %s\n", e.what());
+    return 1;
+  }
+}
+
 int main(int argc, char** argv) {
   tune_host_allocator();
+  if (argc >= 2 && std::string(argv[1]) == "generate")
+    return generate_command(std::vector<std::string>(argv + 2, argv + argc));
   launcher::install_stop_signals();
   launcher::Options opts;
   try {

@@ -10,6 +10,7 @@
 #include <sstream>
 
 #include "engine/config/load_config.h"
+#include "engine/runtime/generate.h"
 #include "engine/config/presets.h"
 #include "engine/data/token_dataset.h"
 #include "engine/io/hdf5_file.h"
@@ -337,4 +338,30 @@ TEST(Json, QuotesBackslashesAndNonAsciiSurviveConfigAndMetrics) {
 }
 
 }  // namespace
+// dstrain generate's choice of the next token: greedy is the argmax (lowest id on a tie);
+// sampling draws from softmax(logits / T) over the top k — the uniform draw walks the
+// cumulative probabilities in descending order — and never returns a token outside the top k or
+// past the vocabulary bound.
+TEST(Generate, PickTokenGreedyTopKAndTemperature) {
+  const std::vector<float> logits = {1.0f, 3.0f, 3.0f, 0.0f, 2.0f, 9.0f};  // id 5 is past the vocabulary of 5
+  EXPECT_EQ(runtime::pick_token(logits.data(), 5, 0.0, 0, 0.99), 1);  // greedy: the first of the tied best
+  EXPECT_EQ(runtime::pick_token(logits.data(), 6, 0.0, 0, 0.5), 5);
+  EXPECT_EQ(runtime::pick_token(logits.data(), 5, 1.0, 1, 0.99), 1);  // top-k 1 is greedy
+  // Top 3 at T = 1: ids 1, 2 (e^3 each) and 4 (e^2): probabilities 0.422, 0.422, 0.155.
+  const double e3 = std::exp(3.0), e2 = std::exp(2.0), z = 2 * e3 + e2;
+  EXPECT_EQ(runtime::pick_token(logits.data(), 5, 1.0, 3, 0.0), 1);
+  EXPECT_EQ(runtime::pick_token(logits.data(), 5, 1.0, 3, e3 / z - 1e-6), 1);
+  EXPECT_EQ(runtime::pick_token(logits.data(), 5, 1.0, 3, e3 / z + 1e-6), 2);
+  EXPECT_EQ(runtime::pick_token(logits.data(), 5, 1.0, 3, 2 * e3 / z + 1e-6), 4);
+  EXPECT_EQ(runtime::pick_token(logits.data(), 5, 1.0, 3, 0.999999), 4);
+  // The empirical distribution over many draws matches softmax(logits / T), top k = all.
+  const double T = 2.0;
+  std::vector<double> want(5), got(5);
+  double zt = 0;
+  for (int i = 0; i < 5; ++i) zt += want[size_t(i)] = std::exp(double(logits[size_t(i)]) / T);
+  const int draws = 20000;
+  for (int d = 0; d < draws; ++d) got[size_t(runtime::pick_token(logits.data(), 5, T, 0, (d + 0.5) / draws))] += 1.0 / draws;
+  for (int i = 0; i < 5; ++i) EXPECT_NEAR(got[size_t(i)], want[size_t(i)] / zt, 1e-3) << i;
+}
+
 }  // namespace dstrain::runtime
