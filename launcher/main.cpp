@@ -223,8 +223,8 @@ int run(const launcher::Options& cli, int rank, int world) {
 // `dstrain generate CKPT --prompt TEXT [...]`: one process, no MPI.
 int generate_command(const std::vector<std::string>& args) {
   const char* usage =
-      "usage: dstrain generate CHECKPOINT.h5 --prompt TEXT [--max-new-tokens N] [--temperature T] [--top-k K]\n"
-      "                        [--greedy] [--seed S] [--threads N]\n"
+      "usage: dstrain generate CHECKPOINT.h5|CHECKPOINT_DIR --prompt TEXT [--max-new-tokens N] [--temperature T]\n"
+      "                        [--top-k K] [--greedy] [--seed S] [--threads N]\n"
       "  continues TEXT with the checkpoint's model, tokenized as its training data was;\n"
       "  defaults: 200 new tokens, temperature 0.8, top-k 40 (--greedy: temperature 0)\n";
   runtime::GenerateOptions o;
@@ -286,7 +286,7 @@ int generate_command(const std::vector<std::string>& args) {
     std::fprintf(stderr, "dstrain generate: %zu prompt + %zu new tokens (%s tokenizer) from step %lld of %s in %.2f s "
                          "(%.1f tokens/s, %s)\n",
                  g.prompt_ids.size(), g.new_ids.size(), g.tokenizer.c_str(), static_cast<long long>(g.step),
-                 ckpt.c_str(), g.seconds, double(g.new_ids.size()) / std::max(g.seconds, 1e-9),
+                 g.checkpoint.c_str(), g.seconds, double(g.new_ids.size()) / std::max(g.seconds, 1e-9),
                  o.temperature <= 0 ? "greedy" : fmt::format("temperature {}, top-k {}, seed {}", o.temperature,
                                                              o.top_k, o.seed).c_str());
     return 0;

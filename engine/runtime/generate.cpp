@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cmath>
 #include <filesystem>
+#include <fstream>
 #include <numeric>
 #include <random>
 
@@ -41,12 +42,21 @@ int32_t pick_token(const float* logits, int64_t vocab, double temperature, int64
   return ids[size_t(k - 1)];
 }
 
-Generated generate(const std::string& checkpoint, const GenerateOptions& o) {
+Generated generate(const std::string& path, const GenerateOptions& o) {
   if (o.prompt.empty()) throw ConfigError("generate: --prompt is empty; give the text to continue");
+  std::string checkpoint = path;
+  if (std::filesystem::is_directory(path)) {  // a checkpoint directory: the one `latest` names
+    std::ifstream in(std::filesystem::path(path) / "latest");
+    std::string name;
+    if (!(in >> name))
+      throw ConfigError(fmt::format("generate: {} is a directory without a `latest` file (no checkpoint saved there)", path));
+    checkpoint = (std::filesystem::path(path) / name).string();
+  }
   if (!std::filesystem::is_regular_file(checkpoint))
     throw ConfigError(fmt::format("generate: {} is not a checkpoint file (give a step_*.h5 of checkpoint.dir)", checkpoint));
   std::string yaml;
   Generated out;
+  out.checkpoint = checkpoint;
   {
     io::H5File f(checkpoint, io::H5File::Mode::kRead);
     yaml = f.attr_string("config_yaml");

@@ -28,9 +28,11 @@ struct Generated {
   std::vector<int32_t> prompt_ids, new_ids;
   std::string text;                   // the decoded new tokens
   int64_t step = 0;                   // the checkpoint's
+  std::string checkpoint;             // the file read
   double seconds = 0;
 };
 
+// `checkpoint`: a checkpoint file, or a checkpoint directory (the one its `latest` names).
 // Throws dstrain::Error (ConfigError naming the file) for a missing or unreadable checkpoint,
 // an empty prompt, or a prompt the tokenizer cannot encode.
 Generated generate(const std::string& checkpoint, const GenerateOptions& options);
