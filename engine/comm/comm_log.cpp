@@ -33,13 +33,15 @@ class LoggedCommunicator;
 class LoggedWork final : public Work {
  public:
   LoggedWork(std::unique_ptr<Work> inner, const LoggedCommunicator* c, const char* op, std::string transport,
-             double bytes)
-      : in_(std::move(inner)), c_(c), op_(op), transport_(std::move(transport)), bytes_(bytes),
-        t0_(trace::now_us()) {}
+             double bytes, double t0)
+      : in_(std::move(inner)), c_(c), op_(op), transport_(std::move(transport)), bytes_(bytes), t0_(t0) {}
   ~LoggedWork() override {
     if (!recorded_ && in_) {
       in_.reset();  // (waits for it)
-      record();
+      try {
+        record();
+      } catch (...) {  // (a log line lost rather than a throw from a destructor)
+      }
     }
   }
   void wait() override {
@@ -73,44 +75,46 @@ class LoggedCommunicator final : public Communicator {
   uint64_t seq() const override { return in_->seq(); }
 
   std::unique_ptr<Work> all_reduce(float* buf, int64_t n, ReduceOp op) override {
-    return logged("all_reduce", buf, 4.0 * double(n), in_->all_reduce(buf, n, op));
+    return logged("all_reduce", buf, 4.0 * double(n), [&] { return in_->all_reduce(buf, n, op); });
   }
   std::unique_ptr<Work> all_reduce(double* buf, int64_t n, ReduceOp op) override {
-    return logged("all_reduce_f64", buf, 8.0 * double(n), in_->all_reduce(buf, n, op));
+    return logged("all_reduce_f64", buf, 8.0 * double(n), [&] { return in_->all_reduce(buf, n, op); });
   }
   std::unique_ptr<Work> all_reduce(int64_t* buf, int64_t n, ReduceOp op) override {
-    return logged("all_reduce_i64", buf, 8.0 * double(n), in_->all_reduce(buf, n, op));
+    return logged("all_reduce_i64", buf, 8.0 * double(n), [&] { return in_->all_reduce(buf, n, op); });
   }
   std::unique_ptr<Work> reduce_scatter(float* out, const float* in, int64_t n, ReduceOp op) override {
-    return logged("reduce_scatter", in, 4.0 * double(n) * size(), in_->reduce_scatter(out, in, n, op));
+    return logged("reduce_scatter", in, 4.0 * double(n) * size(), [&] { return in_->reduce_scatter(out, in, n, op); });
   }
   std::unique_ptr<Work> reduce_scatter_v(float* buf, const std::vector<int64_t>& counts, ReduceOp op) override {
-    return logged("reduce_scatter", buf, 4.0 * double(total(counts)), in_->reduce_scatter_v(buf, counts, op));
+    return logged("reduce_scatter", buf, 4.0 * double(total(counts)), [&] { return in_->reduce_scatter_v(buf, counts, op); });
   }
   std::unique_ptr<Work> all_gather(float* out, const float* in, int64_t n) override {
-    return logged("all_gather", out, 4.0 * double(n) * size(), in_->all_gather(out, in, n));
+    return logged("all_gather", out, 4.0 * double(n) * size(), [&] { return in_->all_gather(out, in, n); });
   }
   std::unique_ptr<Work> all_gather_v(float* buf, const std::vector<int64_t>& counts) override {
-    return logged("all_gather", buf, 4.0 * double(total(counts)), in_->all_gather_v(buf, counts));
+    return logged("all_gather", buf, 4.0 * double(total(counts)), [&] { return in_->all_gather_v(buf, counts); });
   }
   std::unique_ptr<Work> all_to_all_v(float* out, const std::vector<int64_t>& out_counts, const float* in,
                                      const std::vector<int64_t>& in_counts) override {
-    return logged("all_to_all", in, 4.0 * double(total(in_counts)), in_->all_to_all_v(out, out_counts, in, in_counts));
+    return logged("all_to_all", in, 4.0 * double(total(in_counts)), [&] { return in_->all_to_all_v(out, out_counts, in, in_counts); });
   }
   std::unique_ptr<Work> send(const float* buf, int64_t n, int peer) override {
-    return logged("send", buf, 4.0 * double(n), in_->send(buf, n, peer));
+    return logged("send", buf, 4.0 * double(n), [&] { return in_->send(buf, n, peer); });
   }
   std::unique_ptr<Work> recv(float* buf, int64_t n, int peer) override {
-    return logged("recv", buf, 4.0 * double(n), in_->recv(buf, n, peer));
+    return logged("recv", buf, 4.0 * double(n), [&] { return in_->recv(buf, n, peer); });
   }
   std::unique_ptr<Work> broadcast(float* buf, int64_t n, int root) override {
-    return logged("broadcast", buf, 4.0 * double(n), in_->broadcast(buf, n, root));
+    return logged("broadcast", buf, 4.0 * double(n), [&] { return in_->broadcast(buf, n, root); });
   }
   std::unique_ptr<Work> broadcast(char* buf, int64_t n, int root) override {
-    return logged("broadcast", buf, double(n), in_->broadcast(buf, n, root));
+    return logged("broadcast", buf, double(n), [&] { return in_->broadcast(buf, n, root); });
   }
-  std::unique_ptr<Work> barrier() override { return logged("barrier", nullptr, 0, in_->barrier()); }
+  std::unique_ptr<Work> barrier() override { return logged("barrier", nullptr, 0, [&] { return in_->barrier(); }); }
   void progress() override { in_->progress(); }
+  void group_start() override { in_->group_start(); }
+  void group_end() override { in_->group_end(); }
   bool register_peer_memory(float* base, int64_t n) override {
     const bool mapped = in_->register_peer_memory(base, n);
     if (mapped) mapped_.emplace_back(reinterpret_cast<const char*>(base), reinterpret_cast<const char*>(base + n));
@@ -118,13 +122,17 @@ class LoggedCommunicator final : public Communicator {
   }
 
  private:
-  std::unique_ptr<Work> logged(const char* op, const void* buf, double bytes, std::unique_ptr<Work> w) {
-    if (!CommLog::instance().enabled() && !trace::recording()) return w;
+  // Issues the call (`issue`), timed from just before it.
+  template <class F>
+  std::unique_ptr<Work> logged(const char* op, const void* buf, double bytes, F&& issue) {
+    if (!CommLog::instance().enabled() && !trace::recording()) return issue();
+    const double t0 = trace::now_us();
+    std::unique_ptr<Work> w = issue();
     std::string transport = transport_;
     const char* p = static_cast<const char*>(buf);
     for (const auto& [b, e] : mapped_)
       if (p >= b && p < e) transport = "shared memory";
-    return std::make_unique<LoggedWork>(std::move(w), this, op, std::move(transport), bytes);
+    return std::make_unique<LoggedWork>(std::move(w), this, op, std::move(transport), bytes, t0);
   }
 
   std::unique_ptr<Communicator> in_;

@@ -71,6 +71,16 @@ class Communicator {
   // Advances every outstanding Work of this group without blocking.
   virtual void progress() = 0;
 
+  // Operations issued between group_start() and the matching group_end() — on this and on any
+  // other communicator of this thread, calls nesting — form one group. On NCCL
+  // (ncclGroupStart / ncclGroupEnd) the operations of a communicator run one after another in
+  // issue order on its stream, and those of one group together: a receive waiting for a peer
+  // holds every later operation of its communicator unless they are grouped with it; the
+  // pipeline groups its sends with the receive it waits for. MPI's operations all progress on
+  // their own: there the calls change nothing. Wait on a Work of a group only after its end.
+  virtual void group_start() {}
+  virtual void group_end() {}
+
   // Collective: offers [base, base + n) — the corresponding buffer on every rank — for direct
   // access. Where every member is on this host and the buffer is shared memory
   // (engine/common/shared_memory.h), each rank maps its peers' buffers, and all-reduce,

@@ -19,6 +19,13 @@ void cuda_check(cudaError_t e, const std::string& what) {
 
 ncclRedOp_t nccl_op(ReduceOp op) { return op == ReduceOp::kSum ? ncclSum : ncclMax; }
 
+// ncclGroupStart / ncclGroupEnd nest per thread, across communicators: one group of this thread
+// is open while the depth is above 0. The completion events of a group's operations are recorded
+// on their streams only after ncclGroupEnd has launched them.
+thread_local int g_group_depth = 0;
+thread_local uint64_t g_group_id = 0;
+thread_local std::vector<std::pair<cudaEvent_t, cudaStream_t>> g_group_events;
+
 class NcclCommunicator;
 
 class NcclWork final : public Work {
@@ -137,6 +144,21 @@ class NcclCommunicator final : public Communicator {
     return issue("barrier", [&] { return ncclAllReduce(scratch_, scratch_, 1, ncclFloat32, ncclSum, comm_, stream_); });
   }
   void progress() override {}  // NCCL progresses on the device
+  void group_start() override {
+    if (g_group_depth++ == 0) {
+      ++g_group_id;
+      check(ncclGroupStart(), "ncclGroupStart");
+    }
+  }
+  void group_end() override {
+    if (g_group_depth == 0) throw CommError(fmt::format("group {}: group_end without group_start", name_));
+    if (--g_group_depth > 0) return;
+    const ncclResult_t r = ncclGroupEnd();
+    auto events = std::move(g_group_events);
+    g_group_events.clear();
+    if (r != ncclSuccess && r != ncclInProgress) abort_with(fmt::format("group {}: ncclGroupEnd: {}", name_, ncclGetErrorString(r)));
+    for (const auto& [e, s] : events) cuda_check(cudaEventRecord(e, s), "group " + name_ + " (group end)");
+  }
   bool register_peer_memory(float*, int64_t) override { return false; }
 
   // For NcclWork: NCCL's asynchronous error, as a CommError after aborting the communicator.
@@ -157,13 +179,18 @@ class NcclCommunicator final : public Communicator {
   std::unique_ptr<Work> issue(const char* op, F&& call) {
     if (!comm_) throw CommError(fmt::format("group {}: the NCCL communicator was aborted", name_));
     const std::string what = fmt::format("group {} {} #{} (rank {} of {})", name_, op, seq_++, rank_, size_);
-    cuda_check(cudaEventRecord(issued_, compute_), what);  // after everything the compute stream has
-    cuda_check(cudaStreamWaitEvent(stream_, issued_, 0), what);
+    const bool grouped = g_group_depth > 0;
+    if (!grouped || ordered_in_group_ != g_group_id) {  // once per group: after what the compute stream has
+      cuda_check(cudaEventRecord(issued_, compute_), what);
+      cuda_check(cudaStreamWaitEvent(stream_, issued_, 0), what);
+      ordered_in_group_ = grouped ? g_group_id : 0;
+    }
     const ncclResult_t r = call();
     if (r != ncclSuccess && r != ncclInProgress) abort_with(what + ": " + ncclGetErrorString(r));
     cudaEvent_t done = nullptr;
     cuda_check(cudaEventCreateWithFlags(&done, cudaEventDisableTiming), what);
-    cuda_check(cudaEventRecord(done, stream_), what);
+    if (grouped) g_group_events.emplace_back(done, stream_);  // recorded once the group is launched
+    else cuda_check(cudaEventRecord(done, stream_), what);
     // The compute stream is not made to wait for the transfer here: a receive posted ahead of the
     // kernels before its use (the pipeline's) would hold those kernels — and the sends they feed
     // — until the peer's data came, which may never happen. wait() blocks the host until the
@@ -189,6 +216,7 @@ class NcclCommunicator final : public Communicator {
   cudaEvent_t issued_ = nullptr;
   ncclComm_t comm_ = nullptr;
   void* scratch_ = nullptr;
+  uint64_t ordered_in_group_ = 0;  // the group whose first operation ordered the stream
   int rank_ = 0, size_ = 1;
   uint64_t seq_ = 0;
 };

@@ -2,6 +2,12 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
+#include <chrono>
+#include <deque>
+#include <thread>
+#include <vector>
+
 #include "engine/common/error.h"
 
 namespace dstrain::comm {
@@ -62,6 +68,14 @@ class RoutingCommunicator final : public Communicator {
     host_->progress();
     device_->progress();
   }
+  void group_start() override {
+    host_->group_start();
+    device_->group_start();
+  }
+  void group_end() override {
+    device_->group_end();
+    host_->group_end();
+  }
   bool register_peer_memory(float* base, int64_t n) override {
     return pick("register_peer_memory", base).register_peer_memory(base, n);
   }
@@ -80,56 +94,191 @@ class RoutingCommunicator final : public Communicator {
   std::function<bool(const void*)> on_device_;
 };
 
+// NCCL's ordering over MPI: every operation is issued to `inner` only once the operations issued
+// before it on this communicator have completed — those of one group (group_start / group_end)
+// together — as NCCL runs a communicator's operations one after another on its stream. So a
+// schedule that would hang on NCCL hangs here too (and fails at the deadline) instead of
+// passing on MPI's independent progress. Waiting advances every mapped communicator of the
+// process, as the device would run all their streams.
+class MappedCommunicator;
+std::vector<MappedCommunicator*>& mapped_registry() {
+  static std::vector<MappedCommunicator*> all;
+  return all;
+}
+
+struct MappedOp {
+  std::function<std::unique_ptr<Work>()> issue;  // the inner call, at the mapped addresses
+  std::unique_ptr<Work> inner;
+  bool done = false;
+  uint64_t seq = 0;
+  const char* what = "";
+};
+
 class MappedCommunicator final : public Communicator {
  public:
-  MappedCommunicator(std::unique_ptr<Communicator> inner, std::function<void*(const void*)> to_host)
-      : in_(std::move(inner)), to_host_(std::move(to_host)) {}
+  MappedCommunicator(std::unique_ptr<Communicator> inner, std::function<void*(const void*)> to_host, double timeout_s)
+      : in_(std::move(inner)), to_host_(std::move(to_host)), timeout_s_(timeout_s) {
+    mapped_registry().push_back(this);
+  }
+  ~MappedCommunicator() override {
+    try {
+      drain();
+    } catch (...) {  // (reported by whoever waited; a destructor must not throw)
+    }
+    auto& all = mapped_registry();
+    all.erase(std::remove(all.begin(), all.end(), this), all.end());
+  }
 
   const std::string& name() const override { return in_->name(); }
   int rank() const override { return in_->rank(); }
   int size() const override { return in_->size(); }
-  uint64_t seq() const override { return in_->seq(); }
+  uint64_t seq() const override { return seq_; }
 
   std::unique_ptr<Work> all_reduce(float* buf, int64_t n, ReduceOp op) override {
-    return in_->all_reduce(map(buf, "all_reduce"), n, op);
+    float* b = map(buf, "all_reduce");
+    return add("all_reduce", [=, this] { return in_->all_reduce(b, n, op); });
   }
   std::unique_ptr<Work> all_reduce(double* buf, int64_t n, ReduceOp op) override {
-    return in_->all_reduce(map(buf, "all_reduce"), n, op);
+    double* b = map(buf, "all_reduce");
+    return add("all_reduce", [=, this] { return in_->all_reduce(b, n, op); });
   }
   std::unique_ptr<Work> all_reduce(int64_t* buf, int64_t n, ReduceOp op) override {
-    return in_->all_reduce(map(buf, "all_reduce"), n, op);
+    int64_t* b = map(buf, "all_reduce");
+    return add("all_reduce", [=, this] { return in_->all_reduce(b, n, op); });
   }
   std::unique_ptr<Work> reduce_scatter(float* out, const float* in, int64_t n, ReduceOp op) override {
-    return in_->reduce_scatter(map(out, "reduce_scatter"), map(in, "reduce_scatter"), n, op);
+    float* o = map(out, "reduce_scatter");
+    const float* i = map(in, "reduce_scatter");
+    return add("reduce_scatter", [=, this] { return in_->reduce_scatter(o, i, n, op); });
   }
   std::unique_ptr<Work> reduce_scatter_v(float* buf, const std::vector<int64_t>& counts, ReduceOp op) override {
-    return in_->reduce_scatter_v(map(buf, "reduce_scatter_v"), counts, op);
+    float* b = map(buf, "reduce_scatter_v");
+    return add("reduce_scatter_v", [=, this] { return in_->reduce_scatter_v(b, counts, op); });
   }
   std::unique_ptr<Work> all_gather(float* out, const float* in, int64_t n) override {
-    return in_->all_gather(map(out, "all_gather"), map(in, "all_gather"), n);
+    float* o = map(out, "all_gather");
+    const float* i = map(in, "all_gather");
+    return add("all_gather", [=, this] { return in_->all_gather(o, i, n); });
   }
   std::unique_ptr<Work> all_gather_v(float* buf, const std::vector<int64_t>& counts) override {
-    return in_->all_gather_v(map(buf, "all_gather_v"), counts);
+    float* b = map(buf, "all_gather_v");
+    return add("all_gather_v", [=, this] { return in_->all_gather_v(b, counts); });
   }
   std::unique_ptr<Work> all_to_all_v(float* out, const std::vector<int64_t>& out_counts, const float* in,
                                      const std::vector<int64_t>& in_counts) override {
-    return in_->all_to_all_v(map(out, "all_to_all_v"), out_counts, map(in, "all_to_all_v"), in_counts);
+    float* o = map(out, "all_to_all_v");
+    const float* i = map(in, "all_to_all_v");
+    return add("all_to_all_v", [=, this] { return in_->all_to_all_v(o, out_counts, i, in_counts); });
   }
   std::unique_ptr<Work> send(const float* buf, int64_t n, int peer) override {
-    return in_->send(map(buf, "send"), n, peer);
+    const float* b = map(buf, "send");
+    return add("send", [=, this] { return in_->send(b, n, peer); });
   }
-  std::unique_ptr<Work> recv(float* buf, int64_t n, int peer) override { return in_->recv(map(buf, "recv"), n, peer); }
+  std::unique_ptr<Work> recv(float* buf, int64_t n, int peer) override {
+    float* b = map(buf, "recv");
+    return add("recv", [=, this] { return in_->recv(b, n, peer); });
+  }
   std::unique_ptr<Work> broadcast(float* buf, int64_t n, int root) override {
-    return in_->broadcast(map(buf, "broadcast"), n, root);
+    float* b = map(buf, "broadcast");
+    return add("broadcast", [=, this] { return in_->broadcast(b, n, root); });
   }
   std::unique_ptr<Work> broadcast(char* buf, int64_t n, int root) override {
-    return in_->broadcast(map(buf, "broadcast"), n, root);
+    char* b = map(buf, "broadcast");
+    return add("broadcast", [=, this] { return in_->broadcast(b, n, root); });
   }
-  std::unique_ptr<Work> barrier() override { return in_->barrier(); }
-  void progress() override { in_->progress(); }
+  std::unique_ptr<Work> barrier() override {
+    return add("barrier", [this] { return in_->barrier(); });
+  }
+  void progress() override { advance(); }
+  void group_start() override {
+    if (depth_++ == 0) batches_.emplace_back();
+  }
+  void group_end() override {
+    if (depth_ == 0) throw CommError(fmt::format("group {}: group_end without group_start", in_->name()));
+    if (--depth_ == 0) advance();
+  }
   bool register_peer_memory(float*, int64_t) override { return false; }
 
+  // Issues what may be issued and notes what completed; true while operations remain.
+  bool advance() {
+    in_->progress();
+    while (!batches_.empty()) {
+      Batch& b = batches_.front();
+      if (!b.launched) {
+        if (depth_ > 0 && batches_.size() == 1) return true;  // the open group: launched at its end
+        b.launched = true;
+        for (auto& op : b.ops) op->inner = op->issue();
+      }
+      bool all = true;
+      for (auto& op : b.ops) {
+        if (!op->done && op->inner->done()) op->done = true, op->inner.reset();
+        all = all && op->done;
+      }
+      if (!all) return true;
+      batches_.pop_front();
+    }
+    return false;
+  }
+
+  void wait_for(const std::shared_ptr<MappedOp>& op) {
+    if (depth_ > 0 && !batches_.empty() && std::any_of(batches_.back().ops.begin(), batches_.back().ops.end(),
+                                                       [&](const auto& o) { return o == op; }))
+      throw CommError(fmt::format("group {} {} #{}: waited on inside its own group (wait after group_end)", in_->name(),
+                                  op->what, op->seq));
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s_);
+    while (!op->done) {
+      for (MappedCommunicator* c : mapped_registry()) c->advance();  // every stream runs
+      if (op->done) break;
+      if (std::chrono::steady_clock::now() > deadline)
+        throw CommError(fmt::format("group {} {} #{} (rank {} of {}): not complete after {} s: the operations of an "
+                                    "NCCL communicator run one after another in issue order, and one issued "
+                                    "before it never completes (a receive its peer answers only later?)",
+                                    in_->name(), op->what, op->seq, rank(), size(), timeout_s_));
+      std::this_thread::yield();
+    }
+  }
+  void drain() {
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s_);
+    while (advance() && std::chrono::steady_clock::now() < deadline)
+      for (MappedCommunicator* c : mapped_registry()) c->advance();
+  }
+
  private:
+  struct Batch {
+    std::vector<std::shared_ptr<MappedOp>> ops;
+    bool launched = false;
+  };
+  class MappedWork final : public Work {
+   public:
+    MappedWork(MappedCommunicator* c, std::shared_ptr<MappedOp> op) : c_(c), op_(std::move(op)) {}
+    ~MappedWork() override {
+      if (op_->done) return;
+      try {
+        c_->wait_for(op_);
+      } catch (...) {
+      }
+    }
+    void wait() override { c_->wait_for(op_); }
+    bool done() override {
+      c_->advance();
+      return op_->done;
+    }
+
+   private:
+    MappedCommunicator* c_;
+    std::shared_ptr<MappedOp> op_;
+  };
+
+  std::unique_ptr<Work> add(const char* what, std::function<std::unique_ptr<Work>()> issue) {
+    auto op = std::make_shared<MappedOp>();
+    op->issue = std::move(issue);
+    op->seq = seq_++;
+    op->what = what;
+    if (depth_ == 0) batches_.emplace_back();
+    batches_.back().ops.push_back(op);
+    if (depth_ == 0) advance();
+    return std::make_unique<MappedWork>(this, op);
+  }
   template <class T>
   T* map(T* p, const char* op) const {
     if (!p) return nullptr;
@@ -140,6 +289,10 @@ class MappedCommunicator final : public Communicator {
 
   std::unique_ptr<Communicator> in_;
   std::function<void*(const void*)> to_host_;
+  double timeout_s_;
+  std::deque<Batch> batches_;
+  int depth_ = 0;
+  uint64_t seq_ = 0;
 };
 
 }  // namespace
@@ -151,8 +304,8 @@ std::unique_ptr<Communicator> make_routing_communicator(std::unique_ptr<Communic
 }
 
 std::unique_ptr<Communicator> make_mapped_communicator(std::unique_ptr<Communicator> inner,
-                                                       std::function<void*(const void*)> to_host) {
-  return std::make_unique<MappedCommunicator>(std::move(inner), std::move(to_host));
+                                                       std::function<void*(const void*)> to_host, double timeout_s) {
+  return std::make_unique<MappedCommunicator>(std::move(inner), std::move(to_host), timeout_s);
 }
 
 }  // namespace dstrain::comm

@@ -26,9 +26,14 @@ std::unique_ptr<Communicator> make_routing_communicator(std::unique_ptr<Communic
 
 // A communicator over `inner` for buffers whose host address is to_host(p) (device memory that
 // is host memory in fact: kernels::Backend::host_mapping, the device-check backend). Stands in
-// for NCCL in tests without a GPU; like NCCL it maps no peer memory (register_peer_memory is
-// false). to_host(p) of a pointer it cannot map (nullptr) is refused with CommError.
+// for NCCL in tests without a GPU, with NCCL's ordering: an operation is issued to `inner` only
+// when the ones issued before it on this communicator have completed (a group's together), so
+// a schedule that would hang on NCCL fails here — a wait past `timeout_s` throws CommError
+// saying why — where MPI's independent progress would let it pass. Like NCCL it maps no peer
+// memory (register_peer_memory is false). to_host(p) of a pointer it cannot map (nullptr) is
+// refused with CommError.
 std::unique_ptr<Communicator> make_mapped_communicator(std::unique_ptr<Communicator> inner,
-                                                       std::function<void*(const void*)> to_host);
+                                                       std::function<void*(const void*)> to_host,
+                                                       double timeout_s = 600);
 
 }  // namespace dstrain::comm

@@ -130,10 +130,11 @@ void async(const char* category, const std::string& name, const std::string& tra
   const std::string a = args.empty() ? "" : ", \"args\": {" + args + "}";
   // Async events of one "cat" and "id" pair up; the track is named by "name" in viewers, so the
   // group's name leads and the op follows.
-  s.events.push_back(fmt::format(R"({{"ph": "b", "cat": "{}", "name": {}, "id": {}, "pid": {}, "tid": 0, "ts": {:.3f}{}}})",
-                                 category, quoted(track + " " + name), id, s.pid, t0, a));
-  s.events.push_back(fmt::format(R"({{"ph": "e", "cat": "{}", "name": {}, "id": {}, "pid": {}, "tid": 0, "ts": {:.3f}}})",
-                                 category, quoted(track + " " + name), id, s.pid, t1));
+  // Ids are the rank's ("r3-17"): the merged file holds every rank's pairs.
+  s.events.push_back(fmt::format(R"({{"ph": "b", "cat": "{}", "name": {}, "id": "r{}-{}", "pid": {}, "tid": 0, "ts": {:.3f}{}}})",
+                                 category, quoted(track + " " + name), s.pid, id, s.pid, t0, a));
+  s.events.push_back(fmt::format(R"({{"ph": "e", "cat": "{}", "name": {}, "id": "r{}-{}", "pid": {}, "tid": 0, "ts": {:.3f}}})",
+                                 category, quoted(track + " " + name), s.pid, id, s.pid, t1));
 }
 
 }  // namespace dstrain::trace

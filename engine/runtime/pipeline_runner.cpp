@@ -32,6 +32,12 @@ PipelineRunner::PipelineRunner(const plan::ParallelPlan& plan, const RankGroups&
   const config::ModelConfig& m = cfg.model;
   schedule_ = plan::make_schedule(cfg.parallel.pipeline_schedule, p_, int(micro_batches), v_);
   zero_bubble_ = cfg.parallel.pipeline_schedule == config::PipelineScheduleKind::kZbH1;
+  // On device memory the transfers follow NCCL's ordering: a communicator's operations run one
+  // after another, so a receive posted ahead would hold the sends behind it until its peer
+  // answers, and two stages that each send before they receive would wait on each other. There
+  // receives are issued when they are needed, in one group with the sends made since the last
+  // one (as Megatron batches its send / receive pairs).
+  grouped_ = p_ > 1 && !be.host_addressable();
   if (p_ > 1) {
     const comm::CommOptions o{cfg.parallel.comm_timeout_s};
     const comm::ProcessGroup& g = groups.group(plan::Axis::kPipeline);
@@ -68,9 +74,15 @@ PipelineRunner::PipelineRunner(const plan::ParallelPlan& plan, const RankGroups&
 }
 
 PipelineRunner::~PipelineRunner() {
-  // Sends in flight read buffers owned here.
-  for (auto& s : sends_)
-    if (s.work) s.work->wait();
+  // Sends in flight read buffers owned here. (A failed transfer was reported by whoever waited
+  // on it, or is being reported now: a destructor must not throw.)
+  for (auto& s : sends_) {
+    if (!s.work) continue;
+    try {
+      s.work->wait();
+    } catch (...) {
+    }
+  }
 }
 
 int PipelineRunner::acquire(int chunk) {
@@ -181,7 +193,8 @@ void PipelineRunner::post_receives(size_t from) {
     const int64_t n = any.boundary_rows() * plan_.config.model.hidden_size;
     Pending& p = receives_[{in.micro, in.chunk, grad}];
     p.buf.resize(be_, n);
-    p.work = (grad ? grad_ : act_)->recv(p.buf.data(), n, in.peer);
+    p.peer = in.peer, p.n = n, p.grad = grad;
+    if (!grouped_) p.work = (grad ? grad_ : act_)->recv(p.buf.data(), n, in.peer);  // (grouped: at its wait)
   }
   posted_ = std::max(posted_, i);
 }
@@ -189,9 +202,39 @@ void PipelineRunner::post_receives(size_t from) {
 const float* PipelineRunner::wait_receive(int micro, int chunk, bool grad, double& wait_s) {
   Pending& p = receives_.at({micro, chunk, grad});
   const auto t = Clock::now();
+  if (!p.work) {  // grouped: the receive now, with the sends made since the last one
+    act_->group_start(), grad_->group_start();
+    for (Pending& s : unsent_) s.work = (s.grad ? grad_ : act_)->send(s.buf.data(), s.n, s.peer);
+    p.work = (p.grad ? grad_ : act_)->recv(p.buf.data(), p.n, p.peer);
+    grad_->group_end(), act_->group_end();
+    for (Pending& s : unsent_) sends_.push_back(std::move(s));
+    unsent_.clear();
+  }
   p.work->wait();
   wait_s += seconds_since(t);
   return p.buf.data();
+}
+
+void PipelineRunner::send(bool grad, int peer, const float* src, int64_t n) {
+  Pending s;
+  s.buf.resize(be_, n);
+  be_.copy(s.buf.data(), src, n * int64_t(sizeof(float)));
+  s.peer = peer, s.n = n, s.grad = grad;
+  if (grouped_) {
+    unsent_.push_back(std::move(s));
+    return;
+  }
+  s.work = (grad ? grad_ : act_)->send(s.buf.data(), n, peer);
+  sends_.push_back(std::move(s));
+}
+
+void PipelineRunner::flush_sends() {
+  if (unsent_.empty()) return;
+  act_->group_start(), grad_->group_start();
+  for (Pending& s : unsent_) s.work = (s.grad ? grad_ : act_)->send(s.buf.data(), s.n, s.peer);
+  grad_->group_end(), act_->group_end();
+  for (Pending& s : unsent_) sends_.push_back(std::move(s));
+  unsent_.clear();
 }
 
 void PipelineRunner::reap_sends(bool all) {
@@ -293,12 +336,7 @@ PipelineStepResult PipelineRunner::run(const Fetch& fetch, const model::LossScal
         const int slot = active_.at({in.micro, in.chunk});
         const model::DeepSeekModel& inst = *ch.pool[size_t(slot)];
         const int64_t n = inst.boundary_rows() * plan_.config.model.hidden_size;
-        const float* src = grad ? inst.input_grad() : inst.output();
-        Pending s;
-        s.buf.resize(be_, n);
-        be_.copy(s.buf.data(), src, n * int64_t(sizeof(float)));
-        s.work = (grad ? grad_ : act_)->send(s.buf.data(), n, in.peer);
-        sends_.push_back(std::move(s));
+        send(grad, in.peer, grad ? inst.input_grad() : inst.output(), n);
         if (grad && !zero_bubble_) {  // the backward is complete: the instance is free
           active_.erase({in.micro, in.chunk});
           release(in.chunk, slot);
@@ -308,6 +346,7 @@ PipelineStepResult PipelineRunner::run(const Fetch& fetch, const model::LossScal
       }
       case PipeOp::kReduceGradients: {
         end_of_compute = seconds_since(start);
+        flush_sends();
         if (mirror_holder_) embed_->send(mirror_g_.data(), mirror_len_, 0)->wait();
         if (mirror_work_) mirror_work_->wait(), mirror_work_.reset();
         reap_sends(true);
@@ -320,6 +359,7 @@ PipelineStepResult PipelineRunner::run(const Fetch& fetch, const model::LossScal
     }
   }
   // ZB-H1's first stage sends its mirror gradient only at the reduce; the wait happens there.
+  DS_CHECK(unsent_.empty(), "pipeline step ended with {} transfers never issued", unsent_.size());
   DS_CHECK(active_.empty() && receives_.empty(), "pipeline step ended with {} micro-batches in flight, {} receives",
            active_.size(), receives_.size());
   r.span_s = end_of_compute > 0 ? end_of_compute : seconds_since(start);
@@ -342,19 +382,20 @@ model::Losses PipelineRunner::forward_only(int64_t micro_batches, const Fetch& f
       const int64_t n = inst.boundary_rows() * plan_.config.model.hidden_size;
       if (vs > 0) {
         in.resize(be_, n);
-        act_->recv(in.data(), n, (vs - 1) % p_)->wait();
+        act_->group_start(), grad_->group_start();  // (the sends kept since the last receive with it)
+        for (Pending& s : unsent_) s.work = (s.grad ? grad_ : act_)->send(s.buf.data(), s.n, s.peer);
+        auto r = act_->recv(in.data(), n, (vs - 1) % p_);
+        grad_->group_end(), act_->group_end();
+        for (Pending& s : unsent_) sends_.push_back(std::move(s));
+        unsent_.clear();
+        r->wait();
       }
       const model::Losses l = inst.forward_stage(tokens_.data(), vs > 0 ? in.data() : nullptr, scale);
       out.ce += l.ce, out.aux += l.aux, out.mtp += l.mtp;
-      if (vs + 1 < p_ * v_) {
-        Pending s;
-        s.buf.resize(be_, n);
-        be_.copy(s.buf.data(), inst.output(), n * int64_t(sizeof(float)));
-        s.work = act_->send(s.buf.data(), n, (vs + 1) % p_);
-        sends_.push_back(std::move(s));
-      }
+      if (vs + 1 < p_ * v_) send(false, (vs + 1) % p_, inst.output(), n);
     }
   }
+  flush_sends();
   reap_sends(true);
   return out;
 }

@@ -96,6 +96,10 @@ class PipelineRunner final : public model::BackwardObserver {
   struct Pending {
     kernels::DeviceArray<float> buf;   // declared first: destroyed after the transfer is waited for
     std::unique_ptr<comm::Work> work;  // (a Work's destructor waits for it)
+    // Grouped transfers (device memory), not yet issued: the peer, the length, the direction.
+    int peer = -1;
+    int64_t n = 0;
+    bool grad = false;
   };
   int acquire(int chunk);
   void release(int chunk, int slot);
@@ -103,6 +107,11 @@ class PipelineRunner final : public model::BackwardObserver {
   // Waits for a posted receive (the time added to wait_s); returns its buffer.
   const float* wait_receive(int micro, int chunk, bool grad, double& wait_s);
   void reap_sends(bool all);
+  // Sends a stage boundary's activations or gradients: at once on host memory; on device memory
+  // (NCCL's ordering, comm::Communicator::group_start) kept until the next receive, and issued
+  // in one group with it (or by flush_sends).
+  void send(bool grad, int peer, const float* src, int64_t n);
+  void flush_sends();
 
   const plan::ParallelPlan& plan_;
   kernels::Backend& be_;
@@ -119,6 +128,8 @@ class PipelineRunner final : public model::BackwardObserver {
   std::map<std::pair<int, int>, int> active_;  // (micro, chunk) -> slot
   std::map<std::tuple<int, int, bool>, Pending> receives_;  // (micro, chunk, grad)
   std::vector<Pending> sends_;
+  std::vector<Pending> unsent_;  // grouped transfers: copied, not yet issued
+  bool grouped_ = false;         // the transfers are grouped (device memory)
   size_t posted_ = 0;  // instructions whose receives are posted
   std::vector<int32_t> tokens_;
   // The embedding's mirror on the last stage (MTP modules without the embedding), and its roles.

@@ -216,7 +216,7 @@ std::unique_ptr<comm::Communicator> make_communicator(const comm::ProcessGroup& 
   std::unique_ptr<comm::Communicator> device;
   if (device_memory_check()) {  // the device-check backend: its device memory is host memory elsewhere
     device = comm::make_mapped_communicator(g.communicator(name, options),
-                                            [b](const void* p) { return b->host_mapping(p); });
+                                            [b](const void* p) { return b->host_mapping(p); }, options.timeout_s);
   } else {
     device = comm::make_nccl_communicator(*host, be.native_stream(), name, options);
     if (comm::log_new_communicators()) device = comm::make_logged_communicator(std::move(device), "NCCL");

@@ -600,7 +600,8 @@ void Trainer::write_trace() {
       continue;
     }
     out << (merged++ ? ",\n" : "\n") << text.str();
-    std::filesystem::remove(p);
+    std::error_code ignored;
+    std::filesystem::remove(p, ignored);
   }
   out << fmt::format("\n], \"displayTimeUnit\": \"ms\", \"otherData\": {{\"steps\": [{}, {}], \"ranks\": {}, "
                      "\"clock\": \"steady clock in microseconds, one per host\"}}}}\n",
@@ -610,7 +611,12 @@ void Trainer::write_trace() {
     spdlog::warn("{}: cannot write the trace (monitor.trace)", path);
     return;
   }
-  std::filesystem::rename(path + ".tmp", path);
+  std::error_code ec;
+  std::filesystem::rename(path + ".tmp", path, ec);
+  if (ec) {
+    spdlog::warn("{}: cannot move the trace into place: {}", path, ec.message());
+    return;
+  }
   spdlog::info("trace of steps {} to {} from {} rank{} written to {} (open in chrome://tracing or ui.perfetto.dev)",
                cfg_.monitor.trace_steps[0], cfg_.monitor.trace_steps[1], merged, merged == 1 ? "" : "s", path);
 }

@@ -129,27 +129,43 @@ TEST(Device, TheDeviceKeySelectsTheBackendOrSaysWhyNot) {
 
 // --dump-grads of every kind of layout behind device memory against one rank: tensor and
 // sequence parallelism (the tensor-parallel calls without the host staging buffer), ZeRO-2's
-// bucketed reduce-scatter, a zero-bubble pipeline (activations and gradients sent from device
-// buffers, the W queue's copies in device memory, the MTP module's embedding mirror), expert
-// parallelism's token exchanges, and combinations.
+// bucketed reduce-scatter, pipelines — zero-bubble, interleaved (activations wrapping from the
+// last stage to the first), GPipe over 4 micro-batches — whose transfers are grouped as NCCL
+// needs them (the W queue's copies in device memory, the MTP module's embedding mirror), expert
+// parallelism's token exchanges, and combinations. The device buffers move through a
+// communicator with NCCL's ordering (an operation starts when the ones before it on its
+// communicator are complete), so a schedule that would hang on NCCL fails here.
 TEST(DeviceMemory, EveryLayoutMatchesOneRankBehindDeviceMemory) {
   const std::string dir = fresh_dir("devmem_layouts");
   const std::string base = kDstrain + " configs/tiny.yaml --resume none --set model.num_nextn_predict_layers=1 --dump-grads ";
-  ASSERT_EQ(run(base + dir + "/one.h5").rc, 0);
-  const std::vector<std::pair<int, std::string>> layouts = {
-      {2, " --set parallel.tensor=2 --set parallel.sequence_parallel=true"},
-      {2, " --set zero_optimization.stage=2"},
-      {2, " --set parallel.pipeline=2 --set parallel.pipeline_schedule=zb-h1"},
-      {2, " --set parallel.expert=2"},
-      {4, " --set parallel.pipeline=2 --set parallel.tensor=2 --set parallel.sequence_parallel=true"},
-      {4, " --set parallel.expert=2 --set parallel.tensor=2 --set zero_optimization.stage=1"},
+  struct Case {
+    int np;
+    std::string model, layout;  // `model`: the settings the one-rank reference shares
   };
+  const std::string four = " --set model.num_hidden_layers=4", micro2 = " --set train_micro_batch_size_per_gpu=2 --set gradient_accumulation_steps=4";
+  const std::vector<Case> cases = {
+      {2, "", " --set parallel.tensor=2 --set parallel.sequence_parallel=true"},
+      {2, "", " --set zero_optimization.stage=2"},
+      {2, "", " --set parallel.pipeline=2 --set parallel.pipeline_schedule=zb-h1"},
+      {2, four, " --set parallel.pipeline=2 --set parallel.pipeline_schedule=interleaved --set parallel.virtual_stages=2"},
+      {2, micro2, " --set parallel.pipeline=2 --set parallel.pipeline_schedule=gpipe"},
+      {2, micro2, " --set parallel.pipeline=2 --set parallel.pipeline_schedule=1f1b"},
+      {2, "", " --set parallel.expert=2"},
+      {4, "", " --set parallel.pipeline=2 --set parallel.tensor=2 --set parallel.sequence_parallel=true"},
+      {4, "", " --set parallel.expert=2 --set parallel.tensor=2 --set zero_optimization.stage=1"},
+  };
+  std::map<std::string, std::string> references;  // model settings -> the one-rank dump
   int i = 0;
-  for (const auto& [np, extra] : layouts) {
+  for (const Case& c : cases) {
+    if (!references.count(c.model)) {
+      const std::string ref = dir + "/one" + std::to_string(references.size()) + ".h5";
+      ASSERT_EQ(run(base + ref + c.model).rc, 0) << c.model;
+      references[c.model] = ref;
+    }
     const std::string path = dir + "/layout" + std::to_string(i++) + ".h5";
-    const Result r = run(kCheck + mpirun(np) + base + path + extra);
-    ASSERT_EQ(r.rc, 0) << extra << r.err;
-    expect_same_dump(dir + "/one.h5", path, extra);
+    const Result r = run(kCheck + mpirun(c.np) + base + path + c.model + c.layout);
+    ASSERT_EQ(r.rc, 0) << c.model << c.layout << r.err;
+    expect_same_dump(references[c.model], path, c.model + c.layout);
   }
 }
 

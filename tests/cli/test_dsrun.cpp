@@ -5,6 +5,7 @@
 // mpirun line is printed; bad hostfiles and specs are refused with a message that names them.
 #include <filesystem>
 #include <fstream>
+#include <thread>
 
 #include "tests/cli/cli_util.h"
 
@@ -52,19 +53,24 @@ TEST(Dsrun, IncludeExcludeSlotsBindingAndEnvironment) {
   // --include with slots: one app context per host, its GPUs visible.
   r = run(base + " --include node1:1,3@node3 -np 4 configs/tiny.yaml");
   ASSERT_EQ(r.rc, 0) << r.err;
-  EXPECT_NE(mpirun_line(r).find(" -np 2 -H node1:2 -x CUDA_VISIBLE_DEVICES=1,3 "), std::string::npos) << r.err;
-  EXPECT_NE(mpirun_line(r).find(" : -np 2 -H node3:2 -x CUDA_VISIBLE_DEVICES=0,1 "), std::string::npos) << r.err;
+  EXPECT_NE(mpirun_line(r).find(" -np 2 -H node1:2 env CUDA_VISIBLE_DEVICES=1,3 "), std::string::npos) << r.err;
+  EXPECT_NE(mpirun_line(r).find(" : -np 2 -H node3:2 env CUDA_VISIBLE_DEVICES=0,1 "), std::string::npos) << r.err;
   EXPECT_EQ(mpirun_line(r).find("node2"), std::string::npos) << r.err;
   // --exclude a host and a slot.
   r = run(base + " --exclude node1@node2:0 -np 3 configs/tiny.yaml");
   ASSERT_EQ(r.rc, 0) << r.err;
-  EXPECT_NE(mpirun_line(r).find(" -np 3 -H node2:3 -x CUDA_VISIBLE_DEVICES=1,2,3 "), std::string::npos) << r.err;
+  EXPECT_NE(mpirun_line(r).find(" -np 3 -H node2:3 env CUDA_VISIBLE_DEVICES=1,2,3 "), std::string::npos) << r.err;
   // --num_nodes / --num_gpus.
   r = run(base + " --num_nodes 1 -np 4 configs/tiny.yaml");
   EXPECT_NE(mpirun_line(r).find(" -H node1:4 -np 4 "), std::string::npos) << r.err;
   r = run(base + " --num_gpus 1 -np 3 configs/tiny.yaml");
-  EXPECT_NE(mpirun_line(r).find("-np 1 -H node1:1 -x CUDA_VISIBLE_DEVICES=0 "), std::string::npos) << r.err;
-  EXPECT_NE(mpirun_line(r).find(": -np 1 -H node3:1 -x CUDA_VISIBLE_DEVICES=0 "), std::string::npos) << r.err;
+  EXPECT_NE(mpirun_line(r).find("-np 1 -H node1:1 env CUDA_VISIBLE_DEVICES=0 "), std::string::npos) << r.err;
+  EXPECT_NE(mpirun_line(r).find(": -np 1 -H node3:1 env CUDA_VISIBLE_DEVICES=0 "), std::string::npos) << r.err;
+  // --bind core counts the ranks a host gets: 8 ranks fill node1's 4 slots and node2's 4.
+  r = run(base + " --bind core -np 8 configs/tiny.yaml");
+  EXPECT_NE(mpirun_line(r).find(" --map-by slot:PE=" + std::to_string(std::max(1u, std::thread::hardware_concurrency() / 4)) +
+                                " --bind-to core "),
+            std::string::npos) << r.err;
   // Binding.
   r = run(base + " --bind numa -np 2 configs/tiny.yaml");
   EXPECT_NE(mpirun_line(r).find(" --map-by numa --bind-to numa "), std::string::npos) << r.err;
@@ -99,6 +105,7 @@ TEST(Dsrun, BadHostfilesAndSpecsAreRefusedWithAMessage) {
        "twice:2: host localhost is listed twice"},
       {"--hostfile " + write(dir + "/noslots", "a\n"), "noslots:1: \"a\": expected `HOST slots=N`"},
       {"--hostfile " + write(dir + "/zero", "a slots=0\n"), "zero:1: slots=0 is not a positive count"},
+      {"--hostfile " + write(dir + "/zeros", "a slots=00\n"), "zeros:1: slots=00 is not a positive count"},
       {"--hostfile " + write(dir + "/word", "a slots=four\n"), "word:1: slots=four is not a positive count"},
       {"--hostfile " + write(dir + "/empty", "# nothing\n\n"), "empty: no hosts"},
       {"--hostfile " + dir + "/missing", "missing: cannot read it"},

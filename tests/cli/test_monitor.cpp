@@ -39,7 +39,7 @@ TEST(Monitor, TraceIsValidJsonWhoseEventsNestAndCoverTheTracedSteps) {
   ASSERT_TRUE(j.contains("traceEvents"));
   std::map<std::pair<int, int>, std::vector<Span>> lanes;  // (pid, tid) -> complete events
   std::map<int, std::vector<Span>> steps;                  // pid -> step spans
-  std::map<std::pair<int, int64_t>, double> begins;        // (pid, id) -> async begin
+  std::map<std::string, double> begins;                    // id -> async begin (ids unique over ranks)
   std::set<std::string> names, comm;
   int async_pairs = 0;
   for (const auto& e : j["traceEvents"]) {
@@ -55,11 +55,14 @@ TEST(Monitor, TraceIsValidJsonWhoseEventsNestAndCoverTheTracedSteps) {
       names.insert(s.name);
       if (s.name.rfind("step ", 0) == 0) steps[pid].push_back(s);
     } else if (ph == "b") {
-      begins[{pid, e["id"].get<int64_t>()}] = e["ts"];
+      const std::string id = e["id"];
+      EXPECT_EQ(id.rfind("r" + std::to_string(pid) + "-", 0), 0u) << e.dump();
+      EXPECT_FALSE(begins.count(id)) << e.dump();
+      begins[id] = e["ts"];
       comm.insert(e["name"].get<std::string>());
       EXPECT_TRUE(e["args"].contains("bytes")) << e.dump();
     } else if (ph == "e") {
-      const auto it = begins.find({pid, e["id"].get<int64_t>()});
+      const auto it = begins.find(e["id"].get<std::string>());
       ASSERT_NE(it, begins.end()) << e.dump();
       EXPECT_GE(double(e["ts"]), it->second) << e.dump();
       ++async_pairs;
@@ -84,7 +87,9 @@ TEST(Monitor, TraceIsValidJsonWhoseEventsNestAndCoverTheTracedSteps) {
     std::vector<Span> open;
     for (const Span& s : spans) {
       while (!open.empty() && open.back().t1 <= s.t0 + eps) open.pop_back();
-      if (!open.empty()) EXPECT_LE(s.t1, open.back().t1 + eps) << s.name << " crosses " << open.back().name;
+      if (!open.empty()) {
+        EXPECT_LE(s.t1, open.back().t1 + eps) << s.name << " crosses " << open.back().name;
+      }
       open.push_back(s);
     }
   }
@@ -159,9 +164,15 @@ TEST(Monitor, CommLogBytesEqualThePlan) {
         const int n = s["ranks"];
         const double alg = s["algbw_gbps"], bus = s["busbw_gbps"];
         EXPECT_GE(alg, 0.0);
-        if (n > 1 && s["op"] == "all_reduce") EXPECT_NEAR(bus, alg * 2.0 * (n - 1) / n, 1e-9);
-        if (n > 1 && s["op"] == "reduce_scatter") EXPECT_NEAR(bus, alg * (n - 1) / n, 1e-9);
-        if (n > 1 && s["op"] == "send") EXPECT_NEAR(bus, alg, 1e-9);
+        if (n > 1 && s["op"] == "all_reduce") {
+          EXPECT_NEAR(bus, alg * 2.0 * (n - 1) / n, 1e-9);
+        }
+        if (n > 1 && s["op"] == "reduce_scatter") {
+          EXPECT_NEAR(bus, alg * (n - 1) / n, 1e-9);
+        }
+        if (n > 1 && s["op"] == "send") {
+          EXPECT_NEAR(bus, alg, 1e-9);
+        }
       }
     }
     EXPECT_EQ(records, 1) << c.name;

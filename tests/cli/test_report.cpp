@@ -47,8 +47,10 @@ TEST(Report, EveryFieldWithoutAGpu) {
 }
 
 TEST(Report, TopologyAdviceFromNvidiaSmi) {
-  // An 8-GPU node, every pair NVLink-joined (as nvidia-smi prints it, tabs and all).
-  std::string nv = "\tGPU0\tGPU1\tGPU2\tGPU3\tGPU4\tGPU5\tGPU6\tGPU7\tNIC0\tCPU Affinity\tNUMA Affinity\tGPU NUMA ID\n";
+  // An 8-GPU node, every pair NVLink-joined (as nvidia-smi prints it: tabs, and the header
+  // underlined with ANSI escape codes even into a pipe).
+  std::string nv = "\x1b[4m\tGPU0\tGPU1\tGPU2\tGPU3\tGPU4\tGPU5\tGPU6\tGPU7\tNIC0\tCPU Affinity\tNUMA Affinity\t"
+                   "GPU NUMA ID\x1b[0m\n";
   for (int i = 0; i < 8; ++i) {
     nv += "GPU" + std::to_string(i);
     for (int j = 0; j < 8; ++j) nv += i == j ? "\t X " : "\tNV18";

@@ -310,5 +310,52 @@ TEST(RoutingCommunicator, EmptyBuffersGoToTheDeviceAndMixedBuffersAreRefused) {
   c.barrier()->wait();
 }
 
+
+// NCCL's ordering on the mapped communicator: two ranks that each send a message too large to
+// be buffered and then receive one complete when the send and the receive are one group (each
+// side's receive is issued with its send); the operations of a communicator otherwise start one
+// after another (a later all-reduce is not issued before an earlier receive completes).
+TEST(RoutingCommunicator, MappedGroupsIssueTogetherAndOperationsRunInOrder) {
+  if (world()->size() < 2) GTEST_SKIP() << "needs two ranks";
+  auto c = make_mapped_communicator(make_mpi_communicator(MPI_COMM_WORLD, "mapped-order"), [](const void* p) {
+    const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+    return a & kDev ? reinterpret_cast<void*>(a & ~kDev) : nullptr;
+  }, 30.0);
+  const int r = c->rank();
+  if (r < 2) {
+    const int peer = 1 - r;
+    const int64_t n = 1 << 20;  // 4 MB: past any eager limit, a send completes only when received
+    std::vector<float> out(size_t(n), float(r + 1)), in(size_t(n), 0.0f);
+    c->group_start();
+    auto s = c->send(as_device(out.data()), n, peer);
+    auto rx = c->recv(as_device(in.data()), n, peer);
+    c->group_end();
+    rx->wait();
+    s->wait();
+    EXPECT_EQ(in.front(), float(peer + 1));
+    EXPECT_EQ(in.back(), float(peer + 1));
+  }
+  // In order: rank 0's all-reduce is issued only after its receive from rank 1 completed, which
+  // rank 1 sends after the barrier below (a host call, on another communicator).
+  auto host = make_mpi_communicator(MPI_COMM_WORLD, "mapped-order-host");
+  float x = 0, y = float(r);
+  std::unique_ptr<Work> rx, sum;
+  if (r == 0) rx = c->recv(as_device(&x), 1, 1);
+  if (r == 0) {
+    sum = c->all_reduce(as_device(&y), 1, ReduceOp::kSum);
+    EXPECT_FALSE(sum->done());  // behind the receive
+  }
+  host->barrier()->wait();
+  if (r == 1) c->send(as_device(&y), 1, 0)->wait();
+  if (r != 0) sum = c->all_reduce(as_device(&y), 1, ReduceOp::kSum);
+  sum->wait();
+  if (rx) rx->wait();
+  if (r == 0) {
+    EXPECT_EQ(x, 1.0f);
+  }
+  const int P = c->size();
+  EXPECT_EQ(y, float(P * (P - 1) / 2));
+}
+
 }  // namespace
 }  // namespace dstrain::comm

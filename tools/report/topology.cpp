@@ -7,8 +7,10 @@
 
 namespace dstrain::report {
 
-Topology parse_topology(const std::string& text) {
+Topology parse_topology(const std::string& raw) {
   Topology t;
+  // nvidia-smi underlines the header with ANSI escape codes, even into a pipe.
+  const std::string text = std::regex_replace(raw, std::regex("\x1b\\[[0-9;]*m"), "");
   std::istringstream in(text);
   const std::regex gpu_name(R"(GPU\d+)");
   std::vector<std::string> header;
