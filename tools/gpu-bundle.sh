@@ -5,7 +5,7 @@
 # Builds dstrain here for sm_90a (the default preset builds the CUDA backend where nvcc is) and
 # packs into .gpu-bundle/dstrain-gpu.tar.gz (git-ignored; name `.gpu-bundle` in the device
 # tool's carry):
-#   bin/       dstrain, dstrain-gpu-check, dstrain-nccl-check, dstrain-ckpt (and the plugins
+#   bin/       dstrain, dstrain-gpu-check, dstrain-nccl-check, dstrain-ckpt, dstrain-report (and the plugins
 #              lib/libdstrain_cuda.so, lib/libdstrain_nccl.so)
 #   lib/       every shared library they and Open MPI's plugins need, except glibc's, libstdc++ /
 #              libgcc_s (the device machine's own are newer, and the CUDA libraries use them) and
@@ -17,12 +17,13 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cmake --preset default >/dev/null
-cmake --build --preset default --target dstrain dstrain-gpu-check dstrain-nccl-check dstrain-ckpt
+cmake --build --preset default --target dstrain dstrain-gpu-check dstrain-nccl-check dstrain-ckpt dstrain-report
 stage=$(mktemp -d)
 trap 'rm -rf "$stage"' EXIT
 b=$stage/dstrain-gpu
 mkdir -p "$b/bin" "$b/lib" "$b/expected"
-cp build/bin/dstrain build/bin/dstrain-gpu-check build/bin/dstrain-nccl-check build/bin/dstrain-ckpt "$b/bin/"
+cp build/bin/dstrain build/bin/dstrain-gpu-check build/bin/dstrain-nccl-check build/bin/dstrain-ckpt \
+   build/bin/dstrain-report "$b/bin/"
 cp build/lib/libdstrain_cuda.so build/lib/libdstrain_nccl.so "$b/lib/"  # the plugins (dlopen'ed from bin/../lib)
 
 # Open MPI: Debian's prefix is /usr; OPAL_PREFIX=$b/ompi moves every install directory under it.

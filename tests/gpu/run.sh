@@ -7,14 +7,15 @@
 #
 # Steps, each logged to OUT_DIR/<step>.log, each under its own time limit, and all of them
 # within 470 s (a step with no time left is skipped and counted as failed):
-#   env      the GPU, driver and libraries; every library the binaries need resolves
+#   env      the GPU, driver and libraries; every library the binaries need resolves;
+#            dstrain-report (versions, CPU, GPUs, topology advice for configs/h200.yaml)
 #   kernels  dstrain-gpu-check --bench: every CUDA op against the CPU backend, determinism, the
 #            caching pool; GEMM and attention TFLOP/s
 #   nccl     dstrain-nccl-check: the NCCL communicator's operations on device buffers (one rank)
 #   dump     --dump-grads of the tiny preset on CUDA (fp32, bf16) against the CPU backend's,
 #            computed when the bundle was made (fp32 to 1e-4, bf16 to 5e-2 of each tensor's
 #            largest value)
-#   train    50 steps of `small` on CUDA: the loss must fall
+#   train    50 steps of `small` on CUDA: the loss must fall; a trace of steps 10-11 (train.trace.json)
 #   bench    tokens/s, TFLOP/s and MFU against 989 dense bf16 TFLOP/s for `medium` (bf16,
 #            8 x 2048), and Hugging Face transformers on the same model and batch
 #            (tools/gpu/hf_baseline.py)
@@ -71,9 +72,12 @@ step() {
 step env 30 '
   echo "dstrain revision $(cat '"$B"'/REVISION)"
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv || true
-  missing=$(for f in '"$B"'/bin/* '"$B"'/lib/libdstrain_cuda.so; do ldd "$f"; done | grep "not found" | sort -u)
+  missing=$(for f in '"$B"'/bin/* '"$B"'/lib/libdstrain_*.so; do ldd "$f"; done | grep "not found" | sort -u)
   if [ -n "$missing" ]; then echo "unresolved libraries:"; echo "$missing"; exit 1; fi
-  for f in '"$B"'/bin/* '"$B"'/lib/libdstrain_cuda.so; do ldd "$f" | grep -E "cudart|cublasLt|nccl"; done | sort -u'
+  for f in '"$B"'/bin/* '"$B"'/lib/libdstrain_*.so; do ldd "$f" | grep -E "cudart|cublasLt|nccl"; done | sort -u
+  dstrain-report configs/h200.yaml > '"$out"'/report.txt; rc=$?
+  grep -E "NCCL|CUDA runtime|cuBLASLt|cuDNN|GEMM peak|GPU [0-9]|advice" '"$out"'/report.txt
+  exit $rc'
 
 if [ $dev = cuda ]; then
   step kernels 90 'dstrain-gpu-check --bench'
@@ -99,7 +103,8 @@ step train 90 '
   rm -rf /tmp/dstrain-gpu-train
   dstrain configs/small.yaml --set device=$dev --resume none --set train_steps=50 --set steps_per_print=1 \
     --set data.eval_interval=0 --set checkpoint.interval=0 --set checkpoint.dir=/tmp/dstrain-gpu-train \
-    --set monitor.metrics_file='"$out"'/train.jsonl --set monitor.tensorboard=null | grep -E "step (1|10|20|30|40|50)/"
+    --set monitor.metrics_file='"$out"'/train.jsonl --set monitor.tensorboard=null \
+    --set monitor.trace='"$out"'/train.trace.json --set monitor.trace_steps=[10,11] | grep -E "step (1|10|20|30|40|50)/"
   first=$(grep -m1 -o "\"loss\":[-0-9.e+]*" '"$out"'/train.jsonl | cut -d: -f2)  # (no head: SIGPIPE under pipefail)
   last=$(grep -o "\"loss\":[-0-9.e+]*" '"$out"'/train.jsonl | tail -1 | cut -d: -f2)
   echo "loss at the first step: $first, at step 50: $last"
