@@ -3,7 +3,7 @@
 # suite): a clang build with AddressSanitizer and UndefinedBehaviorSanitizer (CMake preset
 # `sanitize`, build-sanitize/), the unit and command-line tests run on it (a few of the longest
 # left out, they run in the main suite), then each libFuzzer target of tests/fuzz for
-# DSTRAIN_FUZZ_SECONDS (default 20) seconds from its seed corpus in tests/fuzz/corpus/. Any
+# DSTRAIN_FUZZ_SECONDS (default 12) seconds from its seed corpus in tests/fuzz/corpus/. Any
 # sanitizer report or fuzzer crash fails it. Extra arguments go to ctest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -13,7 +13,7 @@ cmake --preset sanitize >/dev/null
 cmake --build --preset sanitize --target test_unit test_cli dstrain dstrain-ckpt dstrain-prep dstrain-bench dstrain-report \
   fuzz_config fuzz_tokenizer fuzz_checkpoint
 ctest --preset sanitize "$@"
-seconds=${DSTRAIN_FUZZ_SECONDS:-20}
+seconds=${DSTRAIN_FUZZ_SECONDS:-12}
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 crashes=build-sanitize/fuzz-crashes  # inputs that made a target fail are kept here

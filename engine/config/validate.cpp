@@ -221,11 +221,13 @@ void validate_training(TrainConfig& cfg) {
     SchedulerParams& s = cfg.scheduler->params;
     const bool given = s.total_num_steps.has_value();
     if (!given) s.total_num_steps = cfg.train_steps;  // a short run may end inside the warmup
-    if (given && *s.total_num_steps < s.warmup_num_steps)
+    // (train_steps itself is what the default resolves to — a run that ends inside the warmup —
+    // so a printed config, which writes the resolved value, loads again.)
+    if (given && *s.total_num_steps < s.warmup_num_steps && *s.total_num_steps != cfg.train_steps)
       fail_at(cfg, "scheduler.params.total_num_steps",
               fmt::format("{} is fewer than scheduler.params.warmup_num_steps = {}; valid: an "
-                          "integer >= {}",
-                          *s.total_num_steps, s.warmup_num_steps, s.warmup_num_steps));
+                          "integer >= {}, or train_steps ({})",
+                          *s.total_num_steps, s.warmup_num_steps, s.warmup_num_steps, cfg.train_steps));
   }
   namespace fs = std::filesystem;
   std::error_code ec;

@@ -110,7 +110,6 @@ void pipeline_section(std::ostringstream& o, const ParallelPlan& p) {
                    100.0 * p.schedule_stats.bubble);
   const std::string text = schedule_text(s);
   size_t at = 0;
-  const bool sp = c.parallel.sequence_parallel && p.degrees.tp > 1;
   for (int r = 0; r < s.stages; ++r) {
     const size_t end = text.find('\n', at);
     const int peak = p.in_flight(r);

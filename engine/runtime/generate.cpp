@@ -63,8 +63,7 @@ Generated generate(const std::string& path, const GenerateOptions& o) {
     out.step = int64_t(f.attr_double("step"));
   }
   // The model as trained, on one process, fp32, one sequence at a time.
-  // (Without its learning-rate schedule, which generation does not use: a short run's resolved
-  // total_num_steps can be shorter than the warmup, which a config may not say explicitly.)
+  // (Without its learning-rate schedule, which generation does not use.)
   config::TrainConfig cfg = config::load_config_text(yaml, checkpoint + " (its config)", {"scheduler=null"});
   config::ParallelConfig& p = cfg.parallel;
   p.tensor = p.pipeline = p.expert = p.virtual_stages = 1;

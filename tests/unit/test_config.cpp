@@ -121,6 +121,12 @@ TEST(Config, PrintedConfigRoundTrips) {
     const TrainConfig b = load(text);
     EXPECT_EQ(to_yaml(b), text) << name;
   }
+  // A run shorter than its warmup: the resolved total_num_steps (train_steps) loads again.
+  const TrainConfig a = load_config_file("configs/tiny.yaml", {"train_steps=2"});
+  ASSERT_TRUE(a.scheduler.has_value());
+  ASSERT_LT(2, a.scheduler->params.warmup_num_steps);
+  const std::string text = to_yaml(a);
+  EXPECT_EQ(to_yaml(load(text)), text);
 }
 
 TEST(Config, PrintedConfigListsDefaults) {
