@@ -9,6 +9,7 @@
 #include <numeric>
 #include <tuple>
 
+#include "engine/comm/mpi_communicator.h"
 #include "engine/common/strings.h"
 #include "engine/common/trace.h"
 
@@ -75,7 +76,8 @@ class LoggedCommunicator final : public Communicator {
   uint64_t seq() const override { return in_->seq(); }
 
   std::unique_ptr<Work> all_reduce(float* buf, int64_t n, ReduceOp op) override {
-    return logged("all_reduce", buf, 4.0 * double(n), [&] { return in_->all_reduce(buf, n, op); });
+    return logged("all_reduce", buf, 4.0 * double(n), [&] { return in_->all_reduce(buf, n, op); },
+                  4.0 * double(n) >= double(kMpiRingMinBytes));
   }
   std::unique_ptr<Work> all_reduce(double* buf, int64_t n, ReduceOp op) override {
     return logged("all_reduce_f64", buf, 8.0 * double(n), [&] { return in_->all_reduce(buf, n, op); });
@@ -87,17 +89,20 @@ class LoggedCommunicator final : public Communicator {
     return logged("reduce_scatter", in, 4.0 * double(n) * size(), [&] { return in_->reduce_scatter(out, in, n, op); });
   }
   std::unique_ptr<Work> reduce_scatter_v(float* buf, const std::vector<int64_t>& counts, ReduceOp op) override {
-    return logged("reduce_scatter", buf, 4.0 * double(total(counts)), [&] { return in_->reduce_scatter_v(buf, counts, op); });
+    return logged("reduce_scatter", buf, 4.0 * double(total(counts)),
+                  [&] { return in_->reduce_scatter_v(buf, counts, op); }, true);
   }
   std::unique_ptr<Work> all_gather(float* out, const float* in, int64_t n) override {
     return logged("all_gather", out, 4.0 * double(n) * size(), [&] { return in_->all_gather(out, in, n); });
   }
   std::unique_ptr<Work> all_gather_v(float* buf, const std::vector<int64_t>& counts) override {
-    return logged("all_gather", buf, 4.0 * double(total(counts)), [&] { return in_->all_gather_v(buf, counts); });
+    return logged("all_gather", buf, 4.0 * double(total(counts)), [&] { return in_->all_gather_v(buf, counts); },
+                  true);
   }
   std::unique_ptr<Work> all_to_all_v(float* out, const std::vector<int64_t>& out_counts, const float* in,
                                      const std::vector<int64_t>& in_counts) override {
-    return logged("all_to_all", in, 4.0 * double(total(in_counts)), [&] { return in_->all_to_all_v(out, out_counts, in, in_counts); });
+    return logged("all_to_all", in, 4.0 * double(total(in_counts)),
+                  [&] { return in_->all_to_all_v(out, out_counts, in, in_counts); });
   }
   std::unique_ptr<Work> send(const float* buf, int64_t n, int peer) override {
     return logged("send", buf, 4.0 * double(n), [&] { return in_->send(buf, n, peer); });
@@ -123,12 +128,13 @@ class LoggedCommunicator final : public Communicator {
 
  private:
   // Issues the call (`issue`), timed from just before it.
+  // `ring`: a call the MPI communicator runs as a ring of its own messages (mpi_communicator.h).
   template <class F>
-  std::unique_ptr<Work> logged(const char* op, const void* buf, double bytes, F&& issue) {
+  std::unique_ptr<Work> logged(const char* op, const void* buf, double bytes, F&& issue, bool ring = false) {
     if (!CommLog::instance().enabled() && !trace::recording()) return issue();
     const double t0 = trace::now_us();
     std::unique_ptr<Work> w = issue();
-    std::string transport = transport_;
+    std::string transport = transport_ == "MPI" && ring && size() > 1 ? "MPI ring" : transport_;
     const char* p = static_cast<const char*>(buf);
     for (const auto& [b, e] : mapped_)
       if (p >= b && p < e) transport = "shared memory";

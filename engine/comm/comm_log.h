@@ -54,7 +54,7 @@ double bus_factor(const std::string& op, int n);
 
 // `inner` with every call logged and traced; `transport` names how it moves data ("MPI",
 // "NCCL", …). The MPI communicator's calls inside registered peer memory are logged as
-// "shared memory".
+// "shared memory", its ring collectives (mpi_communicator.h) as "MPI ring".
 std::unique_ptr<Communicator> make_logged_communicator(std::unique_ptr<Communicator> inner, std::string transport);
 
 // Whether communicators made from now on (ProcessGroup::communicator, the NCCL ones of a GPU

@@ -30,7 +30,7 @@
 namespace dstrain::comm {
 namespace {
 
-constexpr int64_t kRingMinBytes = 64 << 10;  // below this, one MPI_Iallreduce (latency-bound)
+constexpr int64_t kRingMinBytes = kMpiRingMinBytes;  // below this, one MPI_Iallreduce (latency-bound)
 constexpr int64_t kChunkFloats = 4 << 20;    // 16 MiB of floats per ring chunk
 constexpr int kUserTag = 0;                  // point-to-point messages; rings use 1..kMaxRingTag
 constexpr int kMaxRingTag = 32000;           // MPI guarantees tags up to 32767

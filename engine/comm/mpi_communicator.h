@@ -12,6 +12,11 @@
 
 namespace dstrain::comm {
 
+// Float all-reduces from this size up are rings of point-to-point messages stepped by the
+// communicator (mpi_communicator.cpp), as are every reduce-scatter-v and all-gather-v; below it
+// and for the other collectives, MPI's own calls.
+inline constexpr int64_t kMpiRingMinBytes = 64 << 10;
+
 // A communicator over a duplicate of an existing MPI communicator (collective over `comm`).
 std::unique_ptr<Communicator> make_mpi_communicator(MPI_Comm comm, std::string name, CommOptions options = {});
 

@@ -14,6 +14,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
@@ -240,6 +241,8 @@ std::string Checkpointer::save(const TrainState& state, model::ParamStore& param
     }
   };
   // Rank 0 may still be writing the previous checkpoint: start the gathers together.
+  std::optional<trace::Scope> phase;
+  phase.emplace("checkpoint", "checkpoint gather (and write, when not async)");
   comm_->barrier()->wait();
   std::vector<float> gathered;
   for (size_t i = 0; i < plan_.params.size(); ++i) {
@@ -292,6 +295,8 @@ std::string Checkpointer::save(const TrainState& state, model::ParamStore& param
     f.set_attr("config_yaml", config::to_yaml(cfg));
     f.set_attr("hf_config", config::to_hf_config_json(cfg.model));
   };
+  phase.reset();
+  phase.emplace("checkpoint", "checkpoint finish (metadata, close, fsync, rename)");
   if (rank_ == 0 && error.empty()) {
     if (async) {
       pending->tensors.resize(staged);  // before the writer reads them
