@@ -13,6 +13,30 @@
 namespace dstrain::comm {
 namespace {
 
+// A device operation's Work that, while waited for, also advances the host communicator's
+// outstanding operations (MPI's progress only happens inside MPI calls).
+class RoutedWork final : public Work {
+ public:
+  RoutedWork(std::unique_ptr<Work> inner, Communicator& host) : in_(std::move(inner)), host_(host) {}
+  void wait() override {
+    while (!in_->done()) {  // (errors and the deadline are the inner wait's, below)
+      host_.progress();
+      if (std::chrono::steady_clock::now() - start_ > std::chrono::milliseconds(50)) break;
+      std::this_thread::yield();
+    }
+    in_->wait();
+  }
+  bool done() override {
+    host_.progress();
+    return in_->done();
+  }
+
+ private:
+  std::unique_ptr<Work> in_;
+  Communicator& host_;
+  std::chrono::steady_clock::time_point start_ = std::chrono::steady_clock::now();
+};
+
 class RoutingCommunicator final : public Communicator {
  public:
   RoutingCommunicator(std::unique_ptr<Communicator> host, std::unique_ptr<Communicator> device,
@@ -29,39 +53,43 @@ class RoutingCommunicator final : public Communicator {
   uint64_t seq() const override { return host_->seq() + device_->seq(); }
 
   std::unique_ptr<Work> all_reduce(float* buf, int64_t n, ReduceOp op) override {
-    return pick("all_reduce", buf).all_reduce(buf, n, op);
+    return routed("all_reduce", buf, [&](Communicator& c) { return c.all_reduce(buf, n, op); });
   }
   std::unique_ptr<Work> all_reduce(double* buf, int64_t n, ReduceOp op) override {
-    return pick("all_reduce", buf).all_reduce(buf, n, op);
+    return routed("all_reduce", buf, [&](Communicator& c) { return c.all_reduce(buf, n, op); });
   }
   std::unique_ptr<Work> all_reduce(int64_t* buf, int64_t n, ReduceOp op) override {
-    return pick("all_reduce", buf).all_reduce(buf, n, op);
+    return routed("all_reduce", buf, [&](Communicator& c) { return c.all_reduce(buf, n, op); });
   }
   std::unique_ptr<Work> reduce_scatter(float* out, const float* in, int64_t n, ReduceOp op) override {
-    return pick("reduce_scatter", out, in).reduce_scatter(out, in, n, op);
+    return routed("reduce_scatter", out, in, [&](Communicator& c) { return c.reduce_scatter(out, in, n, op); });
   }
   std::unique_ptr<Work> reduce_scatter_v(float* buf, const std::vector<int64_t>& counts, ReduceOp op) override {
-    return pick("reduce_scatter_v", buf).reduce_scatter_v(buf, counts, op);
+    return routed("reduce_scatter_v", buf,
+                  [&](Communicator& c) { return c.reduce_scatter_v(buf, counts, op); });
   }
   std::unique_ptr<Work> all_gather(float* out, const float* in, int64_t n) override {
-    return pick("all_gather", out, in).all_gather(out, in, n);
+    return routed("all_gather", out, in, [&](Communicator& c) { return c.all_gather(out, in, n); });
   }
   std::unique_ptr<Work> all_gather_v(float* buf, const std::vector<int64_t>& counts) override {
-    return pick("all_gather_v", buf).all_gather_v(buf, counts);
+    return routed("all_gather_v", buf, [&](Communicator& c) { return c.all_gather_v(buf, counts); });
   }
   std::unique_ptr<Work> all_to_all_v(float* out, const std::vector<int64_t>& out_counts, const float* in,
                                      const std::vector<int64_t>& in_counts) override {
-    return pick("all_to_all_v", out, in).all_to_all_v(out, out_counts, in, in_counts);
+    return routed("all_to_all_v", out, in,
+                  [&](Communicator& c) { return c.all_to_all_v(out, out_counts, in, in_counts); });
   }
   std::unique_ptr<Work> send(const float* buf, int64_t n, int peer) override {
-    return pick("send", buf).send(buf, n, peer);
+    return routed("send", buf, [&](Communicator& c) { return c.send(buf, n, peer); });
   }
-  std::unique_ptr<Work> recv(float* buf, int64_t n, int peer) override { return pick("recv", buf).recv(buf, n, peer); }
+  std::unique_ptr<Work> recv(float* buf, int64_t n, int peer) override {
+    return routed("recv", buf, [&](Communicator& c) { return c.recv(buf, n, peer); });
+  }
   std::unique_ptr<Work> broadcast(float* buf, int64_t n, int root) override {
-    return pick("broadcast", buf).broadcast(buf, n, root);
+    return routed("broadcast", buf, [&](Communicator& c) { return c.broadcast(buf, n, root); });
   }
   std::unique_ptr<Work> broadcast(char* buf, int64_t n, int root) override {
-    return pick("broadcast", buf).broadcast(buf, n, root);
+    return routed("broadcast", buf, [&](Communicator& c) { return c.broadcast(buf, n, root); });
   }
   std::unique_ptr<Work> barrier() override { return host_->barrier(); }
   void progress() override {
@@ -81,6 +109,19 @@ class RoutingCommunicator final : public Communicator {
   }
 
  private:
+  // The call on the communicator of its buffers' memory; a device operation's Work also
+  // advances the host communicator while waited for.
+  template <class F>
+  std::unique_ptr<Work> routed(const char* op, const void* a, F&& call) {
+    return routed(op, a, nullptr, std::forward<F>(call));
+  }
+  template <class F>
+  std::unique_ptr<Work> routed(const char* op, const void* a, const void* b, F&& call) {
+    Communicator& c = pick(op, a, b);
+    std::unique_ptr<Work> w = call(c);
+    if (&c == host_.get()) return w;
+    return std::make_unique<RoutedWork>(std::move(w), *host_);
+  }
   Communicator& pick(const char* op, const void* a, const void* b = nullptr) {
     if (!a && !b) return *device_;
     const bool da = a && on_device_(a), db = b && on_device_(b);
