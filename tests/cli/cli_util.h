@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cmath>
+#include <filesystem>
 #include <fstream>
 #include <map>
 #include <sstream>
@@ -24,6 +25,14 @@ struct Result {
   int rc = -1;
   std::string out, err;
 };
+
+// An empty directory under the test temporary directory (what a previous run left there removed).
+inline std::string fresh_dir(const std::string& name) {
+  const std::string dir = ::testing::TempDir() + "/" + name;
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  return dir;
+}
 
 inline std::string slurp(const std::string& path) {
   std::ifstream in(path);

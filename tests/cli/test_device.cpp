@@ -19,13 +19,6 @@ namespace {
 
 const std::string kCheck = "DSTRAIN_DEVICE_MEMORY_CHECK=1 ";
 
-std::string fresh_dir(const std::string& name) {
-  const std::string dir = ::testing::TempDir() + "/" + name;
-  std::filesystem::remove_all(dir);
-  std::filesystem::create_directories(dir);
-  return dir;
-}
-
 // Every step's loss and the final weights bit for bit.
 void expect_identical(const std::string& dir, const std::string& a, const std::string& b, int steps) {
   const auto x = losses(dir + "/" + a + ".jsonl"), y = losses(dir + "/" + b + ".jsonl");

@@ -12,13 +12,6 @@
 namespace dstrain::testing {
 namespace {
 
-std::string fresh_dir(const std::string& name) {
-  const std::string dir = ::testing::TempDir() + "/" + name;
-  std::filesystem::remove_all(dir);
-  std::filesystem::create_directories(dir);
-  return dir;
-}
-
 std::string write(const std::string& path, const std::string& text) {
   std::ofstream(path) << text;
   return path;

@@ -15,13 +15,6 @@
 namespace dstrain::testing {
 namespace {
 
-std::string fresh_dir(const std::string& name) {
-  const std::string dir = ::testing::TempDir() + "/" + name;
-  std::filesystem::remove_all(dir);
-  std::filesystem::create_directories(dir);
-  return dir;
-}
-
 // Values of one metric by step.
 std::map<int, double> metric(const std::string& path, const std::string& key) {
   std::map<int, double> out;

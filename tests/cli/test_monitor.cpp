@@ -13,13 +13,6 @@
 namespace dstrain::testing {
 namespace {
 
-std::string fresh_dir(const std::string& name) {
-  const std::string dir = ::testing::TempDir() + "/" + name;
-  std::filesystem::remove_all(dir);
-  std::filesystem::create_directories(dir);
-  return dir;
-}
-
 struct Span {
   double t0, t1;
   std::string name;

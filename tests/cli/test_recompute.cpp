@@ -15,13 +15,6 @@ const std::string kFull = " --set activation_checkpointing.enabled=true --set ac
 const std::string kSelective =
     " --set activation_checkpointing.enabled=true --set activation_checkpointing.granularity=selective";
 
-std::string fresh_dir(const std::string& name) {
-  const std::string dir = ::testing::TempDir() + "/" + name;
-  std::filesystem::remove_all(dir);
-  std::filesystem::create_directories(dir);
-  return dir;
-}
-
 // Two --dump-grads files are bitwise equal: losses, weights and every gradient element.
 void expect_identical_dump(const std::string& want_path, const std::string& got_path, const std::string& what) {
   io::H5File a(want_path, io::H5File::Mode::kRead), b(got_path, io::H5File::Mode::kRead);
