@@ -246,7 +246,7 @@ const std::string& key_meaning(const std::string& path) {
       {"monitor.expert_stats_interval",
        "steps between per-MoE-layer expert load lines (min / max / CV); 0 disables"},
       {"monitor.peak_tflops",
-       "peak TFLOP/s for MFU; 0 measures this machine's fp32 GEMM peak at start"},
+       "peak TFLOP/s for MFU; 0 measures this machine's GEMM peak at start, in the precision the GEMMs take (fp32, bf16 or fp16)"},
       {"monitor.comm_log",
        "log every collective per group and operation: count, bytes, time, algorithm and bus bandwidth (at the end and in the metrics file)"},
       {"monitor.trace",

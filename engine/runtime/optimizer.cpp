@@ -91,13 +91,31 @@ void AdamW::step(double lr, int64_t step, double grad_scale) {
     const float* g = (r.expert ? params_.expert_grads() : params_.dense_grads()).data() + r.offset;
     float* m = moment(1, r.expert).data() + (r.offset - base);
     float* v = moment(2, r.expert).data() + (r.offset - base);
-    be_.adamw(w, g, m, v, r.numel, a);
-  }
-  if (master_)  // the updated shards into the compute copies (the caller gathers them)
-    for (const bool expert : {false, true}) {
-      const Range r = shard(expert);
-      params_.round_to_compute(be_, expert, r.begin, r.end, master(expert).data());
+    if (!master_) {
+      be_.adamw(w, g, m, v, r.numel, a);
+      continue;
     }
+    // Mixed precision: the updated master weights straight into the compute copy and its fp32
+    // view, in one pass (the caller gathers the shards).
+    float* f = params_.params(r.expert).data() + r.offset;
+    uint16_t* h = params_.compute_copy(r.expert).data() + r.offset;
+    be_.adamw_round(w, g, m, v, r.numel, a, {h, params_.compute_dtype()}, f);
+  }
+  if (!master_) return;
+  // What no run covers (buffers) is rounded from its master value as before: the shards' gaps.
+  for (const bool expert : {false, true}) {
+    const Range sh = shard(expert);
+    int64_t at = sh.begin;
+    const auto gap = [&](int64_t end) {
+      if (end > at) params_.round_to_compute(be_, expert, at, end, master(expert).data() + (at - sh.begin));
+    };
+    for (const Run& r : runs_) {
+      if (r.expert != expert) continue;
+      gap(r.offset);
+      at = r.offset + r.numel;
+    }
+    gap(sh.end);
+  }
 }
 
 double gradient_square_sum(kernels::Backend& be, model::ParamStore& params, Range dense, Range expert,

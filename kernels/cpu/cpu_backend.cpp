@@ -294,6 +294,26 @@ class CpuBackend final : public Backend {
              const AdamWParams& p) override {
     cpu::adamw(param, grad, m, v, n, p);
   }
+  // One pass: each block of 4096 elements is updated, rounded and widened while it is in cache
+  // (the unfused three read and write the master weights and the copies three times).
+  void adamw_round(float* param, const float* grad, float* m, float* v, int64_t n, const AdamWParams& p, View half,
+                   float* widened) override {
+    if (n <= 0) return;
+    if (half.dtype == DType::kF32)
+      throw std::invalid_argument("adamw_round: the compute copy must be bf16 or fp16, not fp32");
+    const cpu::AdamWStep<float> s(p);
+    const cpu::LowPrecision lp = low(half.dtype);
+    uint16_t* h = static_cast<uint16_t*>(half.data);
+    constexpr int64_t kBlock = 4096;
+    const int64_t blocks = (n + kBlock - 1) / kBlock;
+#pragma omp parallel for schedule(static) if (blocks > 1)
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int64_t i = b * kBlock, len = std::min(kBlock, n - i);
+      s.run(param + i, grad + i, m + i, v + i, len);
+      cpu::convert_to(h + i, param + i, len, lp);
+      if (widened) cpu::convert_from(widened + i, h + i, len, lp);
+    }
+  }
   void add(float* y, const float* x, int64_t n) override { cpu::add(y, x, n); }
   void fill(float* y, float value, int64_t n) override {
 #pragma omp parallel for schedule(static)

@@ -557,18 +557,38 @@ void embedding_backward(T* dtable, const T* dout, const int32_t* ids, int64_t N,
   }
 }
 
+// Adam's update of elements [0, n) on the calling thread (vectorised). adamw() below runs it over
+// the threads; the fused AdamW + compute-copy refresh (CpuBackend::adamw_round) runs it per block,
+// so the two give the same bits.
+template <class T>
+struct AdamWStep {
+  T b1, b2, step_size, inv_sqrt_bc2, decay, eps, scale, l2;
+  explicit AdamWStep(const AdamWParams& p)
+      : b1(p.beta1), b2(p.beta2), eps(p.eps), scale(p.grad_scale), l2(p.l2) {
+    const T bc1 = T(1) - std::pow(b1, T(p.step)), bc2 = T(1) - std::pow(b2, T(p.step));
+    step_size = T(p.lr) / bc1, inv_sqrt_bc2 = T(1) / std::sqrt(bc2);
+    decay = T(1) - T(p.lr) * T(p.weight_decay);
+  }
+  void run(T* param, const T* grad, T* m, T* v, int64_t n) const {
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) {
+      const T g = grad[i] * scale + l2 * param[i];
+      const T mi = m[i] = b1 * m[i] + (T(1) - b1) * g;
+      const T vi = v[i] = b2 * v[i] + (T(1) - b2) * g * g;
+      param[i] = param[i] * decay - step_size * mi / (std::sqrt(vi) * inv_sqrt_bc2 + eps);
+    }
+  }
+};
+
 template <class T>
 void adamw(T* param, const T* grad, T* m, T* v, int64_t n, const AdamWParams& p) {
-  const T b1 = p.beta1, b2 = p.beta2;
-  const T bc1 = T(1) - std::pow(b1, T(p.step)), bc2 = T(1) - std::pow(b2, T(p.step));
-  const T step_size = T(p.lr) / bc1, inv_sqrt_bc2 = T(1) / std::sqrt(bc2);
-  const T decay = T(1) - T(p.lr) * T(p.weight_decay), eps = p.eps, scale = p.grad_scale, l2 = p.l2;
-#pragma omp parallel for simd schedule(static)
-  for (int64_t i = 0; i < n; ++i) {
-    const T g = grad[i] * scale + l2 * param[i];
-    const T mi = m[i] = b1 * m[i] + (T(1) - b1) * g;
-    const T vi = v[i] = b2 * v[i] + (T(1) - b2) * g * g;
-    param[i] = param[i] * decay - step_size * mi / (std::sqrt(vi) * inv_sqrt_bc2 + eps);
+  const AdamWStep<T> s(p);
+  constexpr int64_t kBlock = 4096;
+  const int64_t blocks = (n + kBlock - 1) / kBlock;
+#pragma omp parallel for schedule(static) if (blocks > 1)
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t i = b * kBlock;
+    s.run(param + i, grad + i, m + i, v + i, std::min(kBlock, n - i));
   }
 }
 

@@ -218,6 +218,13 @@ class DeviceCheckBackend final : public Backend {
     const char* op = "adamw";
     if (n > 0) in_->adamw(h(param, op), h(grad, op), h(m, op), h(v, op), n, p);
   }
+  void adamw_round(float* param, const float* grad, float* m, float* v, int64_t n, const AdamWParams& p, View half,
+                   float* widened) override {
+    const char* op = "adamw_round";
+    if (n > 0)
+      in_->adamw_round(h(param, op), h(grad, op), h(m, op), h(v, op), n, p, {h(half.data, op), half.dtype},
+                       widened ? h(widened, op) : nullptr);
+  }
   void sum_squares(double* out, const float* x, int64_t n, bool accumulate) override {
     in_->sum_squares(h(out, "sum_squares"), n > 0 ? h(x, "sum_squares") : x, n, accumulate);
   }

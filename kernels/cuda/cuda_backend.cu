@@ -121,6 +121,17 @@ __global__ void from_lowp_kernel(float* y, const uint16_t* x, int64_t n) {
 __global__ void adamw_kernel(float* param, const float* grad, float* m, float* v, int64_t n, dev::AdamWConsts k) {
   GRID_STRIDE(i, n) dev::adamw_element(param + i, grad[i], m + i, v + i, k);
 }
+// Mixed precision's step in one pass: the master weight updated, rounded into the compute copy,
+// and (widened != nullptr) the rounded value widened into the fp32 view.
+template <int KIND>
+__global__ void adamw_round_kernel(float* param, const float* grad, float* m, float* v, int64_t n, dev::AdamWConsts k,
+                                   uint16_t* half, float* widened) {
+  GRID_STRIDE(i, n) {
+    dev::adamw_element(param + i, grad[i], m + i, v + i, k);
+    half[i] = dev::store_as<KIND>(param[i]);
+    if (widened) widened[i] = dev::load<KIND>(half, i);
+  }
+}
 
 // ---- RMSNorm -----------------------------------------------------------------------------------
 
@@ -803,6 +814,20 @@ class CudaBackend final : public Backend {
   void adamw(float* param, const float* grad, float* m, float* v, int64_t n, const AdamWParams& p) override {
     if (n <= 0) return;
     adamw_kernel<<<blocks_for(n), kThreads, 0, stream_>>>(param, grad, m, v, n, dev::adamw_consts(p));
+    DS_LAUNCHED();
+  }
+  void adamw_round(float* param, const float* grad, float* m, float* v, int64_t n, const AdamWParams& p, View half,
+                   float* widened) override {
+    if (n <= 0) return;
+    auto* h = static_cast<uint16_t*>(half.data);
+    if (half.dtype == DType::kBF16)
+      adamw_round_kernel<1><<<blocks_for(n), kThreads, 0, stream_>>>(param, grad, m, v, n, dev::adamw_consts(p), h,
+                                                                      widened);
+    else if (half.dtype == DType::kF16)
+      adamw_round_kernel<2><<<blocks_for(n), kThreads, 0, stream_>>>(param, grad, m, v, n, dev::adamw_consts(p), h,
+                                                                      widened);
+    else
+      throw std::invalid_argument("adamw_round: the compute copy must be bf16 or fp16, not fp32");
     DS_LAUNCHED();
   }
 

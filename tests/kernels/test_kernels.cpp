@@ -4,6 +4,7 @@
 #include <omp.h>
 
 #include <cmath>
+#include <cstring>
 #include <functional>
 #include <limits>
 #include <numeric>
@@ -561,6 +562,40 @@ TEST_P(Kernels, AdamWGradScaleEqualsScaledGradient) {
     EXPECT_FLOAT_EQ(m1[i], m2[i]);
     EXPECT_FLOAT_EQ(v1[i], v2[i]);
   }
+}
+
+// Mixed precision's fused step (adamw_round) gives the bits of adamw, convert and convert one
+// after another, for both 16-bit types, over a length that is not a multiple of the CPU's
+// blocks and values that round to a bf16 / fp16 subnormal, overflow fp16, or are exact.
+TEST_P(Kernels, AdamWRoundEqualsAdamWThenConvert) {
+  const int64_t n = 3 * 4096 + 77;
+  FVec p0 = to_f(randn(n, 31)), g = to_f(randn(n, 32)), m0 = to_f(randn(n, 33, 0.1)), v0 = to_f(randn(n, 34, 0.1));
+  for (float& x : v0) x = std::fabs(x);
+  p0[0] = 1e-40f, p0[1] = 7e4f, p0[2] = -3e-6f, p0[3] = 1.0f, g[3] = 0.0f, m0[3] = v0[3] = 0.0f;
+  for (const DType t : {DType::kBF16, DType::kF16}) {
+    for (const bool widen : {true, false}) {
+      FVec p1 = p0, m1 = m0, v1 = v0, p2 = p0, m2 = m0, v2 = v0, w1(n, -1.0f), w2(n, -1.0f);
+      std::vector<uint16_t> h1(n, 0xffff), h2(n, 0xffff);
+      AdamWParams a;
+      a.lr = 0.02f, a.step = 5, a.weight_decay = 0.1f, a.grad_scale = 0.75f;
+      be->adamw(p1.data(), g.data(), m1.data(), v1.data(), n, a);
+      be->convert({h1.data(), t}, f32(p1.data()), n);
+      if (widen) be->convert({w1.data(), DType::kF32}, ConstView{h1.data(), t}, n);
+      be->adamw_round(p2.data(), g.data(), m2.data(), v2.data(), n, a, {h2.data(), t}, widen ? w2.data() : nullptr);
+      int64_t differ = 0;
+      for (int64_t i = 0; i < n; ++i)
+        differ += std::memcmp(&p1[i], &p2[i], 4) != 0 || std::memcmp(&m1[i], &m2[i], 4) != 0 ||
+                  std::memcmp(&v1[i], &v2[i], 4) != 0 || h1[i] != h2[i] || std::memcmp(&w1[i], &w2[i], 4) != 0;
+      EXPECT_EQ(differ, 0) << to_string(t) << (widen ? " widened" : "");
+      EXPECT_NE(p2[7], p0[7]);  // it did step
+      if (!widen) {
+        EXPECT_EQ(w2[0], -1.0f);
+      }
+    }
+  }
+  FVec p(4), m(4), v(4), w(4);
+  EXPECT_THROW(be->adamw_round(p.data(), g.data(), m.data(), v.data(), 4, AdamWParams{}, {w.data(), DType::kF32}, nullptr),
+               std::invalid_argument);
 }
 
 INSTANTIATE_TEST_SUITE_P(Gemm, Kernels, ::testing::Values(GemmLibrary::kOpenBlas, GemmLibrary::kOneDnn),

@@ -230,6 +230,17 @@ class Backend {
   // weight_decay, L2 regularisation (Adam) with l2 — the caller sets one of them.
   virtual void adamw(float* param, const float* grad, float* m, float* v, int64_t n,
                      const AdamWParams& p) = 0;
+  // Mixed precision's optimizer step (docs/design.md §11): adamw on the fp32 master weights
+  // `param`, then the updated values rounded into the compute copy `half` (bf16 / fp16) and, when
+  // `widened` is not null, the rounded values widened back into it (the model's fp32 view of the
+  // compute weights). The same bits as adamw + convert + convert; a backend may fuse the three
+  // into one pass over memory (the CPU backend does).
+  virtual void adamw_round(float* param, const float* grad, float* m, float* v, int64_t n, const AdamWParams& p,
+                           View half, float* widened) {
+    adamw(param, grad, m, v, n, p);
+    convert(half, f32(param), n);
+    if (widened) convert({widened, DType::kF32}, ConstView{half.data, half.dtype}, n);
+  }
 
   // out[0] (one double in device memory) = sum of x[i]^2 over n elements, accumulated in double
   // (plus the old out[0] when `accumulate`): the gradient norm's local part; an inf or NaN
