@@ -3,10 +3,14 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <dnnl.hpp>
+#include <map>
 #include <mutex>
 #include <optional>
+#include <unordered_map>
+#include <vector>
 
 #include "kernels/cpu/cpu_ops.h"
 
@@ -29,9 +33,32 @@ struct TileGemm::Impl {
   dnnl::engine& engine = tile_engine();
   dnnl::memory::data_type type;
   bool available = false;
-  // One primitive per (ta, tb, accumulate), run-time dimensions and strides; built on first use.
+  // Run-time dimensions and strides, one primitive per (ta, tb, accumulate): what runs when a
+  // fixed-shape primitive cannot be made. oneDNN 2.x gives run-time shapes only its older
+  // `gemm:jit` kernels, not the AMX ones (brgemm), so the tiles normally take the fixed path.
   std::optional<dnnl::matmul> prims[8];
+  // Fixed shapes and strides: one primitive per (M, N, K, lda, ldb, ldc, ta, tb, accumulate),
+  // made on first use — a sequence length of S gives a few times S / kAttnTile of them. Their
+  // scratchpad is the calling thread's own (user mode), so one primitive may run on several
+  // threads at once.
+  struct Fixed {
+    std::optional<dnnl::matmul> prim;  // empty: none for this shape (the run-time one runs)
+    size_t scratch = 0;
+  };
+  using Key = std::array<int64_t, 9>;
+  std::map<Key, Fixed> fixed;
   std::mutex mu;
+
+  static dnnl::primitive_attr attributes(bool acc, bool user_scratchpad) {
+    dnnl::primitive_attr attr;
+    if (acc) {
+      dnnl::post_ops ops;
+      ops.append_sum(1.0f);
+      attr.set_post_ops(ops);
+    }
+    if (user_scratchpad) attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
+    return attr;
+  }
 
   dnnl::matmul& prim(bool ta, bool tb, bool acc) {
     const int i = int(ta) * 4 + int(tb) * 2 + int(acc);
@@ -42,15 +69,29 @@ struct TileGemm::Impl {
       const md a({R, R}, type, ta ? dnnl::memory::dims{1, R} : dnnl::memory::dims{R, 1});
       const md b({R, R}, type, tb ? dnnl::memory::dims{1, R} : dnnl::memory::dims{R, 1});
       const md c({R, R}, dnnl::memory::data_type::f32, dnnl::memory::dims{R, 1});
-      dnnl::primitive_attr attr;
-      if (acc) {
-        dnnl::post_ops ops;
-        ops.append_sum(1.0f);
-        attr.set_post_ops(ops);
-      }
-      prims[i].emplace(dnnl::matmul::primitive_desc(dnnl::matmul::desc(a, b, c), attr, engine));
+      prims[i].emplace(dnnl::matmul::primitive_desc(dnnl::matmul::desc(a, b, c), attributes(acc, false), engine));
     }
     return *prims[i];
+  }
+
+  const Fixed& fixed_prim(const Key& key) {
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = fixed.find(key);
+    if (it != fixed.end()) return it->second;
+    const auto [M, N, K, lda, ldb, ldc, ta, tb, acc] = key;
+    using md = dnnl::memory::desc;
+    Fixed f;
+    try {
+      const md a({M, K}, type, ta ? dnnl::memory::dims{1, lda} : dnnl::memory::dims{lda, 1});
+      const md b({K, N}, type, tb ? dnnl::memory::dims{1, ldb} : dnnl::memory::dims{ldb, 1});
+      const md c({M, N}, dnnl::memory::data_type::f32, dnnl::memory::dims{ldc, 1});
+      const dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(a, b, c), attributes(acc != 0, true), engine);
+      f.scratch = pd.scratchpad_desc().get_size();
+      f.prim.emplace(pd);
+    } catch (const dnnl::error&) {
+      f.prim.reset();
+    }
+    return fixed.emplace(key, std::move(f)).first->second;
   }
 };
 
@@ -76,7 +117,6 @@ void TileGemm::run(float* C, int64_t ldc, const uint16_t* A, int64_t lda, const 
       for (int64_t i = 0; i < M; ++i) std::fill(C + i * ldc, C + i * ldc + N, 0.0f);
     return;
   }
-  dnnl::matmul& prim = impl_->prim(ta, tb, accumulate);
   using md = dnnl::memory::desc;
   const md a({M, K}, impl_->type, ta ? dnnl::memory::dims{1, lda} : dnnl::memory::dims{lda, 1});
   const md b({K, N}, impl_->type, tb ? dnnl::memory::dims{1, ldb} : dnnl::memory::dims{ldb, 1});
@@ -84,38 +124,103 @@ void TileGemm::run(float* C, int64_t ldc, const uint16_t* A, int64_t lda, const 
   dnnl::memory am(a, impl_->engine, const_cast<uint16_t*>(A)), bm(b, impl_->engine, const_cast<uint16_t*>(B)),
       cm(c, impl_->engine, C);
   dnnl::stream& stream = thread_stream();
-  prim.execute(stream, {{DNNL_ARG_SRC, am}, {DNNL_ARG_WEIGHTS, bm}, {DNNL_ARG_DST, cm}});
+  const Impl::Fixed& f = impl_->fixed_prim({M, N, K, lda, ldb, ldc, ta, tb, accumulate});
+  if (f.prim) {
+    std::unordered_map<int, dnnl::memory> args{{DNNL_ARG_SRC, am}, {DNNL_ARG_WEIGHTS, bm}, {DNNL_ARG_DST, cm}};
+    if (f.scratch > 0) {
+      thread_local std::vector<uint8_t> scratch;
+      if (scratch.size() < f.scratch) scratch.resize(f.scratch);
+      args.emplace(DNNL_ARG_SCRATCHPAD, dnnl::memory(md({int64_t(f.scratch)}, dnnl::memory::data_type::u8,
+                                                        dnnl::memory::dims{1}),
+                                                     impl_->engine, scratch.data()));
+    }
+    f.prim->execute(stream, args);
+  } else {
+    impl_->prim(ta, tb, accumulate).execute(stream, {{DNNL_ARG_SRC, am}, {DNNL_ARG_WEIGHTS, bm}, {DNNL_ARG_DST, cm}});
+  }
   stream.wait();
 }
 
 namespace {
 uint16_t* block16(uint16_t* ws16, int64_t S) { return ws16 + int64_t(omp_get_thread_num()) * 2 * kAttnTile * S; }
+
+// Rows [0, n) of one head of a token-major tensor (row stride ld) into a dense [n, d] block.
+template <class T>
+void gather_head(T* dst, const T* src, int64_t n, int64_t d, int64_t ld) {
+  for (int64_t i = 0; i < n; ++i) std::copy(src + i * ld, src + i * ld + d, dst + i * d);
+}
+template <class T>
+void scatter_head(T* dst, const T* src, int64_t n, int64_t d, int64_t ld) {
+  for (int64_t i = 0; i < n; ++i) std::copy(src + i * d, src + i * d + d, dst + i * ld);
+}
+
+// One row of raw scores s (unscaled) in place: its first `visible` entries become the causal
+// softmax of scale * s, written in the 16-bit type to p16 (zeros past `visible`); returns the
+// row's log-sum-exp of the scaled scores.
+float softmax_row_lp(float* s, uint16_t* p16, int64_t visible, int64_t keys, float scale, LowPrecision p) {
+  const float m = row_max(s, visible);
+  const float ms = m * scale;  // scale > 0: the maximum of the scaled row
+  float sum = 0;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t j = 0; j < visible; ++j) sum += (s[j] = vexp(s[j] * scale - ms));
+  const float inv = 1.0f / sum;
+#pragma omp simd
+  for (int64_t j = 0; j < visible; ++j) s[j] *= inv;
+  convert_to(p16, s, visible, p);
+  std::fill(p16 + visible, p16 + keys, uint16_t(0));
+  return ms + std::log(sum);
+}
+
+// Backward of one row: from raw scores s and dP = dO V^T in dp, p = exp(scale s - L) and
+// dS = p (dp - D) scale, both written in the 16-bit type (zeros past `visible`).
+void softmax_grad_row_lp(float* s, float* dp, uint16_t* p16, uint16_t* ds16, int64_t visible, int64_t keys,
+                         float L, float D, float scale, LowPrecision p) {
+#pragma omp simd
+  for (int64_t j = 0; j < visible; ++j) {
+    const float pj = vexp(s[j] * scale - L);
+    s[j] = pj;
+    dp[j] = pj * (dp[j] - D) * scale;
+  }
+  convert_to(p16, s, visible, p);
+  convert_to(ds16, dp, visible, p);
+  std::fill(p16 + visible, p16 + keys, uint16_t(0));
+  std::fill(ds16 + visible, ds16 + keys, uint16_t(0));
+}
 }  // namespace
+
+AttentionPack attention_pack_elems(int64_t S, int64_t dqk, int64_t dv, int threads) {
+  return {int64_t(threads) * S * 2 * (dqk + dv),
+          int64_t(threads) * (S * (dqk + dv) + kAttnTile * std::max(dqk, dv))};
+}
 
 void attention_forward_lp(float* O, float* lse, const uint16_t* Q, const uint16_t* K, const uint16_t* V, int64_t B,
                           int64_t S, int64_t nh, int64_t dqk, int64_t dv, float scale, float* ws, uint16_t* ws16,
-                          int ws_threads, const TileGemm& gemm, LowPrecision p) {
+                          uint16_t* pack16, float* pack32, int ws_threads, const TileGemm& gemm, LowPrecision p) {
   const int64_t qs = nh * dqk, vs = nh * dv;  // token strides
   const int64_t tiles = (S + kAttnTile - 1) / kAttnTile;
-#pragma omp parallel for collapse(3) schedule(dynamic, 1) num_threads(ws_threads)
+  const AttentionPack per = attention_pack_elems(S, dqk, dv, 1);
+  // One (sequence, head) per task: its Q, K, V gathered into dense blocks first (oneDNN's AMX
+  // matmul takes dense operands only; strided ones fall back to its older kernels).
+#pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(ws_threads)
   for (int64_t b = 0; b < B; ++b) {
     for (int64_t h = 0; h < nh; ++h) {
+      const int t = omp_get_thread_num();
+      uint16_t* Qh = pack16 + t * per.u16;
+      uint16_t* Kh = Qh + S * dqk;
+      uint16_t* Vh = Kh + S * dqk;
+      float* Ot = pack32 + t * per.f32;
+      gather_head(Qh, Q + b * S * qs + h * dqk, S, dqk, qs);
+      gather_head(Kh, K + b * S * qs + h * dqk, S, dqk, qs);
+      gather_head(Vh, V + b * S * vs + h * dv, S, dv, vs);
+      float* P = attention_block(ws, S);
+      uint16_t* P16 = block16(ws16, S);
       for (int64_t tile = 0; tile < tiles; ++tile) {
         const int64_t i0 = tile * kAttnTile, rows = std::min(kAttnTile, S - i0), keys = i0 + rows;
-        const uint16_t* Qb = Q + b * S * qs + h * dqk;
-        const uint16_t* Kb = K + b * S * qs + h * dqk;
-        const uint16_t* Vb = V + b * S * vs + h * dv;
-        float* P = attention_block(ws, S);
-        uint16_t* P16 = block16(ws16, S);
-        gemm.run(P, keys, Qb + i0 * qs, qs, Kb, qs, rows, keys, dqk, false, true, false);
-        for (int64_t r = 0; r < rows; ++r) {
-          float* pr = P + r * keys;
-          const int64_t visible = i0 + r + 1;
-          for (int64_t j = 0; j < visible; ++j) pr[j] *= scale;  // (the fp32 kernel scales in its GEMM)
-          lse[(b * nh + h) * S + i0 + r] = causal_softmax_row(pr, visible, keys);
-          convert_to(P16 + r * keys, pr, keys, p);
-        }
-        gemm.run(O + b * S * vs + h * dv + i0 * vs, vs, P16, keys, Vb, vs, rows, dv, keys, false, false, false);
+        gemm.run(P, keys, Qh + i0 * dqk, dqk, Kh, dqk, rows, keys, dqk, false, true, false);
+        for (int64_t r = 0; r < rows; ++r)
+          lse[(b * nh + h) * S + i0 + r] = softmax_row_lp(P + r * keys, P16 + r * keys, i0 + r + 1, keys, scale, p);
+        gemm.run(Ot, dv, P16, keys, Vh, dv, rows, dv, keys, false, false, false);
+        scatter_head(O + b * S * vs + h * dv + i0 * vs, Ot, rows, dv, vs);
       }
     }
   }
@@ -123,45 +228,54 @@ void attention_forward_lp(float* O, float* lse, const uint16_t* Q, const uint16_
 
 void attention_backward_lp(float* dQ, float* dK, float* dV, const float* dO, const uint16_t* dO16, const uint16_t* Q,
                            const uint16_t* K, const uint16_t* V, const float* O, const float* lse, int64_t B, int64_t S,
-                           int64_t nh, int64_t dqk, int64_t dv, float scale, float* ws, uint16_t* ws16, int ws_threads,
-                           const TileGemm& gemm, LowPrecision p) {
+                           int64_t nh, int64_t dqk, int64_t dv, float scale, float* ws, uint16_t* ws16,
+                           uint16_t* pack16, float* pack32, int ws_threads, const TileGemm& gemm, LowPrecision p) {
   const int64_t qs = nh * dqk, vs = nh * dv;
   const int64_t tiles = (S + kAttnTile - 1) / kAttnTile;
-  // dK and dV collect over all query tiles of a (sequence, head): one thread owns the pair.
+  const AttentionPack per = attention_pack_elems(S, dqk, dv, 1);
+  // dK and dV collect over all query tiles of a (sequence, head): one thread owns the pair, in
+  // dense blocks scattered at the end.
 #pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(ws_threads)
   for (int64_t b = 0; b < B; ++b) {
     for (int64_t h = 0; h < nh; ++h) {
       const int64_t qo = b * S * qs + h * dqk, vo = b * S * vs + h * dv;
-      for (int64_t i = 0; i < S; ++i) {
-        std::fill(dK + qo + i * qs, dK + qo + i * qs + dqk, 0.0f);
-        std::fill(dV + vo + i * vs, dV + vo + i * vs + dv, 0.0f);
-      }
+      const int t = omp_get_thread_num();
+      uint16_t* Qh = pack16 + t * per.u16;
+      uint16_t* Kh = Qh + S * dqk;
+      uint16_t* Vh = Kh + S * dqk;
+      uint16_t* dOh = Vh + S * dv;
+      float* dKh = pack32 + t * per.f32;
+      float* dVh = dKh + S * dqk;
+      float* Tt = dVh + S * dv;  // a tile's dQ
+      gather_head(Qh, Q + qo, S, dqk, qs);
+      gather_head(Kh, K + qo, S, dqk, qs);
+      gather_head(Vh, V + vo, S, dv, vs);
+      gather_head(dOh, dO16 + vo, S, dv, vs);
+      std::fill(dKh, dKh + S * (dqk + dv), 0.0f);  // dKh and dVh, adjacent
       float* P = attention_block(ws, S);
       float* dP = P + kAttnTile * S;
       uint16_t* P16 = block16(ws16, S);
       uint16_t* dS16 = P16 + kAttnTile * S;
       for (int64_t tile = 0; tile < tiles; ++tile) {
         const int64_t i0 = tile * kAttnTile, rows = std::min(kAttnTile, S - i0), keys = i0 + rows;
-        gemm.run(P, keys, Q + qo + i0 * qs, qs, K + qo, qs, rows, keys, dqk, false, true, false);
-        gemm.run(dP, keys, dO16 + vo + i0 * vs, vs, V + vo, vs, rows, keys, dv, false, true, false);
+        gemm.run(P, keys, Qh + i0 * dqk, dqk, Kh, dqk, rows, keys, dqk, false, true, false);
+        gemm.run(dP, keys, dOh + i0 * dv, dv, Vh, dv, rows, keys, dv, false, true, false);
         for (int64_t r = 0; r < rows; ++r) {
-          const int64_t i = i0 + r, visible = i + 1;
-          const float L = lse[(b * nh + h) * S + i];
+          const int64_t i = i0 + r;
           const float* dout = dO + vo + i * vs;
           const float* o = O + vo + i * vs;
           float Di = 0;
           for (int64_t d = 0; d < dv; ++d) Di += dout[d] * o[d];
-          float* pr = P + r * keys;
-          float* dp = dP + r * keys;
-          for (int64_t j = 0; j < visible; ++j) pr[j] *= scale;
-          causal_softmax_grad_row(pr, dp, visible, keys, L, Di, scale);
-          convert_to(P16 + r * keys, pr, keys, p);
-          convert_to(dS16 + r * keys, dp, keys, p);
+          softmax_grad_row_lp(P + r * keys, dP + r * keys, P16 + r * keys, dS16 + r * keys, i + 1, keys,
+                              lse[(b * nh + h) * S + i], Di, scale, p);
         }
-        gemm.run(dQ + qo + i0 * qs, qs, dS16, keys, K + qo, qs, rows, dqk, keys, false, false, false);
-        gemm.run(dK + qo, qs, dS16, keys, Q + qo + i0 * qs, qs, keys, dqk, rows, true, false, true);
-        gemm.run(dV + vo, vs, P16, keys, dO16 + vo + i0 * vs, vs, keys, dv, rows, true, false, true);
+        gemm.run(Tt, dqk, dS16, keys, Kh, dqk, rows, dqk, keys, false, false, false);
+        scatter_head(dQ + qo + i0 * qs, Tt, rows, dqk, qs);
+        gemm.run(dKh, dqk, dS16, keys, Qh + i0 * dqk, dqk, keys, dqk, rows, true, false, true);
+        gemm.run(dVh, dv, P16, keys, dOh + i0 * dv, dv, keys, dv, rows, true, false, true);
       }
+      scatter_head(dK + qo, dKh, S, dqk, qs);
+      scatter_head(dV + vo, dVh, S, dv, vs);
     }
   }
 }

@@ -4,8 +4,8 @@
 // fp32 accumulation: the scores and their gradient are formed in fp32, softmax, log-sum-exp and
 // the row sums D = rowsum(dO * O) stay fp32, and the probabilities P and the score gradients dS
 // are rounded to the 16-bit type just before the GEMMs that read them (as flash attention does
-// on GPUs). The tile GEMMs run inside the OpenMP region, one per thread, through oneDNN matmul
-// primitives with run-time shapes and strides (oneDNN runs them on the calling thread).
+// on GPUs). One task per (sequence, head) on the OpenMP threads; the tile GEMMs run inside it
+// through oneDNN matmul primitives made per tile shape (oneDNN runs them on the calling thread).
 #pragma once
 
 #include <cstdint>
@@ -33,15 +33,25 @@ class TileGemm {
   std::unique_ptr<Impl> impl_;
 };
 
-// Scratch: the fp32 workspace of the fp32 kernel (attention_workspace_floats) and, per thread,
-// two kAttnTile x S blocks of 16-bit values (attention_workspace_floats(S, threads) uint16_t).
+// Per-thread dense copies of one (sequence, head)'s operands: oneDNN's AMX matmul runs on dense
+// operands only (strided ones fall back to its older gemm:jit kernels, 3-5x slower here), so each
+// task gathers its head's Q, K, V (and dO) into these first and scatters its outputs after.
+struct AttentionPack {
+  int64_t u16 = 0;  // 16-bit elements: Q, K [S, dqk], V, dO [S, dv]
+  int64_t f32 = 0;  // fp32 elements: dK [S, dqk], dV [S, dv] and one output tile
+};
+AttentionPack attention_pack_elems(int64_t S, int64_t dqk, int64_t dv, int threads);
+
+// Scratch: the fp32 workspace of the fp32 kernel (attention_workspace_floats), per thread two
+// kAttnTile x S blocks of 16-bit values (attention_workspace_floats(S, threads) uint16_t), and
+// the packs (attention_pack_elems(S, dqk, dv, threads)).
 void attention_forward_lp(float* O, float* lse, const uint16_t* Q, const uint16_t* K, const uint16_t* V, int64_t B,
                           int64_t S, int64_t nh, int64_t dqk, int64_t dv, float scale, float* ws, uint16_t* ws16,
-                          int ws_threads, const TileGemm& gemm, LowPrecision p);
+                          uint16_t* pack16, float* pack32, int ws_threads, const TileGemm& gemm, LowPrecision p);
 // dO (fp32) gives the row sums D with O; dO16 is the same gradient in the 16-bit type for the GEMMs.
 void attention_backward_lp(float* dQ, float* dK, float* dV, const float* dO, const uint16_t* dO16, const uint16_t* Q,
                            const uint16_t* K, const uint16_t* V, const float* O, const float* lse, int64_t B, int64_t S,
-                           int64_t nh, int64_t dqk, int64_t dv, float scale, float* ws, uint16_t* ws16, int ws_threads,
-                           const TileGemm& gemm, LowPrecision p);
+                           int64_t nh, int64_t dqk, int64_t dv, float scale, float* ws, uint16_t* ws16,
+                           uint16_t* pack16, float* pack32, int ws_threads, const TileGemm& gemm, LowPrecision p);
 
 }  // namespace dstrain::kernels::cpu

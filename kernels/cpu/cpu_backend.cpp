@@ -119,6 +119,15 @@ class CpuBackend final : public Backend {
       return gemm_grouped(C, reinterpret_cast<const float* const*>(A), reinterpret_cast<const float* const*>(B), M,
                           N, K, count, ta, tb, alpha, beta);
     // The row counts change every step: run-time dimensions, one primitive for all of them.
+    // Many problems: one per thread at a time, as the fp32 form (small GEMMs run closer to the
+    // core's rate on one thread each than one after the other on all threads).
+    if (count >= 2 * threads_ && lowp_.native(low(dtype))) {
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads_)
+      for (int64_t i = 0; i < count; ++i)
+        lowp_.run_on_this_thread(C[i], static_cast<const uint16_t*>(A[i]), static_cast<const uint16_t*>(B[i]), M[i],
+                                 N[i], K[i], ta, tb, alpha, beta, low(dtype));
+      return;
+    }
     for (int64_t i = 0; i < count; ++i)
       lowp_.run(C[i], static_cast<const uint16_t*>(A[i]), static_cast<const uint16_t*>(B[i]), M[i], N[i], K[i], ta,
                 tb, alpha, beta, low(dtype), true);
@@ -195,9 +204,11 @@ class CpuBackend final : public Backend {
                                static_cast<const float*>(V.data), B, S, nh, dqk, dv, scale);
     check_lowp_attention(Q.dtype, {K.dtype, V.dtype});
     check_attention(S);
+    reserve_packs(S, dqk, dv);
     cpu::attention_forward_lp(O, lse, static_cast<const uint16_t*>(Q.data), static_cast<const uint16_t*>(K.data),
                               static_cast<const uint16_t*>(V.data), B, S, nh, dqk, dv, scale, attention_ws_.data(),
-                              attention_ws16_.data(), threads_, tile_gemm(Q.dtype), low(Q.dtype));
+                              attention_ws16_.data(), attention_pack16_.data(), attention_pack32_.data(), threads_,
+                              tile_gemm(Q.dtype), low(Q.dtype));
   }
   void attention_backward(float* dQ, float* dK, float* dV, const float* dO, ConstView dO_lp, ConstView Q, ConstView K,
                           ConstView V, const float* O, const float* lse, int64_t B, int64_t S, int64_t nh,
@@ -207,11 +218,19 @@ class CpuBackend final : public Backend {
                                 static_cast<const float*>(V.data), O, lse, B, S, nh, dqk, dv, scale);
     check_lowp_attention(Q.dtype, {K.dtype, V.dtype, dO_lp.dtype});
     check_attention(S);
+    reserve_packs(S, dqk, dv);
     cpu::attention_backward_lp(dQ, dK, dV, dO, static_cast<const uint16_t*>(dO_lp.data),
                                static_cast<const uint16_t*>(Q.data), static_cast<const uint16_t*>(K.data),
                                static_cast<const uint16_t*>(V.data), O, lse, B, S, nh, dqk, dv, scale,
-                               attention_ws_.data(), attention_ws16_.data(), threads_, tile_gemm(Q.dtype),
-                               low(Q.dtype));
+                               attention_ws_.data(), attention_ws16_.data(), attention_pack16_.data(),
+                               attention_pack32_.data(), threads_, tile_gemm(Q.dtype), low(Q.dtype));
+  }
+  // The 16-bit kernels' dense per-head copies: sized by the head widths, which reserve_attention
+  // does not know, so they grow on the first call with a model's widths (once per model).
+  void reserve_packs(int64_t S, int64_t dqk, int64_t dv) {
+    const cpu::AttentionPack n = cpu::attention_pack_elems(S, dqk, dv, threads_);
+    if (int64_t(attention_pack16_.size()) < n.u16) attention_pack16_.resize(size_t(n.u16));
+    if (int64_t(attention_pack32_.size()) < n.f32) attention_pack32_.resize(size_t(n.f32));
   }
   void check_lowp_attention(DType t, std::initializer_list<DType> others) const {
     for (DType o : others)
@@ -334,6 +353,8 @@ class CpuBackend final : public Backend {
   mutable cpu::LowPrecisionGemm lowp_;  // (const queries may measure which path is faster, once)
   std::vector<float> attention_ws_;  // per-thread score blocks (reserve_attention)
   std::vector<uint16_t> attention_ws16_;  // and their 16-bit roundings (low-precision attention)
+  std::vector<uint16_t> attention_pack16_;  // dense per-head operands (low-precision attention)
+  std::vector<float> attention_pack32_;
   cpu::TileGemm tile_bf16_{cpu::LowPrecision::kBf16}, tile_fp16_{cpu::LowPrecision::kFp16};
   int64_t attention_s_ = 0;
 };

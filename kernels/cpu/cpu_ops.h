@@ -5,6 +5,7 @@
 // (attention_workspace_floats).
 #pragma once
 
+#include <immintrin.h>
 #include <omp.h>
 
 #include <algorithm>
@@ -157,12 +158,33 @@ T* attention_block(T* ws, int64_t S) {
   return ws + int64_t(omp_get_thread_num()) * 2 * kAttnTile * S;
 }
 
+// The largest of x[0, n), n >= 1. GCC leaves a float max reduction scalar (its NaN rules), so
+// AVX-512 where the translation unit is built for it (the kernels are; the result is the same
+// either way: a maximum is exact).
+inline float row_max(const float* x, int64_t n) {
+  int64_t j = 0;
+  float m = x[0];
+#if defined(__AVX512F__)
+  if (n >= 16) {
+    __m512 v = _mm512_loadu_ps(x);
+    for (j = 16; j + 16 <= n; j += 16) v = _mm512_max_ps(v, _mm512_loadu_ps(x + j));
+    m = _mm512_reduce_max_ps(v);
+  }
+#endif
+  for (; j < n; ++j) m = x[j] > m ? x[j] : m;
+  return m;
+}
+inline double row_max(const double* x, int64_t n) {
+  double m = x[0];
+  for (int64_t j = 1; j < n; ++j) m = std::max(m, x[j]);
+  return m;
+}
+
 // One query row of a score tile in place: its first `visible` scores become the causal softmax,
 // the rest of the row's `keys` zero; returns the row's log-sum-exp.
 template <class T>
 T causal_softmax_row(T* p, int64_t visible, int64_t keys) {
-  T m = p[0];
-  for (int64_t j = 1; j < visible; ++j) m = std::max(m, p[j]);
+  const T m = row_max(p, visible);
   T sum = 0;
 #pragma omp simd reduction(+ : sum)
   for (int64_t j = 0; j < visible; ++j) sum += (p[j] = vexp(p[j] - m));

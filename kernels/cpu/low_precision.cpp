@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <dnnl.hpp>
+#include <map>
 #include <optional>
 #include <stdexcept>
 
@@ -99,6 +100,18 @@ struct LowPrecisionGemmEntry {
   std::string impl;
   bool varying = false;  // run-time dimensions: the memory descriptors are made per call
 };
+
+// alpha as an output scale, beta as a sum post-op.
+dnnl::primitive_attr gemm_attributes(float alpha, float beta) {
+  dnnl::primitive_attr attr;
+  if (alpha != 1.0f) attr.set_output_scales(0, {alpha});
+  if (beta != 0.0f) {
+    dnnl::post_ops ops;
+    ops.append_sum(beta);
+    attr.set_post_ops(ops);
+  }
+  return attr;
+}
 }  // namespace
 
 struct LowPrecisionGemm::Impl {
@@ -129,15 +142,8 @@ struct LowPrecisionGemm::Impl {
     e.a = dnnl::memory::desc({M, K}, in, ta ? dnnl::memory::dims{1, M} : dnnl::memory::dims{K, 1});
     e.b = dnnl::memory::desc({K, N}, in, tb ? dnnl::memory::dims{1, K} : dnnl::memory::dims{N, 1});
     e.c = dnnl::memory::desc({M, N}, dt::f32, dnnl::memory::dims{N, 1});
-    dnnl::primitive_attr attr;
-    if (alpha != 1.0f) attr.set_output_scales(0, {alpha});
-    if (beta != 0.0f) {
-      dnnl::post_ops ops;
-      ops.append_sum(beta);
-      attr.set_post_ops(ops);
-    }
     try {
-      const dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(e.a, e.b, e.c), attr, engine);
+      const dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(e.a, e.b, e.c), gemm_attributes(alpha, beta), engine);
       e.impl = pd.impl_info_str();
       e.prim.emplace(pd);
     } catch (const dnnl::error&) {
@@ -189,6 +195,33 @@ void LowPrecisionGemm::run(float* C, const uint16_t* A, const uint16_t* B, int64
   std::lock_guard<std::mutex> lock(impl_->run_mu);  // one stream and one widening buffer: calls are serialised
   if (use_native) return run_native(impl_->engine, impl_->stream, e, C, A, B, M, N, K, ta, tb, p);
   run_widened(impl_->wide, C, A, B, M, N, K, ta, tb, alpha, beta, p);
+}
+
+void LowPrecisionGemm::run_on_this_thread(float* C, const uint16_t* A, const uint16_t* B, int64_t M, int64_t N,
+                                          int64_t K, bool ta, bool tb, float alpha, float beta, LowPrecision p) {
+  if (M == 0 || N == 0) return;
+  if (K == 0) {
+    for (int64_t i = 0; i < M * N; ++i) C[i] = beta == 0.0f ? 0.0f : beta * C[i];
+    return;
+  }
+  struct ThreadState {
+    dnnl::engine engine{dnnl::engine::kind::cpu, 0};
+    dnnl::stream stream{engine};
+    std::map<Impl::Key, LowPrecisionGemmEntry> cache;
+  };
+  thread_local ThreadState ts;
+  const auto R = DNNL_RUNTIME_DIM_VAL;
+  const Impl::Key key{R, R, R, ta, tb, int(p), alpha, beta};
+  auto it = ts.cache.find(key);
+  if (it == ts.cache.end()) {
+    const LowPrecisionGemmEntry& shared = impl_->entry(M, N, K, ta, tb, p, alpha, beta, true);
+    if (!shared.prim) throw std::logic_error("LowPrecisionGemm::run_on_this_thread without a native matmul");
+    LowPrecisionGemmEntry e = shared;  // the descriptors; the primitive made again on this thread
+    e.prim.emplace(dnnl::matmul::primitive_desc(dnnl::matmul::desc(e.a, e.b, e.c), gemm_attributes(alpha, beta),
+                                                ts.engine));
+    it = ts.cache.emplace(key, std::move(e)).first;
+  }
+  run_native(ts.engine, ts.stream, it->second, C, A, B, M, N, K, ta, tb, p);
 }
 
 std::string LowPrecisionGemm::implementation(int64_t M, int64_t N, int64_t K, bool ta, bool tb, LowPrecision p,

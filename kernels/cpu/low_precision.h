@@ -41,6 +41,13 @@ class LowPrecisionGemm {
   ~LowPrecisionGemm();
   void run(float* C, const uint16_t* A, const uint16_t* B, int64_t M, int64_t N, int64_t K, bool trans_a,
            bool trans_b, float alpha, float beta, LowPrecision p, bool varying = false);
+  // The same with run-time dimensions on the calling thread alone, for several GEMMs at once from
+  // inside an OpenMP region (a grouped GEMM's problems, one per thread): the primitive and stream
+  // are the thread's own (oneDNN's library scratchpad wants a primitive run on the thread that
+  // made it), and oneDNN runs single-threaded inside the region. Native only: call it where
+  // native(p) holds.
+  void run_on_this_thread(float* C, const uint16_t* A, const uint16_t* B, int64_t M, int64_t N, int64_t K,
+                          bool trans_a, bool trans_b, float alpha, float beta, LowPrecision p);
   // The implementation oneDNN chose for this shape (e.g. "brg:avx512_core_amx"), or how the
   // fallback computes it.
   std::string implementation(int64_t M, int64_t N, int64_t K, bool trans_a, bool trans_b, LowPrecision p,

@@ -256,6 +256,35 @@ TEST(BackendTyped, ConvertGemmAndGroupedGemmMatchTheBuildingBlocks) {
                K, false, true, 1.0f, 1.0f);
       for (size_t i = 0; i < g.size(); ++i) ASSERT_NEAR(g[i], single[i], 1e-4 * (1 + std::fabs(single[i]))) << i;
     }
+    // Many problems (at least twice the threads: one problem per thread at a time where the
+    // matmul is native), forward-like (rows vary, B transposed) and weight-gradient-like (A
+    // transposed, the summed rows vary), alpha and beta: each equals its own typed GEMM.
+    for (const bool weight_grad : {false, true}) {
+      const int64_t count = 9;
+      std::vector<int64_t> Ms(count), Ns(count), Ks(count);
+      std::vector<std::vector<uint16_t>> As(count), Bs(count);
+      std::vector<std::vector<float>> Cs(count), Ref(count);
+      std::vector<float*> C(count);
+      std::vector<const void*> A(count), B(count);
+      for (int64_t i = 0; i < count; ++i) {
+        const int64_t varying = (i * 7) % 23;  // 0 included
+        Ms[i] = weight_grad ? 24 : varying, Ns[i] = 40, Ks[i] = weight_grad ? varying : 56;
+        As[i].resize(size_t(Ms[i] * Ks[i])), Bs[i].resize(size_t(Ks[i] * Ns[i]));
+        for (auto* v : {&As[i], &Bs[i]})
+          for (auto& e : *v) e = p == LowPrecision::kBf16 ? to_bf16(d(rng)) : to_fp16(d(rng));
+        Cs[i].assign(size_t(Ms[i] * Ns[i]), 0.5f);
+        Ref[i] = Cs[i];
+        C[i] = Cs[i].data(), A[i] = As[i].data(), B[i] = Bs[i].data();
+      }
+      const bool ta = weight_grad, tb = !weight_grad;
+      be->gemm_grouped(C.data(), A.data(), B.data(), t, Ms.data(), Ns.data(), Ks.data(), count, ta, tb, 0.5f, 1.0f);
+      for (int64_t i = 0; i < count; ++i) {
+        be->gemm(Ref[i].data(), ConstView{As[i].data(), t}, ConstView{Bs[i].data(), t}, Ms[i], Ns[i], Ks[i], ta, tb,
+                 0.5f, 1.0f);
+        for (size_t j = 0; j < Ref[i].size(); ++j)
+          ASSERT_NEAR(Cs[i][j], Ref[i][j], 1e-4 * (1 + std::fabs(Ref[i][j]))) << to_string(t) << " " << i << " " << j;
+      }
+    }
     EXPECT_FALSE(be->lowp_gemm_implementation(t).empty());
   }
   // Device memory: aligned, and the host reads and writes it only by copies.

@@ -410,6 +410,68 @@ int bench_lowp(int threads) {
   std::printf("all shapes: fp32 %.0f GFLOP/s, bf16 %.0f GFLOP/s (%.2fx); fp16 path: %s\n", flops_all / sum32 / 1e9,
               flops_all / sum16b / 1e9, sum32 / sum16b,
               lp.implementation(2048, 1152, 384, false, true, LowPrecision::kFp16).c_str());
+
+  // Attention of the medium preset at its sequence length, one sequence: fp32 Q, K, V against
+  // bf16 ones (softmax, lse and the row sums stay fp32 in both).
+  auto be = kernels::make_cpu_backend(threads);
+  const int64_t B = 1, S = 2048, nh = 12, dqk = 96, dv = 64;
+  const auto Q = randn(B * S * nh * dqk, 6), K = randn(B * S * nh * dqk, 7), V = randn(B * S * nh * dv, 8),
+             dO = randn(B * S * nh * dv, 9);
+  std::vector<uint16_t> Qb(Q.size()), Kb(K.size()), Vb(V.size()), dOb(dO.size());
+  kernels::cpu::convert_to(Qb.data(), Q.data(), int64_t(Q.size()), LowPrecision::kBf16);
+  kernels::cpu::convert_to(Kb.data(), K.data(), int64_t(K.size()), LowPrecision::kBf16);
+  kernels::cpu::convert_to(Vb.data(), V.data(), int64_t(V.size()), LowPrecision::kBf16);
+  kernels::cpu::convert_to(dOb.data(), dO.data(), int64_t(dO.size()), LowPrecision::kBf16);
+  std::vector<float> O(dO.size()), lse(B * nh * S), dQ(Q.size()), dK(K.size()), dV(V.size());
+  const float scale = 1.0f / std::sqrt(float(dqk));
+  be->reserve_attention(S);
+  const kernels::ConstView q16{Qb.data(), kernels::DType::kBF16}, k16{Kb.data(), kernels::DType::kBF16},
+      v16{Vb.data(), kernels::DType::kBF16}, do16{dOb.data(), kernels::DType::kBF16};
+  const double f32 = time_it([&] { be->attention_forward(O.data(), lse.data(), Q.data(), K.data(), V.data(), B, S, nh, dqk, dv, scale); }, 3);
+  const double b32 = time_it([&] { be->attention_backward(dQ.data(), dK.data(), dV.data(), dO.data(), Q.data(), K.data(), V.data(), O.data(), lse.data(), B, S, nh, dqk, dv, scale); }, 3);
+  const double f16 = time_it([&] { be->attention_forward(O.data(), lse.data(), q16, k16, v16, B, S, nh, dqk, dv, scale); }, 3);
+  const double b16 = time_it([&] { be->attention_backward(dQ.data(), dK.data(), dV.data(), dO.data(), do16, q16, k16, v16, O.data(), lse.data(), B, S, nh, dqk, dv, scale); }, 3);
+  const double flops = 2.0 * B * nh * (dqk + dv) * S * S / 2;  // causal: half the score matrix
+  std::printf("attention (medium, S=%ld, %ld heads, causal): forward fp32 %.1f ms (%.0f GFLOP/s), bf16 %.1f ms "
+              "(%.0f GFLOP/s, %.2fx); backward fp32 %.1f ms, bf16 %.1f ms (%.2fx)\n",
+              long(S), long(nh), f32 * 1e3, flops / f32 / 1e9, f16 * 1e3, flops / f16 / 1e9, f32 / f16, b32 * 1e3,
+              b16 * 1e3, b32 / b16);
+
+  // The routed experts' gate+up GEMMs of one medium MoE layer at 2 x 2048 tokens (6 of 32
+  // experts per token: 768 rows each on average, here 512..1024): the grouped call (one problem
+  // per thread at a time) against the same problems one after the other on all threads.
+  {
+    const int64_t E = 32, N = 512, K = 768;
+    std::vector<int64_t> Ms(E), Ns(E, N), Ks(E, K);
+    for (int64_t e = 0; e < E; ++e) Ms[size_t(e)] = 512 + (e * 331) % 513;
+    int64_t rows = 0;
+    for (int64_t m : Ms) rows += m;
+    const auto X = randn(rows * K, 10), W = randn(E * N * K, 11);
+    std::vector<uint16_t> Xb(X.size()), Wb(W.size());
+    kernels::cpu::convert_to(Xb.data(), X.data(), int64_t(X.size()), LowPrecision::kBf16);
+    kernels::cpu::convert_to(Wb.data(), W.data(), int64_t(W.size()), LowPrecision::kBf16);
+    std::vector<float> Y(size_t(rows * N));
+    std::vector<float*> Cp(E);
+    std::vector<const void*> Ap(E), Bp(E);
+    for (int64_t e = 0, r = 0; e < E; r += Ms[size_t(e)], ++e) {
+      Cp[size_t(e)] = Y.data() + r * N;
+      Ap[size_t(e)] = Xb.data() + r * K;
+      Bp[size_t(e)] = Wb.data() + e * N * K;
+    }
+    const double grouped = time_it([&] {
+      be->gemm_grouped(Cp.data(), Ap.data(), Bp.data(), kernels::DType::kBF16, Ms.data(), Ns.data(), Ks.data(), E,
+                       false, true, 1.0f, 0.0f);
+    }, 5);
+    const double serial = time_it([&] {
+      for (int64_t e = 0; e < E; ++e)
+        lp.run(Cp[size_t(e)], static_cast<const uint16_t*>(Ap[size_t(e)]), static_cast<const uint16_t*>(Bp[size_t(e)]),
+               Ms[size_t(e)], N, K, false, true, 1.0f, 0.0f, LowPrecision::kBf16, true);
+    }, 5);
+    const double f = 2.0 * double(rows) * N * K;
+    std::printf("expert gate+up, %ld experts, %ld rows (bf16): grouped %.0f GFLOP/s, one after the other %.0f GFLOP/s "
+                "(%.2fx)\n",
+                long(E), long(rows), f / grouped / 1e9, f / serial / 1e9, serial / grouped);
+  }
   return 0;
 }
 
