@@ -402,4 +402,110 @@ DSTRAIN_HD void attention_backward_dkv_row(float* dK, float* dV, const Storage<K
   }
 }
 
+
+// ---- Causal attention, tiled for tensor cores (16-bit Q, K, V) ------------------------------
+// The same results as the row functions above — probabilities p_ij = exp(s_ij - L_i) from the
+// row's final log-sum-exp, rounded to the storage type before P V; dS rounded before it
+// multiplies K or Q — computed a tile at a time. A block of four warps owns kFlashRows query
+// rows (or, for dK / dV, keys), 16 per warp; it walks tiles of kFlashCols keys (queries) held in
+// shared memory, and each warp forms its 16 x kFlashCols score tile with tensor-core MMAs into
+// a float tile (row stride kFlashLdS). Lane l then owns row l % 16, columns (l / 16) * 32 ..
+// + 32 of that tile: it reads its 32 values into registers (flash_read_lane), the warp
+// synchronises, and it writes 16-bit results over the same bytes (row stride kFlashLdP), which
+// the next MMAs read. The forward makes two passes over the keys (the first for L, the second
+// for P V), so P needs no rescaling; dQ and dK / dV are separate kernels, so no output is
+// summed by two blocks (no atomics: the same bits every run).
+
+constexpr int kFlashRows = 64;           // query rows (keys for dK / dV) per block: 4 warps x 16
+constexpr int kFlashCols = 64;           // keys (queries) per tile
+constexpr int kFlashLdS = kFlashCols + 4;  // floats per row of a warp's score tile
+constexpr int kFlashLdP = kFlashCols + 8;  // 16-bit values per row of the same bytes reused
+constexpr int kFlashLane = kFlashCols / 2;  // columns per lane
+
+DSTRAIN_HD int flash_lane_row(int lane) { return lane % 16; }
+DSTRAIN_HD int flash_lane_col(int lane) { return (lane / 16) * kFlashLane; }
+// Key tiles a query block starting at i0 visits: those holding a key <= its last row.
+DSTRAIN_HD int64_t flash_key_tiles(int64_t i0, int64_t S) {
+  const int64_t last = (i0 + kFlashRows < S ? i0 + kFlashRows : S) - 1;
+  return last / kFlashCols + 1;
+}
+// Whether a warp whose first row is r0 has work in the tile of columns c0.. : forward and dQ
+// (rows are queries, columns keys: some key <= some row), dK / dV (rows keys, columns queries:
+// some query >= some key, always true of the tiles it visits, so only r0 < S matters).
+DSTRAIN_HD bool flash_query_warp_sees(int64_t r0, int64_t c0, int64_t S) { return r0 < S && c0 <= r0 + 15; }
+DSTRAIN_HD bool flash_key_warp_sees(int64_t r0, int64_t S) { return r0 < S; }
+
+// The lane's 32 values of a warp's float tile.
+DSTRAIN_HD void flash_read_lane(float* v, const float* tile, int lane) {
+  const float* row = tile + flash_lane_row(lane) * kFlashLdS + flash_lane_col(lane);
+  for (int c = 0; c < kFlashLane; ++c) v[c] = row[c];
+}
+
+// Forward, first pass: the lane's raw scores of query row i against keys j0 + its columns,
+// into its running maximum m and sum l of exp(scale s - m) (keys j <= i only).
+DSTRAIN_HD void flash_stats_lane(const float* s, int lane, int64_t i, int64_t j0, float scale, float& m, float& l) {
+  const int64_t j = j0 + flash_lane_col(lane);
+  for (int c = 0; c < kFlashLane && j + c <= i; ++c) {
+    const float x = s[c] * scale;
+    if (x > m) {
+      l = l * expf(m - x) + 1.0f;
+      m = x;
+    } else {
+      l += expf(x - m);
+    }
+  }
+}
+// Two (m, l) partial states of one row into the first.
+DSTRAIN_HD void flash_merge(float& m, float& l, float m2, float l2) {
+  const float M = m > m2 ? m : m2;
+  if (M == neg_inf()) return;
+  l = (m == neg_inf() ? 0.0f : l * expf(m - M)) + (m2 == neg_inf() ? 0.0f : l2 * expf(m2 - M));
+  m = M;
+}
+
+// Forward, second pass: p_ij = exp(scale s_ij - L) rounded to the storage type (0 where j > i
+// or the row is past the sequence), written to the lane's columns of the 16-bit tile P.
+template <int KIND>
+DSTRAIN_HD void flash_probs_lane(uint16_t* P, const float* s, int lane, int64_t i, int64_t j0, int64_t S, float scale,
+                                 float L) {
+  static_assert(KIND != 0, "the tiled attention is for 16-bit storage");
+  uint16_t* row = P + flash_lane_row(lane) * kFlashLdP + flash_lane_col(lane);
+  const int64_t j = j0 + flash_lane_col(lane);
+  for (int c = 0; c < kFlashLane; ++c)
+    row[c] = (i < S && j + c <= i) ? store_as<KIND>(expf(s[c] * scale - L)) : uint16_t(0);
+}
+
+// dQ: dS_ij = p_ij (dP_ij - D_i) scale rounded, p_ij = exp(scale s_ij - L_i) (not rounded).
+template <int KIND>
+DSTRAIN_HD void flash_dq_lane(uint16_t* dS, const float* s, const float* dp, int lane, int64_t i, int64_t j0,
+                              int64_t S, float scale, float L, float D) {
+  static_assert(KIND != 0, "the tiled attention is for 16-bit storage");
+  uint16_t* row = dS + flash_lane_row(lane) * kFlashLdP + flash_lane_col(lane);
+  const int64_t j = j0 + flash_lane_col(lane);
+  for (int c = 0; c < kFlashLane; ++c)
+    row[c] = (i < S && j + c <= i) ? store_as<KIND>(expf(s[c] * scale - L) * (dp[c] - D) * scale) : uint16_t(0);
+}
+
+// dK / dV: rows are keys j, columns queries i0 + c (with L, D of the tile's queries): the
+// transposed probabilities rounded (for dV) and the transposed dS (for dK), 0 where i < j or
+// either is past the sequence.
+template <int KIND>
+DSTRAIN_HD void flash_dkv_lane(uint16_t* Pt, uint16_t* dSt, const float* st, const float* dpt, int lane, int64_t j,
+                               int64_t i0, int64_t S, float scale, const float* L, const float* D) {
+  static_assert(KIND != 0, "the tiled attention is for 16-bit storage");
+  const int c0 = flash_lane_col(lane);
+  uint16_t* prow = Pt + flash_lane_row(lane) * kFlashLdP + c0;
+  uint16_t* drow = dSt + flash_lane_row(lane) * kFlashLdP + c0;
+  for (int c = 0; c < kFlashLane; ++c) {
+    const int64_t i = i0 + c0 + c;
+    if (j < S && i < S && i >= j) {
+      const float p = expf(st[c] * scale - L[c0 + c]);
+      prow[c] = store_as<KIND>(p);
+      drow[c] = store_as<KIND>(p * (dpt[c] - D[c0 + c]) * scale);
+    } else {
+      prow[c] = 0, drow[c] = 0;
+    }
+  }
+}
+
 }  // namespace dstrain::kernels::dev

@@ -245,6 +245,206 @@ TEST(DeviceMath, AttentionRowsMatchTheCpuBackendInEveryType) {
   }
 }
 
+// The tensor-core attention kernels (cuda_backend.cu, "tiled") emulated on the host, block by
+// block and warp by warp as the GPU runs them: the same tile geometry, lane mapping, masking and
+// rounding (device_math.h's flash_* functions), with the MMAs replaced by loops summing the
+// 16-bit products in fp32. Only the MMA fragments themselves are left to the GPU check.
+using U16 = std::vector<uint16_t>;
+constexpr int kRows = dev::kFlashRows, kCols = dev::kFlashCols, kLdS = dev::kFlashLdS, kLdP = dev::kFlashLdP;
+
+template <int KIND>
+float widen(uint16_t v) {
+  return KIND == 1 ? dev::from_bf16(v) : dev::from_fp16(v);
+}
+void tile_load(U16& tile, int ld, const uint16_t* src, int64_t stride, int64_t first, int n, int64_t S, int d) {
+  for (int r = 0; r < n; ++r)
+    for (int c = 0; c < d; ++c) tile[size_t(r * ld + c)] = first + r < S ? src[(first + r) * stride + c] : 0;
+}
+// S[16 x kCols] = A[16 x d] B[kCols x d]^T.
+template <int KIND>
+void tile_scores(float* S, const uint16_t* A, int lda, const uint16_t* B, int ldb, int d) {
+  for (int r = 0; r < 16; ++r)
+    for (int c = 0; c < kCols; ++c) {
+      float acc = 0;
+      for (int k = 0; k < d; ++k) acc += widen<KIND>(A[r * lda + k]) * widen<KIND>(B[c * ldb + k]);
+      S[r * kLdS + c] = acc;
+    }
+}
+// C[16 x n] += P[16 x kCols] X[kCols x n].
+template <int KIND>
+void tile_accumulate(float* C, int ldc, const uint16_t* P, const uint16_t* X, int ldx, int n) {
+  for (int r = 0; r < 16; ++r)
+    for (int c = 0; c < n; ++c) {
+      float acc = C[r * ldc + c];
+      for (int k = 0; k < kCols; ++k) acc += widen<KIND>(P[r * kLdP + k]) * widen<KIND>(X[k * ldx + c]);
+      C[r * ldc + c] = acc;
+    }
+}
+
+template <int KIND>
+void attention_tiles(FVec& O, FVec& lse, FVec& dQ, FVec& dK, FVec& dV, const U16& Q, const U16& K, const U16& V,
+                     const FVec& dO, const U16& dO16, const dev::AttnShape& a) {
+  const int dqk = int(a.dqk), dv = int(a.dv), ldq = dqk + 8, ldv = dv + 8;
+  const int64_t qs = a.nh * a.dqk, vs = a.nh * a.dv, blocks = (a.S + kRows - 1) / kRows;
+  U16 Qs(size_t(kRows * ldq)), Ks(size_t(kRows * ldq)), Vs(size_t(kRows * ldv)), Gs(size_t(kRows * ldv));
+  FVec Ss(16 * kLdS), Ps(16 * kLdS), acc_k(size_t(16 * (dqk + 4))), acc_v(size_t(16 * (dv + 4)));
+  U16 P16(16 * kLdP), dS16(16 * kLdP);
+  float s[32][dev::kFlashLane], dp[32][dev::kFlashLane];
+  FVec D(size_t(a.B * a.nh * a.S));
+  for (int64_t b = 0; b < a.B; ++b)
+    for (int64_t h = 0; h < a.nh; ++h) {
+      const uint16_t *Qb = Q.data() + b * a.S * qs + h * a.dqk, *Kb = K.data() + b * a.S * qs + h * a.dqk;
+      const uint16_t *Vb = V.data() + b * a.S * vs + h * a.dv, *Gb = dO16.data() + b * a.S * vs + h * a.dv;
+      float* Lb = lse.data() + (b * a.nh + h) * a.S;
+      for (int64_t blk = 0; blk < blocks; ++blk) {  // forward
+        const int64_t i0 = blk * kRows, tiles = dev::flash_key_tiles(i0, a.S);
+        tile_load(Qs, ldq, Qb, qs, i0, kRows, a.S, dqk);
+        for (int w = 0; w < 4; ++w) {
+          const int64_t r0 = i0 + 16 * w;
+          float m[32], l[32], L[32];
+          for (int lane = 0; lane < 32; ++lane) m[lane] = dev::neg_inf(), l[lane] = 0;
+          for (int64_t t = 0; t < tiles; ++t) {
+            const int64_t j0 = t * kCols;
+            tile_load(Ks, ldq, Kb, qs, j0, kCols, a.S, dqk);
+            if (!dev::flash_query_warp_sees(r0, j0, a.S)) continue;
+            tile_scores<KIND>(Ss.data(), Qs.data() + 16 * w * ldq, ldq, Ks.data(), ldq, dqk);
+            for (int lane = 0; lane < 32; ++lane) {
+              const int64_t i = r0 + dev::flash_lane_row(lane);
+              dev::flash_read_lane(s[lane], Ss.data(), lane);
+              if (i < a.S) dev::flash_stats_lane(s[lane], lane, i, j0, a.scale, m[lane], l[lane]);
+            }
+          }
+          for (int lane = 0; lane < 16; ++lane) {
+            float mm = m[lane], ll = l[lane];
+            dev::flash_merge(mm, ll, m[lane + 16], l[lane + 16]);
+            L[lane] = L[lane + 16] = mm + std::log(ll);
+          }
+          std::fill(acc_v.begin(), acc_v.end(), 0.0f);
+          for (int64_t t = 0; t < tiles; ++t) {
+            const int64_t j0 = t * kCols;
+            tile_load(Ks, ldq, Kb, qs, j0, kCols, a.S, dqk);
+            tile_load(Vs, ldv, Vb, vs, j0, kCols, a.S, dv);
+            if (!dev::flash_query_warp_sees(r0, j0, a.S)) continue;
+            tile_scores<KIND>(Ss.data(), Qs.data() + 16 * w * ldq, ldq, Ks.data(), ldq, dqk);
+            for (int lane = 0; lane < 32; ++lane) dev::flash_read_lane(s[lane], Ss.data(), lane);
+            for (int lane = 0; lane < 32; ++lane)
+              dev::flash_probs_lane<KIND>(P16.data(), s[lane], lane, r0 + dev::flash_lane_row(lane), j0, a.S,
+                                          a.scale, L[lane]);
+            tile_accumulate<KIND>(acc_v.data(), dv + 4, P16.data(), Vs.data(), ldv, dv);
+          }
+          for (int r = 0; r < 16 && r0 + r < a.S; ++r) {
+            for (int c = 0; c < dv; ++c) O[size_t((b * a.S + r0 + r) * vs + h * a.dv + c)] = acc_v[size_t(r * (dv + 4) + c)];
+            Lb[r0 + r] = L[r];
+          }
+        }
+      }
+      for (int64_t i = 0; i < a.S; ++i) dev::attention_rowsum<1>(D.data(), dO.data(), O.data(), a, b, h, i, 0, Identity{});
+      const float* Db = D.data() + (b * a.nh + h) * a.S;
+      for (int64_t blk = 0; blk < blocks; ++blk) {  // dQ
+        const int64_t i0 = blk * kRows, tiles = dev::flash_key_tiles(i0, a.S);
+        tile_load(Qs, ldq, Qb, qs, i0, kRows, a.S, dqk);
+        tile_load(Gs, ldv, Gb, vs, i0, kRows, a.S, dv);
+        for (int w = 0; w < 4; ++w) {
+          const int64_t r0 = i0 + 16 * w;
+          std::fill(acc_k.begin(), acc_k.end(), 0.0f);
+          for (int64_t t = 0; t < tiles; ++t) {
+            const int64_t j0 = t * kCols;
+            tile_load(Ks, ldq, Kb, qs, j0, kCols, a.S, dqk);
+            tile_load(Vs, ldv, Vb, vs, j0, kCols, a.S, dv);
+            if (!dev::flash_query_warp_sees(r0, j0, a.S)) continue;
+            tile_scores<KIND>(Ss.data(), Qs.data() + 16 * w * ldq, ldq, Ks.data(), ldq, dqk);
+            tile_scores<KIND>(Ps.data(), Gs.data() + 16 * w * ldv, ldv, Vs.data(), ldv, dv);
+            for (int lane = 0; lane < 32; ++lane) {
+              dev::flash_read_lane(s[lane], Ss.data(), lane);
+              dev::flash_read_lane(dp[lane], Ps.data(), lane);
+            }
+            for (int lane = 0; lane < 32; ++lane) {
+              const int64_t i = r0 + dev::flash_lane_row(lane);
+              dev::flash_dq_lane<KIND>(dS16.data(), s[lane], dp[lane], lane, i, j0, a.S, a.scale,
+                                       i < a.S ? Lb[i] : 0.0f, i < a.S ? Db[i] : 0.0f);
+            }
+            tile_accumulate<KIND>(acc_k.data(), dqk + 4, dS16.data(), Ks.data(), ldq, dqk);
+          }
+          for (int r = 0; r < 16 && r0 + r < a.S; ++r)
+            for (int c = 0; c < dqk; ++c)
+              dQ[size_t((b * a.S + r0 + r) * qs + h * a.dqk + c)] = acc_k[size_t(r * (dqk + 4) + c)];
+        }
+      }
+      for (int64_t blk = 0; blk < blocks; ++blk) {  // dK, dV
+        const int64_t j0 = blk * kRows;
+        tile_load(Ks, ldq, Kb, qs, j0, kRows, a.S, dqk);
+        tile_load(Vs, ldv, Vb, vs, j0, kRows, a.S, dv);
+        for (int w = 0; w < 4; ++w) {
+          const int64_t r0 = j0 + 16 * w;
+          if (!dev::flash_key_warp_sees(r0, a.S)) continue;
+          std::fill(acc_k.begin(), acc_k.end(), 0.0f);
+          std::fill(acc_v.begin(), acc_v.end(), 0.0f);
+          for (int64_t i0 = j0; i0 < a.S; i0 += kCols) {
+            tile_load(Qs, ldq, Qb, qs, i0, kCols, a.S, dqk);
+            tile_load(Gs, ldv, Gb, vs, i0, kCols, a.S, dv);
+            float Lt[kCols], Dt[kCols];
+            for (int c = 0; c < kCols; ++c) Lt[c] = i0 + c < a.S ? Lb[i0 + c] : 0.0f, Dt[c] = i0 + c < a.S ? Db[i0 + c] : 0.0f;
+            tile_scores<KIND>(Ss.data(), Ks.data() + 16 * w * ldq, ldq, Qs.data(), ldq, dqk);
+            tile_scores<KIND>(Ps.data(), Vs.data() + 16 * w * ldv, ldv, Gs.data(), ldv, dv);
+            for (int lane = 0; lane < 32; ++lane) {
+              dev::flash_read_lane(s[lane], Ss.data(), lane);
+              dev::flash_read_lane(dp[lane], Ps.data(), lane);
+            }
+            for (int lane = 0; lane < 32; ++lane)
+              dev::flash_dkv_lane<KIND>(P16.data(), dS16.data(), s[lane], dp[lane], lane,
+                                        r0 + dev::flash_lane_row(lane), i0, a.S, a.scale, Lt, Dt);
+            tile_accumulate<KIND>(acc_v.data(), dv + 4, P16.data(), Gs.data(), ldv, dv);
+            tile_accumulate<KIND>(acc_k.data(), dqk + 4, dS16.data(), Qs.data(), ldq, dqk);
+          }
+          for (int r = 0; r < 16 && r0 + r < a.S; ++r) {
+            for (int c = 0; c < dqk; ++c)
+              dK[size_t((b * a.S + r0 + r) * qs + h * a.dqk + c)] = acc_k[size_t(r * (dqk + 4) + c)];
+            for (int c = 0; c < dv; ++c)
+              dV[size_t((b * a.S + r0 + r) * vs + h * a.dv + c)] = acc_v[size_t(r * (dv + 4) + c)];
+          }
+        }
+      }
+    }
+}
+
+// The tiles give the rows' results (the GPU's reference kernels, checked against the CPU
+// backend above) up to the order of fp32 sums: over several key and query tiles, with rows and
+// keys past the sequence in the last ones, and heads of different widths.
+TEST(DeviceMath, AttentionTilesMatchTheRows) {
+  for (const dev::AttnShape& a : {dev::AttnShape{2, 70, 2, 48, 32, 0.15f}, dev::AttnShape{1, 150, 1, 32, 16, 0.2f},
+                                  dev::AttnShape{1, 64, 3, 16, 48, 0.25f}}) {
+    const size_t nq = size_t(a.B * a.S * a.nh * a.dqk), nv = size_t(a.B * a.S * a.nh * a.dv),
+                 nl = size_t(a.B * a.nh * a.S);
+    const FVec Qf = randn(nq, 41), Kf = randn(nq, 42), Vf = randn(nv, 43), dO = randn(nv, 44);
+    for (int kind : {1, 2}) {
+      const auto round = [&](const FVec& x) {
+        U16 out(x.size());
+        for (size_t i = 0; i < x.size(); ++i) out[i] = kind == 1 ? dev::to_bf16(x[i]) : dev::to_fp16(x[i]);
+        return out;
+      };
+      const U16 Q = round(Qf), K = round(Kf), V = round(Vf), dO16 = round(dO);
+      FVec O(nv), lse(nl), dQ(nq), dK(nq), dV(nv), O2(nv, -7.0f), lse2(nl, -7.0f), dQ2(nq, -7.0f), dK2(nq, -7.0f),
+          dV2(nv, -7.0f);
+      if (kind == 1) {
+        attention_rows<1>(O, lse, dQ, dK, dV, Q, K, V, dO, dO16, a);
+        attention_tiles<1>(O2, lse2, dQ2, dK2, dV2, Q, K, V, dO, dO16, a);
+      } else {
+        attention_rows<2>(O, lse, dQ, dK, dV, Q, K, V, dO, dO16, a);
+        attention_tiles<2>(O2, lse2, dQ2, dK2, dV2, Q, K, V, dO, dO16, a);
+      }
+      const std::string what = "kind " + std::to_string(kind) + " S " + std::to_string(a.S);
+      const double tol = kind == 1 ? 1e-2 : 2e-3;
+      EXPECT_LT(max_rel_err(lse2, lse), 1e-6) << what;
+      EXPECT_LT(max_rel_err(O2, O), tol) << what;
+      EXPECT_LT(max_rel_err(dQ2, dQ), tol) << what;
+      EXPECT_LT(max_rel_err(dK2, dK), tol) << what;
+      EXPECT_LT(max_rel_err(dV2, dV), tol) << what;
+      std::printf("%s: O %.2e dQ %.2e dK %.2e dV %.2e lse %.2e\n", what.c_str(), max_rel_err(O2, O),
+                  max_rel_err(dQ2, dQ), max_rel_err(dK2, dK), max_rel_err(dV2, dV), max_rel_err(lse2, lse));
+    }
+  }
+}
+
 }  // namespace
 }  // namespace dstrain::kernels
 

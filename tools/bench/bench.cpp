@@ -471,6 +471,21 @@ int bench_lowp(int threads) {
     std::printf("expert gate+up, %ld experts, %ld rows (bf16): grouped %.0f GFLOP/s, one after the other %.0f GFLOP/s "
                 "(%.2fx)\n",
                 long(E), long(rows), f / grouped / 1e9, f / serial / 1e9, serial / grouped);
+    // Their weight gradients, dW[N, K] = dY^T X: the row counts are the reduction dimension.
+    std::vector<float> dW(size_t(E * N * K));
+    std::vector<uint16_t> dYb(size_t(rows * N));
+    kernels::cpu::convert_to(dYb.data(), Y.data(), int64_t(dYb.size()), LowPrecision::kBf16);
+    std::vector<int64_t> wM(E, N), wN(E, K);
+    for (int64_t e = 0, r = 0; e < E; r += Ms[size_t(e)], ++e) {
+      Cp[size_t(e)] = dW.data() + e * N * K;
+      Ap[size_t(e)] = dYb.data() + r * N;
+      Bp[size_t(e)] = Xb.data() + r * K;
+    }
+    const double wgrad = time_it([&] {
+      be->gemm_grouped(Cp.data(), Ap.data(), Bp.data(), kernels::DType::kBF16, wM.data(), wN.data(), Ms.data(), E,
+                       true, false, 1.0f, 1.0f);
+    }, 5);
+    std::printf("expert gate+up weight gradients (bf16, grouped): %.0f GFLOP/s\n", f / wgrad / 1e9);
   }
   return 0;
 }

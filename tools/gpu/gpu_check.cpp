@@ -13,10 +13,12 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "dstrain/kernels/backend.h"
@@ -243,7 +245,11 @@ struct AttnOut {
   FVec O, lse, dQ, dK, dV;
 };
 
-void check_attention(Backend& cpu, Backend& cuda) {
+// The 16-bit types run twice on CUDA: the tensor-core tiles (the default where the head sizes
+// allow) and the rows kernels (DSTRAIN_CUDA_ATTENTION=rows); fp32 has only the rows.
+void check_attention(Backend& cpu, Backend& cuda, const char* kernel) {
+  if (kernel) setenv("DSTRAIN_CUDA_ATTENTION", kernel, 1);
+  else unsetenv("DSTRAIN_CUDA_ATTENTION");
   const int64_t B = 2, S = 70, nh = 3, dqk = 192, dv = 128;
   const float scale = 1.0f / std::sqrt(float(dqk));
   const size_t nq = size_t(B * S * nh * dqk), nv = size_t(B * S * nh * dv), nl = size_t(B * nh * S);
@@ -251,6 +257,7 @@ void check_attention(Backend& cpu, Backend& cuda) {
   cpu.reserve_attention(S);
   cuda.reserve_attention(S);
   for (DType dt : {DType::kF32, DType::kBF16, DType::kF16}) {
+    if (kernel && dt == DType::kF32) continue;
     // Reference: the CPU's fp32 kernels on the inputs as the 16-bit run sees them.
     FVec Qr = Q, Kr = K, Vr = V;
     std::vector<uint16_t> q16, k16, v16, do16;
@@ -274,7 +281,7 @@ void check_attention(Backend& cpu, Backend& cuda) {
     cuda.attention_forward(O, lse, q, kk, v, B, S, nh, dqk, dv, scale);
     cuda.attention_backward(dQ, dK, dV, gdO, dol, q, kk, v, O, lse, B, S, nh, dqk, dv, scale);
     const double tol = dt == DType::kF32 ? 1e-5 : dt == DType::kBF16 ? 2e-2 : 3e-3;
-    const std::string p = std::string("attention ") + to_string(dt) + " ";
+    const std::string p = std::string("attention ") + to_string(dt) + (kernel ? std::string(" ") + kernel : "") + " ";
     check(p + "O", g.get(O, nv), want.O, tol);
     check(p + "lse", g.get(lse, nl), want.lse, 1e-5);
     const FVec dQ1 = g.get(dQ, nq), dK1 = g.get(dK, nq);
@@ -454,7 +461,10 @@ void run_all(Backend& cpu, Backend& cuda) {
   check_gemms(cpu, cuda);
   check_conversions(cpu, cuda);
   check_norm_rope_swiglu(cpu, cuda);
-  check_attention(cpu, cuda);
+  check_attention(cpu, cuda, nullptr);
+  check_attention(cpu, cuda, "tiled");
+  check_attention(cpu, cuda, "rows");
+  unsetenv("DSTRAIN_CUDA_ATTENTION");
   check_router_moe(cpu, cuda);
   check_loss_embedding_optimizer(cpu, cuda);
 }
@@ -480,7 +490,9 @@ void bench(Backend& cuda) {
         5);
     std::printf("gemm %s %ld^3: %.1f TFLOP/s\n", to_string(dt), long(n), 2.0 * n * n * n / s / 1e12);
   }
-  for (DType dt : {DType::kBF16, DType::kF32}) {
+  for (const auto& [dt, kernel] : std::vector<std::pair<DType, const char*>>{
+           {DType::kBF16, "tiled"}, {DType::kBF16, "rows"}, {DType::kF32, "rows"}}) {
+    setenv("DSTRAIN_CUDA_ATTENTION", kernel, 1);
     const int64_t B = 4, S = 2048, nh = 16, dqk = 192, dv = 128;
     cuda.reserve_attention(S);
     const int64_t nq = B * S * nh * dqk, nv = B * S * nh * dv;
@@ -495,11 +507,12 @@ void bench(Backend& cuda) {
                               o.as<float>(), l.as<float>(), B, S, nh, dqk, dv, 0.07f);
     }, 3);
     const double flops = double(B) * nh * S * S / 2 * 2 * (dqk + dv);  // causal: half the score matrix
-    std::printf("attention %s B=%ld S=%ld heads=%ld dqk=%ld dv=%ld: forward %.2f ms (%.1f TFLOP/s), backward %.2f ms "
-                "(%.1f TFLOP/s)\n",
-                to_string(dt), long(B), long(S), long(nh), long(dqk), long(dv), fwd * 1e3, flops / fwd / 1e12,
+    std::printf("attention %s %s B=%ld S=%ld heads=%ld dqk=%ld dv=%ld: forward %.2f ms (%.1f TFLOP/s), backward %.2f "
+                "ms (%.1f TFLOP/s)\n",
+                to_string(dt), kernel, long(B), long(S), long(nh), long(dqk), long(dv), fwd * 1e3, flops / fwd / 1e12,
                 bwd * 1e3, 2.5 * flops / bwd / 1e12);
   }
+  unsetenv("DSTRAIN_CUDA_ATTENTION");
 }
 
 }  // namespace
