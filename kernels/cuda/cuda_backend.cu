@@ -989,7 +989,7 @@ class CudaBackend final : public Backend {
     const dev::AttnShape a{B, S, nh, dqk, dv, scale};
     const int64_t rows = B * nh * S;
     if (rows <= 0) return;
-    if (tiled_attention(Q.dtype, dqk, dv)) {
+    if (tiled_attention(Q.dtype, B, nh, dqk, dv)) {
       const dim3 grid(unsigned((S + dev::kFlashRows - 1) / dev::kFlashRows), unsigned(nh), unsigned(B));
       const int64_t bytes = FlashFwdLayout(dqk, dv).bytes;
       if (Q.dtype == DType::kBF16)
@@ -1026,7 +1026,7 @@ class CudaBackend final : public Backend {
     const int grid = int((rows + kAttnWarps - 1) / kAttnWarps), threads = 32 * kAttnWarps;
     attention_rowsum_kernel<<<grid, threads, 0, stream_>>>(D, dO, O, a);
     DS_LAUNCHED();
-    if (tiled_attention(Q.dtype, dqk, dv)) {
+    if (tiled_attention(Q.dtype, B, nh, dqk, dv)) {
       const dim3 tiles(unsigned((S + dev::kFlashRows - 1) / dev::kFlashRows), unsigned(nh), unsigned(B));
       const int64_t dq_bytes = FlashDqLayout(dqk, dv).bytes, dkv_bytes = FlashDkvLayout(dqk, dv).bytes;
       const uint16_t *g = h(dO_lp.data), *q = h(Q.data), *k = h(K.data), *v = h(V.data);
@@ -1225,9 +1225,9 @@ class CudaBackend final : public Backend {
   // kernels): 16-bit storage, head sizes multiples of 16 (the MMA shape), compute capability 8+
   // (bf16 MMAs), the kernels' shared memory within the device's opt-in limit, and not
   // DSTRAIN_CUDA_ATTENTION=rows (read per call, so a check can run both).
-  bool tiled_attention(DType dt, int64_t dqk, int64_t dv) const {
+  bool tiled_attention(DType dt, int64_t B, int64_t nh, int64_t dqk, int64_t dv) const {
     if (dt == DType::kF32 || dqk % 16 != 0 || dv % 16 != 0 || dqk > kMaxHeadDim || dv > kMaxHeadDim) return false;
-    if (cc_major_ < 8) return false;
+    if (cc_major_ < 8 || B > 65535 || nh > 65535) return false;  // (grid y and z: heads, sequences)
     const char* choice = std::getenv("DSTRAIN_CUDA_ATTENTION");
     if (choice && std::string(choice) == "rows") return false;
     if (choice && std::string(choice) != "tiled")
