@@ -261,6 +261,18 @@ constexpr int kFlashThreads = 32 * kFlashWarps;
 // of n rows with row stride ld; rows at or past S are zero.
 __device__ void flash_load(uint16_t* tile, int ld, const uint16_t* src, int64_t stride, int64_t first, int n,
                            int64_t S, int d) {
+  // 16 bytes per thread where the head's rows start 16-byte aligned (d, stride and ld are
+  // multiples of 8 elements: tiled_attention's multiples of 16).
+  if (reinterpret_cast<uintptr_t>(src) % 16 == 0) {
+    const int per_row = d / 8;
+    for (int idx = threadIdx.x; idx < n * per_row; idx += blockDim.x) {
+      const int r = idx / per_row, c = (idx % per_row) * 8;
+      uint4 v = make_uint4(0u, 0u, 0u, 0u);
+      if (first + r < S) v = *reinterpret_cast<const uint4*>(src + (first + r) * stride + c);
+      *reinterpret_cast<uint4*>(tile + r * ld + c) = v;
+    }
+    return;
+  }
   for (int idx = threadIdx.x; idx < n * d; idx += blockDim.x) {
     const int r = idx / d, c = idx % d;
     tile[r * ld + c] = first + r < S ? src[(first + r) * stride + c] : uint16_t(0);
