@@ -280,47 +280,72 @@ __device__ void flash_load(uint16_t* tile, int ld, const uint16_t* src, int64_t 
 }
 
 // One warp: S[16 x kFlashCols] (float, row stride kFlashLdS) = A[16 x d] B[kFlashCols x d]^T,
-// A and B row-major 16-bit tiles.
+// A and B row-major 16-bit tiles. The four column blocks accumulate side by side (four
+// independent MMA chains, each A fragment loaded once).
 template <int KIND>
 __device__ void flash_scores(float* S, const uint16_t* A, int lda, const uint16_t* B, int ldb, int d) {
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800  // bf16 MMAs (the launch checks the device)
   using T = typename MmaType<KIND>::type;
   namespace w = nvcuda::wmma;
-  for (int n = 0; n < dev::kFlashCols; n += 16) {
-    w::fragment<w::accumulator, 16, 16, 16, float> acc;
-    w::fill_fragment(acc, 0.0f);
-    for (int k = 0; k < d; k += 16) {
-      w::fragment<w::matrix_a, 16, 16, 16, T, w::row_major> a;
+  constexpr int kBlocks = dev::kFlashCols / 16;
+  w::fragment<w::accumulator, 16, 16, 16, float> acc[kBlocks];
+#pragma unroll
+  for (int n = 0; n < kBlocks; ++n) w::fill_fragment(acc[n], 0.0f);
+  for (int k = 0; k < d; k += 16) {
+    w::fragment<w::matrix_a, 16, 16, 16, T, w::row_major> a;
+    w::load_matrix_sync(a, reinterpret_cast<const T*>(A + k), lda);
+#pragma unroll
+    for (int n = 0; n < kBlocks; ++n) {
       w::fragment<w::matrix_b, 16, 16, 16, T, w::col_major> b;  // B^T: element (k, n) at B[n * ldb + k]
-      w::load_matrix_sync(a, reinterpret_cast<const T*>(A + k), lda);
-      w::load_matrix_sync(b, reinterpret_cast<const T*>(B + n * ldb + k), ldb);
-      w::mma_sync(acc, a, b, acc);
+      w::load_matrix_sync(b, reinterpret_cast<const T*>(B + n * 16 * ldb + k), ldb);
+      w::mma_sync(acc[n], a, b, acc[n]);
     }
-    w::store_matrix_sync(S + n, acc, dev::kFlashLdS, w::mem_row_major);
   }
+#pragma unroll
+  for (int n = 0; n < kBlocks; ++n) w::store_matrix_sync(S + n * 16, acc[n], dev::kFlashLdS, w::mem_row_major);
 #else
   __trap();
 #endif
 }
 
 // One warp: C[16 x n] (float, row stride ldc) += P[16 x kFlashCols] (16-bit, row stride
-// kFlashLdP) X[kFlashCols x n] (16-bit, row-major, row stride ldx).
+// kFlashLdP) X[kFlashCols x n] (16-bit, row-major, row stride ldx). P's fragments are loaded
+// once; two column blocks of C accumulate side by side where there are two.
 template <int KIND>
 __device__ void flash_accumulate(float* C, int ldc, const uint16_t* P, const uint16_t* X, int ldx, int n_cols) {
-#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800  // bf16 MMAs (the launch checks the device)
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
   using T = typename MmaType<KIND>::type;
   namespace w = nvcuda::wmma;
-  for (int n = 0; n < n_cols; n += 16) {
-    w::fragment<w::accumulator, 16, 16, 16, float> acc;
-    w::load_matrix_sync(acc, C + n, ldc, w::mem_row_major);
-    for (int k = 0; k < dev::kFlashCols; k += 16) {
-      w::fragment<w::matrix_a, 16, 16, 16, T, w::row_major> a;
-      w::fragment<w::matrix_b, 16, 16, 16, T, w::row_major> b;
-      w::load_matrix_sync(a, reinterpret_cast<const T*>(P + k), dev::kFlashLdP);
-      w::load_matrix_sync(b, reinterpret_cast<const T*>(X + k * ldx + n), ldx);
-      w::mma_sync(acc, a, b, acc);
+  constexpr int kSteps = dev::kFlashCols / 16;
+  w::fragment<w::matrix_a, 16, 16, 16, T, w::row_major> a[kSteps];
+#pragma unroll
+  for (int k = 0; k < kSteps; ++k) w::load_matrix_sync(a[k], reinterpret_cast<const T*>(P + k * 16), dev::kFlashLdP);
+  int n = 0;
+  for (; n + 32 <= n_cols; n += 32) {
+    w::fragment<w::accumulator, 16, 16, 16, float> c0, c1;
+    w::load_matrix_sync(c0, C + n, ldc, w::mem_row_major);
+    w::load_matrix_sync(c1, C + n + 16, ldc, w::mem_row_major);
+#pragma unroll
+    for (int k = 0; k < kSteps; ++k) {
+      w::fragment<w::matrix_b, 16, 16, 16, T, w::row_major> b0, b1;
+      w::load_matrix_sync(b0, reinterpret_cast<const T*>(X + k * 16 * ldx + n), ldx);
+      w::load_matrix_sync(b1, reinterpret_cast<const T*>(X + k * 16 * ldx + n + 16), ldx);
+      w::mma_sync(c0, a[k], b0, c0);
+      w::mma_sync(c1, a[k], b1, c1);
     }
-    w::store_matrix_sync(C + n, acc, ldc, w::mem_row_major);
+    w::store_matrix_sync(C + n, c0, ldc, w::mem_row_major);
+    w::store_matrix_sync(C + n + 16, c1, ldc, w::mem_row_major);
+  }
+  for (; n < n_cols; n += 16) {
+    w::fragment<w::accumulator, 16, 16, 16, float> c0;
+    w::load_matrix_sync(c0, C + n, ldc, w::mem_row_major);
+#pragma unroll
+    for (int k = 0; k < kSteps; ++k) {
+      w::fragment<w::matrix_b, 16, 16, 16, T, w::row_major> b0;
+      w::load_matrix_sync(b0, reinterpret_cast<const T*>(X + k * 16 * ldx + n), ldx);
+      w::mma_sync(c0, a[k], b0, c0);
+    }
+    w::store_matrix_sync(C + n, c0, ldc, w::mem_row_major);
   }
 #else
   __trap();
