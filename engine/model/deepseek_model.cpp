@@ -367,7 +367,7 @@ Losses DeepSeekModel::forward_stage(const int32_t* tokens, const float* h_in, co
   map_ids(local_ids_host_.data(), ids_host_.data(), N);
   be_.copy_from_host(local_ids_.data(), local_ids_host_.data(), N * int64_t(sizeof(int32_t)));
   be_.copy_from_host(targets_.data(), targets_host_.data(), N * int64_t(sizeof(int32_t)));
-  for (auto* moe : moe_layers()) moe->stats().aux_loss = 0.0;
+  for (auto* moe : moe_layers()) moe->clear_aux();
   const trace::Scope whole("model", "forward");
   if (!has_embed_) {
     DS_CHECK(h_in, "a pipeline stage after the first needs the previous stage's output");
@@ -393,7 +393,10 @@ Losses DeepSeekModel::forward_stage(const int32_t* tokens, const float* h_in, co
     out.ce = head_loss(logits_.data(), z, targets_.data(), N, 1.0 / scale.tokens, scale.gradient);
     if (!mtp_.empty()) mtp_forward(tokens, scale, out);
   }
-  for (auto* moe : moe_layers()) out.aux += moe->stats().aux_loss;
+  for (auto* moe : moe_layers()) {
+    moe->stats().aux_loss = moe->fetch_aux();
+    out.aux += moe->stats().aux_loss;
+  }
   return out;
 }
 

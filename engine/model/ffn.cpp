@@ -86,8 +86,10 @@ MoeLayer::MoeLayer(const LayerEnv& env, const std::string& prefix, int64_t B, in
   Xp_ = st.take(N * k_ * H_, true, ep_ == 1 ? lp : kernels::DType::kF32), GUp_ = st.take(N * k_ * 2 * I_);
   Mp_ = st.take(N * k_ * I_, true, lp);
   Yp_ = st.take(N * k_ * H_);
-  idx_.resize(N * k_), pos_.resize(N * k_), src_.resize(N * k_);
   idx_dev_.resize(*env.be, N * k_), pos_dev_.resize(*env.be, N * k_), src_dev_.resize(*env.be, N * k_);
+  counts_dev_.resize(*env.be, E_), counts32_.assign(size_t(E_), 0);
+  balance_stats_.resize(*env.be, 2 * B * E_), aux_dev_.resize(*env.be, 1);
+  env.be->fill(aux_dev_.data(), 0.0f, 1);
   counts_.assign(E_, 0), offsets_.assign(E_ + 1, 0);
   stats_.loads.assign(E_, 0);
   DS_CHECK(E_ % ep_ == 0, "{} experts over {} expert-parallel ranks", E_, ep_);
@@ -140,36 +142,44 @@ int64_t MoeLayer::scratch_floats(int64_t N) const {
   return rows * (2 * H_ + 3 * I_) + N * (k_ + 2 * E_) + E_ * H_ + (shared_ ? shared_->scratch_floats(N) : 0) + 192;
 }
 
-// Router, then the dispatch plan: rows sorted by (expert, token, slot), pos[t,j] = row of slot j.
+// Router, then the dispatch plan: rows sorted by (expert, token, slot), pos[t,j] = row of slot j,
+// made on the device; the host reads the rows per expert (the grouped GEMMs' sizes).
 void MoeLayer::route(const float* u, int64_t N) {
   kernels::Backend& be = *env_.be;
   float* logits = env_.scratch->take(N * E_);
   linear_forward(env_, logits, u, gate_, N, E_, H_);
   be.router_forward(idx_dev_.data(), w_.data(), scores_.data(), logits, bias_, N, rp_);
-  // The dispatch plan is made on the host, from the selection copied there through the backend.
-  be.copy_to_host(idx_.data(), idx_dev_.data(), N * k_ * int64_t(sizeof(int32_t)));
-  const int32_t* idx = idx_.data();
-  std::fill(counts_.begin(), counts_.end(), 0);
-  for (int64_t i = 0; i < N * k_; ++i) ++counts_[idx[i]];
-  for (int64_t e = 0; e < E_; ++e) offsets_[e + 1] = offsets_[e] + counts_[e];
-  std::vector<int64_t> cursor(offsets_.begin(), offsets_.end() - 1);
-  for (int64_t t = 0; t < N; ++t)
-    for (int64_t j = 0; j < k_; ++j) {
-      const int64_t row = cursor[idx[t * k_ + j]]++;
-      pos_[t * k_ + j] = int32_t(row);
-      src_[row] = int32_t(t);
-    }
-  be.copy_from_host(pos_dev_.data(), pos_.data(), N * k_ * int64_t(sizeof(int32_t)));
-  be.copy_from_host(src_dev_.data(), src_.data(), N * k_ * int64_t(sizeof(int32_t)));
+  be.moe_plan(pos_dev_.data(), src_dev_.data(), counts_dev_.data(), idx_dev_.data(), N, k_, E_);
+  be.copy_to_host(counts32_.data(), counts_dev_.data(), E_ * int64_t(sizeof(int32_t)));
+  routed_ = N;
+  for (int64_t e = 0; e < E_; ++e) {
+    counts_[e] = counts32_[size_t(e)];
+    offsets_[e + 1] = offsets_[e] + counts_[e];
+  }
   if (!recomputing_)
     for (int64_t e = 0; e < E_; ++e) stats_.loads[e] += counts_[e];
 }
 
-// Sequence-wise (or batch-wise) balance loss, docs/model.md §5.2. Its gradient with respect to the
-// scores does not depend on anything downstream, so it is computed here and kept for backward.
-// Under tensor parallelism each rank holds the routing of its token part only: the statistics
-// of every sequence (expert counts f and mean normalised scores P) are summed over the ranks
-// first, so every rank computes the whole loss and the gradient of its own tokens.
+std::vector<int32_t> MoeLayer::selection() const {
+  std::vector<int32_t> idx(size_t(routed_ * k_));
+  env_.be->copy_to_host(idx.data(), idx_dev_.data(), routed_ * k_ * int64_t(sizeof(int32_t)));
+  return idx;
+}
+
+void MoeLayer::clear_aux() { env_.be->fill(aux_dev_.data(), 0.0f, 1); }
+
+double MoeLayer::fetch_aux() {
+  float v = 0;
+  env_.be->copy_to_host(&v, aux_dev_.data(), int64_t(sizeof(float)));
+  return v;
+}
+
+// Sequence-wise (or batch-wise) balance loss, docs/model.md §5.2, on the device. Its gradient
+// with respect to the scores does not depend on anything downstream, so it is computed here and
+// kept for backward. Under tensor parallelism each rank holds the routing of its token part
+// only: the statistics of every sequence (expert counts f and mean normalised scores P) are
+// summed over the ranks first, so every rank computes the whole loss and the gradient of its own
+// tokens.
 void MoeLayer::balance_loss(TokenPart part, int64_t B, int64_t S, const LossScale& scale) {
   const double alpha = env_.cfg->aux_loss_alpha;
   const int64_t n = part.count;
@@ -178,45 +188,18 @@ void MoeLayer::balance_loss(TokenPart part, int64_t B, int64_t S, const LossScal
     return;
   }
   const bool per_seq = env_.cfg->seq_aux;
-  const int64_t groups = per_seq ? B : 1, T = per_seq ? S : B * S;
+  const int64_t groups = per_seq ? B : 1;
   // Each group's weight in the global mean: 1/B_global per sequence, or this micro-batch's share.
   const double group_weight = per_seq ? 1.0 / scale.sequences : double(B) / scale.sequences;
-  std::vector<double> stats(size_t(2 * groups * E_), 0.0);  // f [groups, E], then P [groups, E]
-  double* f = stats.data();
-  double* P = stats.data() + groups * E_;
-  const auto group_of = [&](int64_t i) { return per_seq ? (part.first + i) / S : 0; };
-  scores_host_.resize(size_t(n * E_)), dscores_host_.resize(size_t(n * E_));
-  env_.be->copy_to_host(scores_host_.data(), scores_.data(), n * E_ * int64_t(sizeof(float)));
-  const float* scores = scores_host_.data();
-  float* dscores = dscores_host_.data();
-  for (int64_t i = 0; i < n; ++i) {
-    const int64_t g = group_of(i);
-    for (int64_t j = 0; j < k_; ++j) f[g * E_ + idx_[i * k_ + j]] += double(E_) / double(k_ * T);
-    double sum = 0;
-    for (int64_t e = 0; e < E_; ++e) sum += scores[i * E_ + e];
-    for (int64_t e = 0; e < E_; ++e) P[g * E_ + e] += scores[i * E_ + e] / sum / double(T);
-  }
-  if (env_.tp_size > 1) {  // every rank's tokens of each group
-    std::vector<float> sum(stats.begin(), stats.end());
-    env_.coll->tp_all_reduce(sum.data(), int64_t(sum.size()));
-    std::copy(sum.begin(), sum.end(), stats.begin());
-  }
-  for (int64_t g = 0; g < groups; ++g) {
-    double loss = 0;
-    for (int64_t e = 0; e < E_; ++e) loss += f[g * E_ + e] * P[g * E_ + e];
-    if (!recomputing_) stats_.aux_loss += alpha * group_weight * loss;
-  }
-  // dL/ds'_{t,e} = alpha w f_e / T, then through s' = s / sum(s).
-  for (int64_t i = 0; i < n; ++i) {
-    const double* fg = f + group_of(i) * E_;
-    const float* s = scores + i * E_;
-    double sum = 0, dot = 0;
-    for (int64_t e = 0; e < E_; ++e) sum += s[e];
-    for (int64_t e = 0; e < E_; ++e) dot += alpha * group_weight * fg[e] / double(T) * s[e] / sum;
-    for (int64_t e = 0; e < E_; ++e)
-      dscores[i * E_ + e] = float((alpha * group_weight * fg[e] / double(T) - dot) / sum * scale.gradient);
-  }
-  env_.be->copy_from_host(dscores_.data(), dscores, n * E_ * int64_t(sizeof(float)));
+  kernels::Backend::BalanceShape shape;
+  shape.n = n, shape.k = k_, shape.E = E_, shape.first = part.first, shape.group_len = per_seq ? S : 0;
+  shape.groups = groups, shape.T = per_seq ? S : B * S;
+  DS_CHECK(2 * groups * E_ <= balance_stats_.size(), "balance statistics for {} groups", groups);
+  float* stats = balance_stats_.data();
+  env_.be->moe_balance_stats(stats, idx_dev_.data(), scores_.data(), shape);
+  if (env_.tp_size > 1) env_.coll->tp_all_reduce(stats, 2 * groups * E_);  // every rank's tokens of each group
+  env_.be->moe_balance_grad(dscores_.data(), recomputing_ ? nullptr : aux_dev_.data(), stats, scores_.data(), shape,
+                            alpha * group_weight, scale.gradient);
 }
 
 void MoeLayer::forward(float* out_full, const float* u_full, const float* u_part, TokenPart part, int64_t B,

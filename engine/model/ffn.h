@@ -75,8 +75,13 @@ class MoeLayer {
 
   MoeStats& stats() { return stats_; }
   float* router_bias() { return bias_; }  // null for deepseek_v2
-  // The last forward's selection: expert ids [tokens routed here, k], for this rank's token part.
-  const std::vector<int32_t>& selection() const { return idx_; }
+  // The last forward's selection: expert ids [tokens routed here, k], for this rank's token part
+  // (copied from the device).
+  std::vector<int32_t> selection() const;
+  // The balance loss this layer's forwards add up (docs/model.md §5.2) is kept on the device:
+  // cleared before a micro-batch's forward, read once after it.
+  void clear_aux();
+  double fetch_aux();
   int64_t top_k() const { return k_; }
   int64_t ep_backward_bytes() const;  // the expert-parallel backward buffers (capacity)
   int64_t scratch_floats(int64_t N) const;
@@ -105,13 +110,15 @@ class MoeLayer {
   // the selective set: Xp (the dispatched rows) and Mp. Under bf16 / fp16 both are kept in the
   // compute type (only GEMMs read them; Xp stays fp32 under expert parallelism, where it is sent).
   ActBuf scores_, w_, dscores_, Xp_, GUp_, Mp_, Yp_;
-  // The dispatch plan is made on the host (idx_: the selection copied there; pos_, src_) and
-  // copied to the device for the kernels (the *_dev_ twins); so are the expert-parallel
-  // permutations. The balance loss reads the scores on the host and sends its gradient back.
-  std::vector<int32_t> idx_, pos_, src_;
-  kernels::DeviceArray<int32_t> idx_dev_, pos_dev_, src_dev_, to_source_dev_, to_expert_dev_;
-  std::vector<float> scores_host_, dscores_host_;
+  // The selection, the dispatch plan (pos, src) and the rows per expert are made on the device
+  // (Backend::moe_plan); the host reads only the counts. The balance loss's statistics [2, B, E]
+  // and its running value stay there too. The expert-parallel permutations are made on the host
+  // from the exchanged counts and copied over.
+  kernels::DeviceArray<int32_t> idx_dev_, pos_dev_, src_dev_, counts_dev_, to_source_dev_, to_expert_dev_;
+  kernels::DeviceArray<float> balance_stats_, aux_dev_;
+  std::vector<int32_t> counts32_;
   std::vector<int64_t> counts_, offsets_;
+  int64_t routed_ = 0;  // tokens the last forward routed
   MoeStats stats_;
   // Expert parallelism (ep_ > 1): this rank owns experts [e0_, e0_ + El_); the last forward's
   // exchange (rows to and from each rank, the received rows per local expert, the permutations

@@ -270,6 +270,68 @@ class CpuBackend final : public Backend {
                        const RouterParams& p) override {
     cpu::router_backward(dlogits, dw, dscores_extra, scores, idx, N, p);
   }
+  void moe_plan(int32_t* pos, int32_t* src, int32_t* counts, const int32_t* idx, int64_t N, int64_t k,
+                int64_t E) override {
+    std::fill(counts, counts + E, 0);
+    for (int64_t i = 0; i < N * k; ++i) {
+      if (idx[i] < 0 || idx[i] >= E)
+        throw std::invalid_argument("moe_plan: expert " + std::to_string(idx[i]) + " of " + std::to_string(E));
+      ++counts[idx[i]];
+    }
+    std::vector<int64_t> cursor(size_t(E), 0);
+    for (int64_t e = 1; e < E; ++e) cursor[size_t(e)] = cursor[size_t(e - 1)] + counts[e - 1];
+    for (int64_t t = 0; t < N; ++t)  // a counting sort, stable in (token, slot)
+      for (int64_t j = 0; j < k; ++j) {
+        const int64_t row = cursor[size_t(idx[t * k + j])]++;
+        pos[t * k + j] = int32_t(row);
+        src[row] = int32_t(t);
+      }
+  }
+  static int64_t balance_group(const BalanceShape& b, int64_t i) {
+    const int64_t g = b.group_len > 0 ? (b.first + i) / b.group_len : 0;
+    if (g < 0 || g >= b.groups)
+      throw std::invalid_argument("balance loss: token " + std::to_string(b.first + i) + " falls in group " +
+                                  std::to_string(g) + " of " + std::to_string(b.groups));
+    return g;
+  }
+  void moe_balance_stats(float* stats, const int32_t* idx, const float* scores, const BalanceShape& b) override {
+    std::vector<double> acc(size_t(2 * b.groups * b.E), 0.0);
+    double* f = acc.data();
+    double* P = f + b.groups * b.E;
+    for (int64_t i = 0; i < b.n; ++i) {
+      const int64_t g = balance_group(b, i);
+      for (int64_t j = 0; j < b.k; ++j) f[g * b.E + idx[i * b.k + j]] += double(b.E) / double(b.k * b.T);
+      const float* s = scores + i * b.E;
+      double sum = 0;
+      for (int64_t e = 0; e < b.E; ++e) sum += s[e];
+      for (int64_t e = 0; e < b.E; ++e) P[g * b.E + e] += s[e] / sum / double(b.T);
+    }
+    for (size_t i = 0; i < acc.size(); ++i) stats[i] = float(acc[i]);
+  }
+  void moe_balance_grad(float* dscores, float* aux, const float* stats, const float* scores, const BalanceShape& b,
+                        double weight, double grad_scale) override {
+    const float* f = stats;
+    const float* P = stats + b.groups * b.E;
+    if (aux) {
+      double total = 0;
+      for (int64_t g = 0; g < b.groups; ++g) {
+        double loss = 0;
+        for (int64_t e = 0; e < b.E; ++e) loss += double(f[g * b.E + e]) * double(P[g * b.E + e]);
+        total += weight * loss;
+      }
+      aux[0] = float(double(aux[0]) + total);
+    }
+    // dL/ds'_{t,e} = weight f_e / T, then through s' = s / sum(s).
+    for (int64_t i = 0; i < b.n; ++i) {
+      const float* fg = f + balance_group(b, i) * b.E;
+      const float* s = scores + i * b.E;
+      double sum = 0, dot = 0;
+      for (int64_t e = 0; e < b.E; ++e) sum += s[e];
+      for (int64_t e = 0; e < b.E; ++e) dot += weight * fg[e] / double(b.T) * s[e] / sum;
+      for (int64_t e = 0; e < b.E; ++e)
+        dscores[i * b.E + e] = float((weight * fg[e] / double(b.T) - dot) / sum * grad_scale);
+    }
+  }
   void gather_rows(float* out, const float* in, const int32_t* src, int64_t n, int64_t H) override {
     cpu::gather_rows(out, in, src, n, H);
   }

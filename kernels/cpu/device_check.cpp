@@ -164,6 +164,22 @@ class DeviceCheckBackend final : public Backend {
     if (N > 0)
       in_->router_backward(h(dlogits, op), h(dw, op), opt(dscores_extra, op), h(scores, op), h(idx, op), N, p);
   }
+  void moe_plan(int32_t* pos, int32_t* src, int32_t* counts, const int32_t* idx, int64_t N, int64_t k,
+                int64_t E) override {
+    const char* op = "moe_plan";
+    const bool rows = N * k > 0;
+    if (E > 0) in_->moe_plan(rows ? h(pos, op) : pos, rows ? h(src, op) : src, h(counts, op), rows ? h(idx, op) : idx, N, k, E);
+  }
+  void moe_balance_stats(float* stats, const int32_t* idx, const float* scores, const BalanceShape& b) override {
+    const char* op = "moe_balance_stats";
+    if (b.groups * b.E > 0) in_->moe_balance_stats(h(stats, op), b.n ? h(idx, op) : idx, b.n ? h(scores, op) : scores, b);
+  }
+  void moe_balance_grad(float* dscores, float* aux, const float* stats, const float* scores, const BalanceShape& b,
+                        double weight, double grad_scale) override {
+    const char* op = "moe_balance_grad";
+    in_->moe_balance_grad(b.n ? h(dscores, op) : dscores, opt(aux, op), h(stats, op), b.n ? h(scores, op) : scores, b,
+                          weight, grad_scale);
+  }
   void gather_rows(float* out, const float* in, const int32_t* src, int64_t n, int64_t H) override {
     const char* op = "gather_rows";
     if (n * H > 0) in_->gather_rows(h(out, op), h(in, op), h(src, op), n, H);

@@ -12,6 +12,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
+#include <cub/device/device_radix_sort.cuh>
 #include <mma.h>
 #include <nvtx3/nvToolsExt.h>
 
@@ -615,6 +616,90 @@ __global__ void router_backward_kernel(float* dlogits, const float* dw, const fl
                                           scores + t * p.num_experts, idx + t * p.top_k, p);
   }
 }
+// ---- MoE dispatch plan and balance loss on the device -----------------------------------------
+
+__global__ void iota_kernel(int32_t* x, int64_t n) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < n) x[i] = int32_t(i);
+}
+// The slots sorted by expert (stably: in (token, slot) order within an expert) become the plan.
+__global__ void plan_scatter_kernel(int32_t* pos, int32_t* src, const int32_t* slots, int64_t n, int64_t k) {
+  const int64_t r = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (r >= n) return;
+  const int32_t slot = slots[r];
+  src[r] = int32_t(slot / k);
+  pos[slot] = int32_t(r);
+}
+// counts[e] = the sorted experts equal to e (two binary searches).
+__global__ void plan_counts_kernel(int32_t* counts, const int32_t* sorted, int64_t n, int64_t E) {
+  const int64_t e = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (e >= E) return;
+  const auto lower = [&](int64_t v) {
+    int64_t lo = 0, hi = n;
+    while (lo < hi) {
+      const int64_t mid = (lo + hi) / 2;
+      if (sorted[mid] < v) lo = mid + 1;
+      else hi = mid;
+    }
+    return lo;
+  };
+  counts[e] = int32_t(lower(e + 1) - lower(e));
+}
+
+__device__ int64_t balance_group(const Backend::BalanceShape& b, int64_t i) {
+  return b.group_len > 0 ? (b.first + i) / b.group_len : 0;
+}
+__global__ void balance_rowsum_kernel(double* rowsum, const float* scores, int64_t n, int64_t E) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  double sum = 0;
+  for (int64_t e = 0; e < E; ++e) sum += scores[i * E + e];
+  rowsum[i] = sum;
+}
+// One thread per (group, expert), over the group's tokens in order: the CPU's sums, term by term.
+__global__ void balance_stats_kernel(float* stats, const int32_t* idx, const float* scores, const double* rowsum,
+                                     Backend::BalanceShape b) {
+  const int64_t id = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (id >= b.groups * b.E) return;
+  const int64_t g = id / b.E, e = id % b.E;
+  int64_t lo = 0, hi = b.n;
+  if (b.group_len > 0) {
+    lo = max(int64_t(0), g * b.group_len - b.first);
+    hi = min(b.n, (g + 1) * b.group_len - b.first);
+  }
+  double f = 0, P = 0;
+  for (int64_t i = lo; i < hi; ++i) {
+    for (int64_t j = 0; j < b.k; ++j)
+      if (idx[i * b.k + j] == e) f += double(b.E) / double(b.k * b.T);
+    P += scores[i * b.E + e] / rowsum[i] / double(b.T);
+  }
+  stats[g * b.E + e] = float(f);
+  stats[b.groups * b.E + g * b.E + e] = float(P);
+}
+__global__ void balance_grad_kernel(float* dscores, const float* stats, const float* scores, Backend::BalanceShape b,
+                                    double weight, double grad_scale) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= b.n) return;
+  const float* fg = stats + balance_group(b, i) * b.E;
+  const float* s = scores + i * b.E;
+  double sum = 0, dot = 0;
+  for (int64_t e = 0; e < b.E; ++e) sum += s[e];
+  for (int64_t e = 0; e < b.E; ++e) dot += weight * fg[e] / double(b.T) * s[e] / sum;
+  for (int64_t e = 0; e < b.E; ++e) dscores[i * b.E + e] = float((weight * fg[e] / double(b.T) - dot) / sum * grad_scale);
+}
+__global__ void balance_aux_kernel(float* aux, const float* stats, Backend::BalanceShape b, double weight) {
+  if (blockIdx.x != 0 || threadIdx.x != 0) return;
+  const float* f = stats;
+  const float* P = stats + b.groups * b.E;
+  double total = 0;
+  for (int64_t g = 0; g < b.groups; ++g) {
+    double loss = 0;
+    for (int64_t e = 0; e < b.E; ++e) loss += double(f[g * b.E + e]) * double(P[g * b.E + e]);
+    total += weight * loss;
+  }
+  aux[0] = float(double(aux[0]) + total);
+}
+
 __global__ void gather_rows_kernel(float* out, const float* in, const int32_t* src, int64_t n, int64_t H) {
   GRID_STRIDE(x, n * H) out[x] = in[int64_t(src[x / H]) * H + x % H];
 }
@@ -821,6 +906,7 @@ class CudaBackend final : public Backend {
     cublasLtDestroy(lt_);
     deallocate(workspace_);
     deallocate(partials_);
+    if (plan_buf_) deallocate(plan_buf_);
     for (auto& [size, p] : free_) cudaFree(p);
     for (auto& [p, size] : used_) cudaFree(p);
     cudaStreamDestroy(stream_);
@@ -1127,6 +1213,61 @@ class CudaBackend final : public Backend {
     DS_LAUNCHED();
   }
 
+  // The plan with CUB: the slots' experts radix-sorted (stable) with the slot numbers as values,
+  // then scattered into pos / src; counts by binary search in the sorted experts.
+  void moe_plan(int32_t* pos, int32_t* src, int32_t* counts, const int32_t* idx, int64_t N, int64_t k,
+                int64_t E) override {
+    if (E <= 0) return;
+    const int64_t n = N * k;
+    if (n <= 0) {
+      DS_CUDA(cudaMemsetAsync(counts, 0, size_t(E) * sizeof(int32_t), stream_));
+      return;
+    }
+    if (n > int64_t(INT32_MAX)) throw std::invalid_argument("moe_plan: more than 2^31 rows");
+    int end_bit = 1;
+    while ((int64_t(1) << end_bit) < E) ++end_bit;
+    size_t temp = 0;
+    DS_CUDA(cub::DeviceRadixSort::SortPairs(nullptr, temp, idx, static_cast<int32_t*>(nullptr), static_cast<int32_t*>(nullptr),
+                                            static_cast<int32_t*>(nullptr), int(n), 0, end_bit, stream_));
+    const int64_t ints = 3 * n, bytes = ints * 4 + int64_t(temp) + 256;
+    if (bytes > plan_bytes_) {
+      if (plan_buf_) deallocate(plan_buf_);
+      plan_buf_ = allocate(bytes);
+      plan_bytes_ = bytes;
+    }
+    int32_t* slots = static_cast<int32_t*>(plan_buf_);
+    int32_t* sorted = slots + n;
+    int32_t* sorted_slots = sorted + n;
+    void* tmp = reinterpret_cast<void*>((reinterpret_cast<uintptr_t>(sorted_slots + n) + 255) / 256 * 256);
+    iota_kernel<<<blocks_for(n), kThreads, 0, stream_>>>(slots, n);
+    DS_LAUNCHED();
+    DS_CUDA(cub::DeviceRadixSort::SortPairs(tmp, temp, idx, sorted, slots, sorted_slots, int(n), 0, end_bit, stream_));
+    plan_scatter_kernel<<<blocks_for(n), kThreads, 0, stream_>>>(pos, src, sorted_slots, n, k);
+    DS_LAUNCHED();
+    plan_counts_kernel<<<blocks_for(E), kThreads, 0, stream_>>>(counts, sorted, n, E);
+    DS_LAUNCHED();
+  }
+  void moe_balance_stats(float* stats, const int32_t* idx, const float* scores, const BalanceShape& b) override {
+    if (b.groups * b.E <= 0) return;
+    double* rowsum = reinterpret_cast<double*>(scratch(2 * std::max<int64_t>(b.n, 1)));
+    if (b.n > 0) {
+      balance_rowsum_kernel<<<blocks_for(b.n), kThreads, 0, stream_>>>(rowsum, scores, b.n, b.E);
+      DS_LAUNCHED();
+    }
+    balance_stats_kernel<<<blocks_for(b.groups * b.E), kThreads, 0, stream_>>>(stats, idx, scores, rowsum, b);
+    DS_LAUNCHED();
+  }
+  void moe_balance_grad(float* dscores, float* aux, const float* stats, const float* scores, const BalanceShape& b,
+                        double weight, double grad_scale) override {
+    if (aux) {
+      balance_aux_kernel<<<1, 32, 0, stream_>>>(aux, stats, b, weight);
+      DS_LAUNCHED();
+    }
+    if (b.n <= 0) return;
+    balance_grad_kernel<<<blocks_for(b.n, 128), 128, 0, stream_>>>(dscores, stats, scores, b, weight, grad_scale);
+    DS_LAUNCHED();
+  }
+
   void gather_rows(float* out, const float* in, const int32_t* src, int64_t n, int64_t H) override {
     if (n * H <= 0) return;
     gather_rows_kernel<<<blocks_for(n * H), kThreads, 0, stream_>>>(out, in, src, n, H);
@@ -1354,6 +1495,8 @@ class CudaBackend final : public Backend {
   std::string device_name_;
   int sms_ = 0;
   int cc_major_ = 0;
+  void* plan_buf_ = nullptr;  // moe_plan's slots, sorted keys and values, CUB's temporary storage
+  int64_t plan_bytes_ = 0;
   int64_t smem_optin_ = 0;  // bytes of shared memory a block may opt into
   std::map<const void*, int64_t> smem_allowed_;  // per tiled attention kernel: the limit set
   cudaStream_t stream_ = nullptr;

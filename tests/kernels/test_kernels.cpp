@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 #include <omp.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <functional>
@@ -399,6 +400,100 @@ TEST(KernelGradients, MoeCombineAndDispatch) {
   Vec dX(N * H, 0.0);
   cpu::moe_dispatch_backward(dX.data(), Rp.data(), pos.data(), N, k, H);
   expect_gradient(dispatch, X, dX, "dispatch");
+}
+
+// The dispatch plan against a stable sort of the slots by expert, with experts left empty.
+TEST(MoePlan, SortsRowsByExpertThenTokenThenSlot) {
+  auto be = make_cpu_backend(1);
+  const int64_t N = 37, k = 3, E = 11;
+  std::mt19937 rng(5);
+  std::vector<int32_t> idx(size_t(N * k));
+  for (int64_t t = 0; t < N; ++t)
+    for (int64_t j = 0; j < k; ++j) idx[size_t(t * k + j)] = int32_t(rng() % (E - 2));  // experts 9, 10 empty
+  std::vector<int32_t> pos(idx.size(), -1), src(idx.size(), -1), counts(size_t(E), -1);
+  be->moe_plan(pos.data(), src.data(), counts.data(), idx.data(), N, k, E);
+  std::vector<int32_t> order(idx.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return idx[size_t(a)] < idx[size_t(b)]; });
+  for (size_t row = 0; row < order.size(); ++row) {
+    EXPECT_EQ(src[row], order[row] / k) << "row " << row;
+    EXPECT_EQ(pos[size_t(order[row])], int32_t(row)) << "slot " << order[row];
+  }
+  for (int64_t e = 0; e < E; ++e)
+    EXPECT_EQ(counts[size_t(e)], std::count(idx.begin(), idx.end(), int32_t(e))) << "expert " << e;
+  EXPECT_EQ(counts[9], 0);
+  idx[7] = int32_t(E);  // out of range: refused, by name
+  try {
+    be->moe_plan(pos.data(), src.data(), counts.data(), idx.data(), N, k, E);
+    ADD_FAILURE() << "an expert id of " << E << " was accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("expert 11 of 11"), std::string::npos) << e.what();
+  }
+}
+
+// The balance loss (docs/model.md §5.2) on the backend — per sequence, over a token part that
+// starts mid-sequence (a tensor-parallel rank's), and over the whole batch — against its
+// definition: aux = weight sum_g sum_e f_ge P_ge with f from the (constant) selection, and
+// dscores against central finite differences of that in double.
+TEST(KernelGradients, BalanceLossStatisticsLossAndScoreGradient) {
+  auto be = make_cpu_backend(1);
+  const int64_t S = 6, B = 3, E = 5, k = 2;
+  struct Case {
+    int64_t first, n, group_len, groups, T;
+  };
+  for (const Case c : {Case{0, B * S, S, B, S}, Case{4, 9, S, B, S}, Case{0, B * S, 0, 1, B * S}}) {
+    const int64_t n = c.n;
+    Vec s0 = randn(size_t(n * E), 60);
+    for (double& x : s0) x = 1.0 / (1.0 + std::exp(-x));  // sigmoid scores, positive
+    std::mt19937 rng(61);
+    std::vector<int32_t> idx(size_t(n * k));
+    for (int64_t i = 0; i < n; ++i) {
+      idx[size_t(i * k)] = int32_t(rng() % E);
+      idx[size_t(i * k + 1)] = int32_t((idx[size_t(i * k)] + 1 + rng() % (E - 1)) % E);
+    }
+    const auto group = [&](int64_t i) { return c.group_len > 0 ? (c.first + i) / c.group_len : 0; };
+    const double weight = 0.37, grad_scale = 8.0;
+    const auto stats_of = [&](const Vec& s) {
+      Vec st(size_t(2 * c.groups * E), 0.0);
+      for (int64_t i = 0; i < n; ++i) {
+        double sum = 0;
+        for (int64_t e = 0; e < E; ++e) sum += s[size_t(i * E + e)];
+        for (int64_t j = 0; j < k; ++j) st[size_t(group(i) * E + idx[size_t(i * k + j)])] += double(E) / (k * c.T);
+        for (int64_t e = 0; e < E; ++e) st[size_t(c.groups * E + group(i) * E + e)] += s[size_t(i * E + e)] / sum / c.T;
+      }
+      return st;
+    };
+    const auto aux_of = [&](const Vec& s) {
+      const Vec st = stats_of(s);
+      double a = 0;
+      for (int64_t g = 0; g < c.groups; ++g)
+        for (int64_t e = 0; e < E; ++e) a += weight * st[size_t(g * E + e)] * st[size_t(c.groups * E + g * E + e)];
+      return a;
+    };
+    Backend::BalanceShape shape;
+    shape.n = n, shape.k = k, shape.E = E, shape.first = c.first, shape.group_len = c.group_len;
+    shape.groups = c.groups, shape.T = c.T;
+    const FVec sf = to_f(s0);
+    FVec stats(size_t(2 * c.groups * E)), dscores(size_t(n * E));
+    be->moe_balance_stats(stats.data(), idx.data(), sf.data(), shape);
+    EXPECT_LT(max_rel_err(stats, stats_of(Vec(sf.begin(), sf.end()))), 1e-6) << "first " << c.first;
+    float aux = 0.25f;  // accumulated into
+    be->moe_balance_grad(dscores.data(), &aux, stats.data(), sf.data(), shape, weight, grad_scale);
+    const double want = aux_of(Vec(sf.begin(), sf.end()));
+    EXPECT_NEAR(aux, 0.25 + want, 1e-6 * want + 1e-7) << "first " << c.first;
+    Vec fd(size_t(n * E));
+    const Vec sd(sf.begin(), sf.end());
+    for (size_t i = 0; i < fd.size(); ++i) {
+      Vec p = sd, m = sd;
+      const double h = 1e-5;
+      p[i] += h, m[i] -= h;
+      fd[i] = grad_scale * (aux_of(p) - aux_of(m)) / (2 * h);
+    }
+    EXPECT_LT(max_rel_err(dscores, fd), 1e-4) << "first " << c.first;
+    FVec again(dscores.size());
+    be->moe_balance_grad(again.data(), nullptr, stats.data(), sf.data(), shape, weight, grad_scale);  // no aux
+    EXPECT_EQ(again, dscores);
+  }
 }
 
 TEST_P(Kernels, SwiGluForward) {

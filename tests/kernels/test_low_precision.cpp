@@ -182,8 +182,11 @@ TEST(LowPrecision, TheGemmPathIsMeasuredOrForcedAndNonsenseIsRefused) {
       const LowpGemmChoice choice(nullptr);  // measured: the faster of the two, stated in the implementation
       LowPrecisionGemm g;
       const std::string impl = g.implementation(64, 64, 64, false, true, p);
-      if (g.native(p)) EXPECT_EQ(impl.find("widened"), std::string::npos) << impl;
-      else if (has_native) EXPECT_NE(impl.find("measured"), std::string::npos) << impl;
+      if (g.native(p)) {
+        EXPECT_EQ(impl.find("widened"), std::string::npos) << impl;
+      } else if (has_native) {
+        EXPECT_NE(impl.find("measured"), std::string::npos) << impl;
+      }
     }
   }
   const LowpGemmChoice choice("fastest");

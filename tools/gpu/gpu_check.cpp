@@ -320,6 +320,26 @@ void check_router_moe(Backend& cpu, Backend& cuda) {
     check(name + "scores", g.get(gs, s.size()), s, 1e-5);
     check(name + "weights", g.get(gw, w.size()), w, 1e-5);
     check(name + "backward", g.get(gdl, dl.size()), dl, 1e-5);
+    // The dispatch plan from this selection (CUB's radix sort on the GPU), and the balance loss
+    // per sequence over a token part that starts mid-sequence.
+    IVec pos(idx.size()), src(idx.size()), counts(static_cast<size_t>(E));
+    cpu.moe_plan(pos.data(), src.data(), counts.data(), idx.data(), N, k, E);
+    int32_t *gp = g.zeros<int32_t>(pos.size()), *gsrc = g.zeros<int32_t>(src.size()), *gc = g.zeros<int32_t>(counts.size());
+    cuda.moe_plan(gp, gsrc, gc, gi, N, k, E);
+    check_equal(name + "moe_plan pos", g.get(gp, pos.size()), pos);
+    check_equal(name + "moe_plan src", g.get(gsrc, src.size()), src);
+    check_equal(name + "moe_plan counts", g.get(gc, counts.size()), counts);
+    Backend::BalanceShape b;
+    b.n = N, b.k = k, b.E = E, b.first = 70, b.group_len = 128, b.groups = 3, b.T = 128;
+    FVec stats(size_t(2 * b.groups * E)), ds(s.size()), aux{0.5f};
+    cpu.moe_balance_stats(stats.data(), idx.data(), s.data(), b);
+    cpu.moe_balance_grad(ds.data(), aux.data(), stats.data(), s.data(), b, 0.01, 4.0);
+    float *gst = g.zeros<float>(stats.size()), *gds = g.zeros<float>(ds.size()), *gaux = g.put(FVec{0.5f});
+    cuda.moe_balance_stats(gst, gi, gs, b);
+    cuda.moe_balance_grad(gds, gaux, gst, gs, b, 0.01, 4.0);
+    check(name + "balance statistics", g.get(gst, stats.size()), stats, 1e-6);
+    check(name + "balance loss (accumulated)", g.get(gaux, 1), aux, 1e-6);
+    check(name + "balance score gradient", g.get(gds, ds.size()), ds, 1e-5);
   }
   // Dispatch and combine: pos is a permutation of the N * k routed rows.
   const int64_t T = 50, k = 3, H = 96, rows = T * k;

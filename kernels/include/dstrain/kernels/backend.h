@@ -189,6 +189,28 @@ class Backend {
                                const float* scores, const int32_t* idx, int64_t N,
                                const RouterParams& p) = 0;
 
+  // MoE dispatch plan from the selection idx [N,k] (experts in [0, E)): the N*k rows sorted by
+  // (expert, token, slot) — src[row] = the token of row, pos[t*k + j] = the row of slot (t, j)
+  // — and counts[e] = the rows of expert e (int32). All on the device: the host reads the counts
+  // through an explicit copy, nothing else of the routing.
+  virtual void moe_plan(int32_t* pos, int32_t* src, int32_t* counts, const int32_t* idx, int64_t N, int64_t k,
+                        int64_t E) = 0;
+  // The sequence-wise balance loss (docs/model.md §5.2) of n routed tokens, the first of which is
+  // token `first` of the micro-batch: tokens fall in groups of `group_len` (per sequence: S; one
+  // group for the whole batch: 0), T tokens per group in the loss's normalisation.
+  struct BalanceShape {
+    int64_t n = 0, k = 0, E = 0, first = 0, group_len = 0, groups = 1, T = 1;
+  };
+  // stats [2, groups, E]: f (the selections per expert, times E / (k T)), then P (the mean of
+  // each token's scores normalised by their sum, over T), summed in double and stored as fp32
+  // (tensor-parallel ranks then add theirs).
+  virtual void moe_balance_stats(float* stats, const int32_t* idx, const float* scores, const BalanceShape& b) = 0;
+  // From the summed stats: dscores [n,E], the loss's gradient with respect to the scores scaled
+  // by grad_scale (weight = alpha x the group's weight in the mean), and — when aux is not null —
+  // aux[0] += weight * sum over groups and experts of f P.
+  virtual void moe_balance_grad(float* dscores, float* aux, const float* stats, const float* scores,
+                                const BalanceShape& b, double weight, double grad_scale) = 0;
+
   // rows: out[i] = in[src[i]] for i < n (width H).
   virtual void gather_rows(float* out, const float* in, const int32_t* src, int64_t n, int64_t H) = 0;
   // MoE combine: out[t] += sum_j w[t,j] * Y[pos[t,j]], t < N, j < k.
