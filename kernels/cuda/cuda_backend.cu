@@ -9,6 +9,7 @@
 // the embedding's table gradient) give each output column to one thread, which walks the rows
 // in order, so the same inputs give the same bits on every run.
 #include <cublasLt.h>
+#include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -897,6 +898,8 @@ class CudaBackend final : public Backend {
     smem_optin_ = int64_t(prop.sharedMemPerBlockOptin);
     DS_CUDA(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
     DS_LT(cublasLtCreate(&lt_));
+    DS_LT(cublasCreate(&blas_));
+    DS_LT(cublasSetStream(blas_, stream_));
     workspace_ = allocate(kWorkspaceBytes);
     partials_ = static_cast<double*>(allocate(kSumBlocks * int64_t(sizeof(double))));
   }
@@ -904,6 +907,8 @@ class CudaBackend final : public Backend {
     cudaStreamSynchronize(stream_);
     for (auto& [key, plan] : plans_) destroy(plan);
     cublasLtDestroy(lt_);
+    cublasDestroy(blas_);
+    if (group_ptrs_) deallocate(group_ptrs_);
     deallocate(workspace_);
     deallocate(partials_);
     if (plan_buf_) deallocate(plan_buf_);
@@ -1031,13 +1036,76 @@ class CudaBackend final : public Backend {
   }
   void gemm_grouped(float* const* C, const float* const* A, const float* const* B, const int64_t* M, const int64_t* N,
                     const int64_t* K, int64_t count, bool ta, bool tb, float alpha, float beta) override {
+    if (grouped_call(C, reinterpret_cast<const void* const*>(A), reinterpret_cast<const void* const*>(B), DType::kF32,
+                     M, N, K, count, ta, tb, alpha, beta))
+      return;
     for (int64_t i = 0; i < count; ++i) gemm(C[i], A[i], B[i], M[i], N[i], K[i], ta, tb, alpha, beta);
   }
   void gemm_grouped(float* const* C, const void* const* A, const void* const* B, DType dtype, const int64_t* M,
                     const int64_t* N, const int64_t* K, int64_t count, bool ta, bool tb, float alpha,
                     float beta) override {
+    if (grouped_call(C, A, B, dtype, M, N, K, count, ta, tb, alpha, beta)) return;
     for (int64_t i = 0; i < count; ++i)
       gemm(C[i], ConstView{A[i], dtype}, ConstView{B[i], dtype}, M[i], N[i], K[i], ta, tb, alpha, beta);
+  }
+  // The experts' GEMMs as one cublasGemmGroupedBatchedEx call (one group per problem, fp32
+  // output and accumulation): no per-shape cuBLASLt plan for row counts that change every step.
+  // false: the caller runs them one by one — DSTRAIN_CUDA_GROUPED_GEMM=loop, or cuBLAS refused
+  // this type combination (remembered for the backend's life).
+  bool grouped_call(float* const* C, const void* const* A, const void* const* B, DType dtype, const int64_t* M,
+                    const int64_t* N, const int64_t* K, int64_t count, bool ta, bool tb, float alpha, float beta) {
+    const char* choice = std::getenv("DSTRAIN_CUDA_GROUPED_GEMM");
+    if (choice && std::string(choice) == "loop") return false;
+    if (choice && std::string(choice) != "grouped")
+      throw std::invalid_argument(std::string("DSTRAIN_CUDA_GROUPED_GEMM=") + choice + ": valid: grouped, loop");
+    if (grouped_refused_[int(dtype)]) return false;
+    GroupArgs& g = group_;
+    g.ta.clear(), g.tb.clear(), g.m.clear(), g.n.clear(), g.k.clear(), g.lda.clear(), g.ldb.clear(), g.ldc.clear();
+    g.size.clear(), g.alpha.clear(), g.beta.clear(), g.ptrs.clear();
+    std::vector<const void*> a_ptrs, b_ptrs, c_ptrs;
+    for (int64_t i = 0; i < count; ++i) {
+      if (M[i] == 0 || N[i] == 0) continue;
+      if (K[i] == 0) {  // C = beta C, as gemm does
+        scale_kernel<<<blocks_for(M[i] * N[i]), kThreads, 0, stream_>>>(C[i], beta, M[i] * N[i]);
+        DS_LAUNCHED();
+        continue;
+      }
+      if (M[i] > INT32_MAX || N[i] > INT32_MAX || K[i] > INT32_MAX) return false;
+      // Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T (as gemm).
+      g.ta.push_back(tb ? CUBLAS_OP_T : CUBLAS_OP_N), g.tb.push_back(ta ? CUBLAS_OP_T : CUBLAS_OP_N);
+      g.m.push_back(int(N[i])), g.n.push_back(int(M[i])), g.k.push_back(int(K[i]));
+      g.lda.push_back(int(tb ? K[i] : N[i])), g.ldb.push_back(int(ta ? M[i] : K[i])), g.ldc.push_back(int(N[i]));
+      g.size.push_back(1), g.alpha.push_back(alpha), g.beta.push_back(beta);
+      a_ptrs.push_back(B[i]), b_ptrs.push_back(A[i]), c_ptrs.push_back(C[i]);
+    }
+    const int groups = int(g.m.size());
+    if (groups == 0) return true;
+    g.ptrs.insert(g.ptrs.end(), a_ptrs.begin(), a_ptrs.end());
+    g.ptrs.insert(g.ptrs.end(), b_ptrs.begin(), b_ptrs.end());
+    g.ptrs.insert(g.ptrs.end(), c_ptrs.begin(), c_ptrs.end());
+    const int64_t bytes = int64_t(g.ptrs.size() * sizeof(void*));
+    if (bytes > group_ptr_bytes_) {
+      if (group_ptrs_) deallocate(group_ptrs_);
+      group_ptrs_ = allocate(bytes);
+      group_ptr_bytes_ = bytes;
+    }
+    // Ordered on the stream after the previous call's GEMMs read the array; from pageable
+    // memory, so the host vector may change as soon as this returns.
+    DS_CUDA(cudaMemcpyAsync(group_ptrs_, g.ptrs.data(), size_t(bytes), cudaMemcpyHostToDevice, stream_));
+    const void* const* dev = static_cast<const void* const*>(group_ptrs_);
+    const cudaDataType_t in = dtype == DType::kF32 ? CUDA_R_32F : dtype == DType::kBF16 ? CUDA_R_16BF : CUDA_R_16F;
+    const cublasStatus_t st = cublasGemmGroupedBatchedEx(
+        blas_, g.ta.data(), g.tb.data(), g.m.data(), g.n.data(), g.k.data(), g.alpha.data(), dev, in, g.lda.data(),
+        dev + groups, in, g.ldb.data(), g.beta.data(), const_cast<void* const*>(dev + 2 * groups), CUDA_R_32F,
+        g.ldc.data(), groups, g.size.data(), CUBLAS_COMPUTE_32F);
+    if (st == CUBLAS_STATUS_NOT_SUPPORTED || st == CUBLAS_STATUS_INVALID_VALUE) {
+      grouped_refused_[int(dtype)] = true;
+      std::fprintf(stderr, "dstrain: cublasGemmGroupedBatchedEx refused %s inputs with fp32 output (status %d); "
+                   "the experts' GEMMs run one by one\n", to_string(dtype), int(st));
+      return false;
+    }
+    DS_LT(st);
+    return true;
   }
   // Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T: cuBLASLt's first operand is
   // B and its second A, with m = N, n = M.
@@ -1501,6 +1569,16 @@ class CudaBackend final : public Backend {
   std::map<const void*, int64_t> smem_allowed_;  // per tiled attention kernel: the limit set
   cudaStream_t stream_ = nullptr;
   cublasLtHandle_t lt_ = nullptr;
+  cublasHandle_t blas_ = nullptr;  // the grouped GEMMs (cublasGemmGroupedBatchedEx)
+  void* group_ptrs_ = nullptr;     // their A, B, C pointer arrays on the device
+  int64_t group_ptr_bytes_ = 0;
+  bool grouped_refused_[3] = {false, false, false};  // per input type: cuBLAS said not supported
+  struct GroupArgs {
+    std::vector<cublasOperation_t> ta, tb;
+    std::vector<int> m, n, k, lda, ldb, ldc, size;
+    std::vector<float> alpha, beta;
+    std::vector<const void*> ptrs;  // A' (our B), B' (our A), C: one block each
+  } group_;
   void* workspace_ = nullptr;
   double* partials_ = nullptr;  // sum_squares' per-block sums
   std::map<GemmKey, GemmPlan> plans_;

@@ -173,6 +173,62 @@ void check_gemms(Backend& cpu, Backend& cuda) {
   }
 }
 
+// The grouped GEMM both ways on CUDA (one cublasGemmGroupedBatchedEx call; one cuBLASLt call per
+// problem, DSTRAIN_CUDA_GROUPED_GEMM=loop) in the experts' two patterns: forward-like (rows vary,
+// B^T) and weight-gradient-like (the reduction varies, A^T, alpha 0.5, beta 1 accumulating,
+// an empty problem that must leave beta C).
+void check_grouped_modes(Backend& cpu, Backend& cuda) {
+  const int64_t rows[] = {5, 0, 17, 1, 40}, n = 5, W = 48, V = 32;
+  for (const char* mode : {"grouped", "loop"}) {
+    setenv("DSTRAIN_CUDA_GROUPED_GEMM", mode, 1);
+    for (DType dt : {DType::kF32, DType::kBF16, DType::kF16}) {
+      for (const bool wgrad : {false, true}) {
+        Gpu g(cuda);
+        std::vector<int64_t> Ms(n), Ns(n), Ks(n);
+        std::vector<FVec> want(n), c0(n);
+        std::vector<std::vector<uint16_t>> keep16;
+        std::vector<FVec> keep32;
+        std::vector<float*> Ch(n), Cd(n);
+        std::vector<const void*> Ah(n), Bh(n), Ad(n), Bd(n);
+        for (int64_t i = 0; i < n; ++i) {
+          Ms[i] = wgrad ? W : rows[i], Ns[i] = wgrad ? V : W, Ks[i] = wgrad ? rows[i] : V;
+          const size_t na = size_t(Ms[i] * Ks[i]), nb = size_t(Ks[i] * Ns[i]);
+          FVec a = randn(na, 40 + uint32_t(i)), b = randn(nb, 50 + uint32_t(i));
+          c0[i] = randn(size_t(Ms[i] * Ns[i]), 60 + uint32_t(i));
+          want[i] = c0[i];
+          Ch[i] = want[i].data(), Cd[i] = g.put(c0[i]);
+          if (dt == DType::kF32) {
+            keep32.push_back(a), keep32.push_back(b);
+            Ad[i] = g.put(a), Bd[i] = g.put(b);
+          } else {
+            keep16.push_back(round16(a, cpu, dt, nullptr)), keep16.push_back(round16(b, cpu, dt, nullptr));
+            Ad[i] = g.put(keep16[keep16.size() - 2]), Bd[i] = g.put(keep16.back());
+          }
+        }
+        for (int64_t i = 0; i < n; ++i) {  // (the vectors no longer move)
+          const size_t a = size_t(2 * i), b = a + 1;
+          Ah[size_t(i)] = dt == DType::kF32 ? static_cast<const void*>(keep32[a].data()) : keep16[a].data();
+          Bh[size_t(i)] = dt == DType::kF32 ? static_cast<const void*>(keep32[b].data()) : keep16[b].data();
+        }
+        const float alpha = wgrad ? 0.5f : 1.0f, beta = wgrad ? 1.0f : 0.0f;
+        cpu.gemm_grouped(Ch.data(), Ah.data(), Bh.data(), dt, Ms.data(), Ns.data(), Ks.data(), n, wgrad, !wgrad, alpha,
+                         beta);
+        cuda.gemm_grouped(Cd.data(), Ad.data(), Bd.data(), dt, Ms.data(), Ns.data(), Ks.data(), n, wgrad, !wgrad,
+                          alpha, beta);
+        FVec got, all;
+        for (int64_t i = 0; i < n; ++i) {
+          const FVec part = g.get(Cd[i], want[i].size());
+          got.insert(got.end(), part.begin(), part.end());
+          all.insert(all.end(), want[i].begin(), want[i].end());
+        }
+        check(std::string("gemm_grouped ") + mode + " " + to_string(dt) + (wgrad ? " A^T, beta 1" : " B^T"), got, all,
+              dt == DType::kF32 ? 1e-5 : 2e-5);
+      }
+    }
+  }
+  unsetenv("DSTRAIN_CUDA_GROUPED_GEMM");
+}
+
 void check_conversions(Backend& cpu, Backend& cuda) {
   FVec x = randn(10007, 5, 100.0f);
   x[0] = 65520.0f, x[1] = std::ldexp(1.0f, -25), x[2] = std::ldexp(3.0f, -25), x[3] = 1e-40f, x[4] = NAN;
@@ -479,6 +535,7 @@ void check_loss_embedding_optimizer(Backend& cpu, Backend& cuda) {
 
 void run_all(Backend& cpu, Backend& cuda) {
   check_gemms(cpu, cuda);
+  check_grouped_modes(cpu, cuda);
   check_conversions(cpu, cuda);
   check_norm_rope_swiglu(cpu, cuda);
   check_attention(cpu, cuda, nullptr);
@@ -509,6 +566,33 @@ void bench(Backend& cuda) {
         cuda, [&] { cuda.gemm(c.as<float>(), ConstView{a.data(), dt}, ConstView{b.data(), dt}, n, n, n, false, true, 1, 0); },
         5);
     std::printf("gemm %s %ld^3: %.1f TFLOP/s\n", to_string(dt), long(n), 2.0 * n * n * n / s / 1e12);
+  }
+  {  // the experts' gate+up GEMMs of a medium MoE layer at 8 x 2048 tokens: 32 problems of 2304..4352 rows
+    const int64_t E = 32, N = 512, K = 768;
+    std::vector<int64_t> Ms(E), Ns(E, N), Ks(E, K);
+    int64_t rows = 0;
+    for (int64_t e = 0; e < E; ++e) rows += (Ms[size_t(e)] = 2304 + (e * 331) % 2049);
+    DeviceBuffer x(cuda, rows * K * 2), w(cuda, E * N * K * 2), y(cuda, rows * N * 4);
+    cuda.fill(x.as<float>(), 0.0f, rows * K / 2), cuda.fill(w.as<float>(), 0.0f, E * N * K / 2);
+    std::vector<float*> C(E);
+    std::vector<const void*> A(E), B(E);
+    for (int64_t e = 0, r = 0; e < E; r += Ms[size_t(e)], ++e) {
+      C[size_t(e)] = y.as<float>() + r * N;
+      A[size_t(e)] = static_cast<const uint16_t*>(x.data()) + r * K;
+      B[size_t(e)] = static_cast<const uint16_t*>(w.data()) + e * N * K;
+    }
+    double t[2];
+    for (int mode = 0; mode < 2; ++mode) {
+      setenv("DSTRAIN_CUDA_GROUPED_GEMM", mode == 0 ? "grouped" : "loop", 1);
+      t[mode] = seconds_of(cuda, [&] {
+        cuda.gemm_grouped(C.data(), A.data(), B.data(), DType::kBF16, Ms.data(), Ns.data(), Ks.data(), E, false, true,
+                          1.0f, 0.0f);
+      }, 5);
+    }
+    unsetenv("DSTRAIN_CUDA_GROUPED_GEMM");
+    const double f = 2.0 * double(rows) * N * K;
+    std::printf("expert gate+up bf16, %ld experts, %ld rows: grouped %.1f TFLOP/s, one call per expert %.1f TFLOP/s "
+                "(grouped %.2fx)\n", long(E), long(rows), f / t[0] / 1e12, f / t[1] / 1e12, t[1] / t[0]);
   }
   for (const auto& [dt, kernel] : std::vector<std::pair<DType, const char*>>{
            {DType::kBF16, "tiled"}, {DType::kBF16, "rows"}, {DType::kF32, "rows"}}) {
