@@ -74,7 +74,7 @@ step env 30 '
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv || true
   missing=$(for f in '"$B"'/bin/* '"$B"'/lib/libdstrain_*.so; do ldd "$f"; done | grep "not found" | sort -u)
   if [ -n "$missing" ]; then echo "unresolved libraries:"; echo "$missing"; exit 1; fi
-  for f in '"$B"'/bin/* '"$B"'/lib/libdstrain_*.so; do ldd "$f" | grep -E "cudart|cublasLt|nccl"; done | sort -u
+  for f in '"$B"'/bin/* '"$B"'/lib/libdstrain_*.so; do ldd "$f" | grep -E "cudart|cublas|nccl"; done | sort -u
   dstrain-report configs/h200.yaml > '"$out"'/report.txt; rc=$?
   grep -E "NCCL|CUDA runtime|cuBLASLt|cuDNN|GEMM peak|GPU [0-9]|advice" '"$out"'/report.txt
   exit $rc'
