@@ -667,6 +667,8 @@ __global__ void balance_stats_kernel(float* stats, const int32_t* idx, const flo
   if (b.group_len > 0) {
     lo = max(int64_t(0), g * b.group_len - b.first);
     hi = min(b.n, (g + 1) * b.group_len - b.first);
+  } else if (g != 0) {
+    hi = lo;  // one group: every token is group 0's (as the CPU)
   }
   double f = 0, P = 0;
   for (int64_t i = lo; i < hi; ++i) {
@@ -886,6 +888,15 @@ struct GemmPlan {
 
 // ---- The backend -------------------------------------------------------------------------------
 
+// One grouped GEMM call's arguments for cublasGemmGroupedBatchedEx (host arrays, one group per
+// problem; the pointers go to the device in one copy).
+struct GroupArgs {
+  std::vector<cublasOperation_t> ta, tb;
+  std::vector<int> m, n, k, lda, ldb, ldc, size;
+  std::vector<float> alpha, beta;
+  std::vector<const void*> ptrs;  // A' (our B), B' (our A), C: one block each
+};
+
 class CudaBackend final : public Backend {
  public:
   explicit CudaBackend(int device) : device_(device) {
@@ -1050,39 +1061,55 @@ class CudaBackend final : public Backend {
   }
   // The experts' GEMMs as one cublasGemmGroupedBatchedEx call (one group per problem, fp32
   // output and accumulation): no per-shape cuBLASLt plan for row counts that change every step.
-  // false: the caller runs them one by one — DSTRAIN_CUDA_GROUPED_GEMM=loop, or cuBLAS refused
-  // this type combination (remembered for the backend's life).
+  // false, with nothing done: the caller runs them one by one — DSTRAIN_CUDA_GROUPED_GEMM=loop,
+  // cuBLAS refused this type combination (a probe, once per type), or an operand is not 16-byte
+  // aligned (cuBLAS's 16-bit kernels need it; the cuBLASLt path picks algorithms by alignment).
   bool grouped_call(float* const* C, const void* const* A, const void* const* B, DType dtype, const int64_t* M,
                     const int64_t* N, const int64_t* K, int64_t count, bool ta, bool tb, float alpha, float beta) {
     const char* choice = std::getenv("DSTRAIN_CUDA_GROUPED_GEMM");
     if (choice && std::string(choice) == "loop") return false;
     if (choice && std::string(choice) != "grouped")
       throw std::invalid_argument(std::string("DSTRAIN_CUDA_GROUPED_GEMM=") + choice + ": valid: grouped, loop");
-    if (grouped_refused_[int(dtype)]) return false;
     GroupArgs& g = group_;
     g.ta.clear(), g.tb.clear(), g.m.clear(), g.n.clear(), g.k.clear(), g.lda.clear(), g.ldb.clear(), g.ldc.clear();
     g.size.clear(), g.alpha.clear(), g.beta.clear(), g.ptrs.clear();
     std::vector<const void*> a_ptrs, b_ptrs, c_ptrs;
+    std::vector<int64_t> empty;  // K = 0: C = beta C, after the call
+    const int64_t es = dtype_size(dtype);
     for (int64_t i = 0; i < count; ++i) {
       if (M[i] == 0 || N[i] == 0) continue;
-      if (K[i] == 0) {  // C = beta C, as gemm does
-        scale_kernel<<<blocks_for(M[i] * N[i]), kThreads, 0, stream_>>>(C[i], beta, M[i] * N[i]);
-        DS_LAUNCHED();
+      if (K[i] == 0) {
+        empty.push_back(i);
         continue;
       }
       if (M[i] > INT32_MAX || N[i] > INT32_MAX || K[i] > INT32_MAX) return false;
       // Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T (as gemm).
+      const int64_t lda = tb ? K[i] : N[i], ldb = ta ? M[i] : K[i], ldc = N[i];
+      if (alignment_of(A[i]) < 16 || alignment_of(B[i]) < 16 || alignment_of(C[i]) < 16 || (lda * es) % 16 != 0 ||
+          (ldb * es) % 16 != 0 || (ldc * 4) % 16 != 0)
+        return false;
       g.ta.push_back(tb ? CUBLAS_OP_T : CUBLAS_OP_N), g.tb.push_back(ta ? CUBLAS_OP_T : CUBLAS_OP_N);
       g.m.push_back(int(N[i])), g.n.push_back(int(M[i])), g.k.push_back(int(K[i]));
-      g.lda.push_back(int(tb ? K[i] : N[i])), g.ldb.push_back(int(ta ? M[i] : K[i])), g.ldc.push_back(int(N[i]));
+      g.lda.push_back(int(lda)), g.ldb.push_back(int(ldb)), g.ldc.push_back(int(ldc));
       g.size.push_back(1), g.alpha.push_back(alpha), g.beta.push_back(beta);
       a_ptrs.push_back(B[i]), b_ptrs.push_back(A[i]), c_ptrs.push_back(C[i]);
     }
     const int groups = int(g.m.size());
-    if (groups == 0) return true;
-    g.ptrs.insert(g.ptrs.end(), a_ptrs.begin(), a_ptrs.end());
-    g.ptrs.insert(g.ptrs.end(), b_ptrs.begin(), b_ptrs.end());
-    g.ptrs.insert(g.ptrs.end(), c_ptrs.begin(), c_ptrs.end());
+    if (groups > 0) {
+      if (!grouped_supported(dtype)) return false;
+      g.ptrs.insert(g.ptrs.end(), a_ptrs.begin(), a_ptrs.end());
+      g.ptrs.insert(g.ptrs.end(), b_ptrs.begin(), b_ptrs.end());
+      g.ptrs.insert(g.ptrs.end(), c_ptrs.begin(), c_ptrs.end());
+      DS_LT(grouped_launch(g, dtype, groups));
+    }
+    for (int64_t i : empty) {
+      scale_kernel<<<blocks_for(M[i] * N[i]), kThreads, 0, stream_>>>(C[i], beta, M[i] * N[i]);
+      DS_LAUNCHED();
+    }
+    return true;
+  }
+  // g's problems (their pointers in g.ptrs: A', B', C blocks) as one cuBLAS call on the stream.
+  cublasStatus_t grouped_launch(const GroupArgs& g, DType dtype, int groups) {
     const int64_t bytes = int64_t(g.ptrs.size() * sizeof(void*));
     if (bytes > group_ptr_bytes_) {
       if (group_ptrs_) deallocate(group_ptrs_);
@@ -1094,18 +1121,29 @@ class CudaBackend final : public Backend {
     DS_CUDA(cudaMemcpyAsync(group_ptrs_, g.ptrs.data(), size_t(bytes), cudaMemcpyHostToDevice, stream_));
     const void* const* dev = static_cast<const void* const*>(group_ptrs_);
     const cudaDataType_t in = dtype == DType::kF32 ? CUDA_R_32F : dtype == DType::kBF16 ? CUDA_R_16BF : CUDA_R_16F;
-    const cublasStatus_t st = cublasGemmGroupedBatchedEx(
-        blas_, g.ta.data(), g.tb.data(), g.m.data(), g.n.data(), g.k.data(), g.alpha.data(), dev, in, g.lda.data(),
-        dev + groups, in, g.ldb.data(), g.beta.data(), const_cast<void* const*>(dev + 2 * groups), CUDA_R_32F,
-        g.ldc.data(), groups, g.size.data(), CUBLAS_COMPUTE_32F);
-    if (st == CUBLAS_STATUS_NOT_SUPPORTED || st == CUBLAS_STATUS_INVALID_VALUE) {
-      grouped_refused_[int(dtype)] = true;
+    return cublasGemmGroupedBatchedEx(blas_, g.ta.data(), g.tb.data(), g.m.data(), g.n.data(), g.k.data(),
+                                      g.alpha.data(), dev, in, g.lda.data(), dev + groups, in, g.ldb.data(),
+                                      g.beta.data(), const_cast<void* const*>(dev + 2 * groups), CUDA_R_32F,
+                                      g.ldc.data(), groups, g.size.data(), CUBLAS_COMPUTE_32F);
+  }
+  // Whether cuBLAS runs grouped GEMMs with `dtype` inputs and fp32 output: one 16^3 probe per type
+  // on scratch memory, the answer kept (a refusal is said once); live calls then must succeed.
+  bool grouped_supported(DType dtype) {
+    int& known = grouped_support_[int(dtype)];  // 0 unknown, 1 yes, -1 no
+    if (known != 0) return known > 0;
+    void* mem = allocate(3 * 16 * 16 * 4);
+    GroupArgs p;
+    p.ta = {CUBLAS_OP_N}, p.tb = {CUBLAS_OP_N}, p.m = {16}, p.n = {16}, p.k = {16}, p.lda = {16}, p.ldb = {16};
+    p.ldc = {16}, p.size = {1}, p.alpha = {1.0f}, p.beta = {0.0f};
+    char* base = static_cast<char*>(mem);
+    p.ptrs = {base, base + 1024, base + 2048};
+    const cublasStatus_t st = grouped_launch(p, dtype, 1);
+    deallocate(mem);
+    known = st == CUBLAS_STATUS_SUCCESS ? 1 : -1;
+    if (known < 0)
       std::fprintf(stderr, "dstrain: cublasGemmGroupedBatchedEx refused %s inputs with fp32 output (status %d); "
                    "the experts' GEMMs run one by one\n", to_string(dtype), int(st));
-      return false;
-    }
-    DS_LT(st);
-    return true;
+    return known > 0;
   }
   // Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T: cuBLASLt's first operand is
   // B and its second A, with m = N, n = M.
@@ -1572,13 +1610,8 @@ class CudaBackend final : public Backend {
   cublasHandle_t blas_ = nullptr;  // the grouped GEMMs (cublasGemmGroupedBatchedEx)
   void* group_ptrs_ = nullptr;     // their A, B, C pointer arrays on the device
   int64_t group_ptr_bytes_ = 0;
-  bool grouped_refused_[3] = {false, false, false};  // per input type: cuBLAS said not supported
-  struct GroupArgs {
-    std::vector<cublasOperation_t> ta, tb;
-    std::vector<int> m, n, k, lda, ldb, ldc, size;
-    std::vector<float> alpha, beta;
-    std::vector<const void*> ptrs;  // A' (our B), B' (our A), C: one block each
-  } group_;
+  int grouped_support_[3] = {0, 0, 0};  // per input type: 0 not probed, 1 supported, -1 refused
+  GroupArgs group_;
   void* workspace_ = nullptr;
   double* partials_ = nullptr;  // sum_squares' per-block sums
   std::map<GemmKey, GemmPlan> plans_;
