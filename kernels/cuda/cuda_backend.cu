@@ -281,6 +281,16 @@ __device__ void flash_load(uint16_t* tile, int ld, const uint16_t* src, int64_t 
   }
 }
 
+// One warp: its 16 rows of an fp32 shared tile (row stride ld, d wide) out to rows r0.. of one
+// head (row stride `stride`), rows at or past S left alone.
+__device__ void flash_store(float* dst, int64_t stride, const float* tile, int ld, int64_t r0, int64_t S, int d,
+                            int lane) {
+  for (int idx = lane; idx < 16 * d; idx += 32) {
+    const int r = idx / d, c = idx % d;
+    if (r0 + r < S) dst[(r0 + r) * stride + c] = tile[r * ld + c];
+  }
+}
+
 // One warp: S[16 x kFlashCols] (float, row stride kFlashLdS) = A[16 x d] B[kFlashCols x d]^T,
 // A and B row-major 16-bit tiles. The four column blocks accumulate side by side (four
 // independent MMA chains, each A fragment loaded once).
@@ -466,10 +476,7 @@ __global__ void __launch_bounds__(kFlashThreads)
     flash_accumulate<KIND>(Os, ldo, reinterpret_cast<const uint16_t*>(Ss), Vs, ldv, dv);
     __syncwarp();
   }
-  for (int idx = lane; idx < 16 * dv; idx += 32) {
-    const int r = idx / dv, c = idx % dv;
-    if (r0 + r < a.S) O[(b * a.S + r0 + r) * vs + h * a.dv + c] = Os[r * ldo + c];
-  }
+  flash_store(O + b * a.S * vs + h * a.dv, vs, Os, ldo, r0, a.S, dv, lane);
   if (lane < 16 && i < a.S) lse[(b * a.nh + h) * a.S + i] = L;
 }
 
@@ -518,10 +525,7 @@ __global__ void __launch_bounds__(kFlashThreads)
     flash_accumulate<KIND>(Acc, lda, reinterpret_cast<const uint16_t*>(Ss), Ks, ldq, dqk);
     __syncwarp();
   }
-  for (int idx = lane; idx < 16 * dqk; idx += 32) {
-    const int r = idx / dqk, c = idx % dqk;
-    if (r0 + r < a.S) dQ[(b * a.S + r0 + r) * qs + h * a.dqk + c] = Acc[r * lda + c];
-  }
+  flash_store(dQ + b * a.S * qs + h * a.dqk, qs, Acc, lda, r0, a.S, dqk, lane);
 }
 
 // dK and dV. Grid (key blocks, heads, sequences).
@@ -578,14 +582,8 @@ __global__ void __launch_bounds__(kFlashThreads)
     flash_accumulate<KIND>(dKs, ldk32, reinterpret_cast<const uint16_t*>(Ps), Qs, ldq, dqk);  // dS^T Q
     __syncwarp();
   }
-  for (int idx = lane; idx < 16 * dqk; idx += 32) {
-    const int r = idx / dqk, c = idx % dqk;
-    if (r0 + r < a.S) dK[(b * a.S + r0 + r) * qs + h * a.dqk + c] = dKs[r * ldk32 + c];
-  }
-  for (int idx = lane; idx < 16 * dv; idx += 32) {
-    const int r = idx / dv, c = idx % dv;
-    if (r0 + r < a.S) dV[(b * a.S + r0 + r) * vs + h * a.dv + c] = dVs[r * ldv32 + c];
-  }
+  flash_store(dK + b * a.S * qs + h * a.dqk, qs, dKs, ldk32, r0, a.S, dqk, lane);
+  flash_store(dV + b * a.S * vs + h * a.dv, vs, dVs, ldv32, r0, a.S, dv, lane);
 }
 
 // ---- SwiGLU, router, MoE data movement ---------------------------------------------------------
