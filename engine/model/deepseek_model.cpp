@@ -6,6 +6,7 @@
 #include <cmath>
 
 #include "engine/common/trace.h"
+#include "engine/plan/memory.h"
 #include "engine/plan/param_table.h"
 
 namespace dstrain::model {
@@ -155,9 +156,10 @@ struct DeepSeekModel::Mtp {
   std::unique_ptr<DecoderLayer> layer;
   std::vector<int32_t> ids_host, targets_host;
   kernels::DeviceArray<int32_t> ids, targets;
-  kernels::DeviceArray<float> e, en, rstd_e, hprev, hn, rstd_h, cat, m, h, z, rstd_z, logits, dh;
+  // dz: the head's input gradient, made by its forward (this rank's part of the sum over ranks).
+  kernels::DeviceArray<float> e, en, rstd_e, hprev, hn, rstd_h, cat, m, h, z, rstd_z, dz, dh;
 
-  Mtp(const LayerEnv& env, int64_t k, int64_t B, int64_t S, int64_t Vl, const RopeTables* rope)
+  Mtp(const LayerEnv& env, int64_t k, int64_t B, int64_t S, const RopeTables* rope)
       : depth(k), n(S - k) {
     const config::ModelConfig& c = *env.cfg;
     const int64_t index = c.num_hidden_layers + k - 1, H = c.hidden_size, rows = B * n;
@@ -170,14 +172,13 @@ struct DeepSeekModel::Mtp {
     kernels::Backend& be = *env.be;
     ids_host.resize(size_t(rows)), targets_host.resize(size_t(rows));
     ids.resize(be, rows), targets.resize(be, rows);
-    for (auto* v : {&e, &en, &hprev, &hn, &m, &h, &z, &dh}) v->resize(be, rows * H);
+    for (auto* v : {&e, &en, &hprev, &hn, &m, &h, &z, &dz, &dh}) v->resize(be, rows * H);
     rstd_e.resize(be, rows), rstd_h.resize(be, rows), rstd_z.resize(be, rows);
     cat.resize(be, rows * 2 * H);
-    logits.resize(be, rows * Vl);
   }
   int64_t saved_floats() const {  // besides its decoder layer's buffers (in the activation store)
     int64_t total = 0;
-    for (auto* v : {&e, &en, &rstd_e, &hprev, &hn, &rstd_h, &cat, &m, &h, &z, &rstd_z, &logits})
+    for (auto* v : {&e, &en, &rstd_e, &hprev, &hn, &rstd_h, &cat, &m, &h, &z, &rstd_z, &dz})
       total += int64_t(v->size());
     return total;
   }
@@ -230,7 +231,7 @@ DeepSeekModel::DeepSeekModel(const config::ModelConfig& cfg, kernels::Backend& b
   }
   for (int64_t k = 1; has_head_ && k <= cfg.num_nextn_predict_layers; ++k) {
     DS_CHECK(S - k >= 1, "MTP depth {} needs seq_length > {}", k, k);
-    mtp_.push_back(std::make_unique<Mtp>(mtp_env_, k, B, S, Vl_, &rope_));
+    mtp_.push_back(std::make_unique<Mtp>(mtp_env_, k, B, S, &rope_));
     scratch = std::max({scratch, mtp_.back()->layer->scratch_floats(N), 2 * N * H_ + 64});
   }
   scratch_.reserve(be_, scratch);
@@ -239,10 +240,11 @@ DeepSeekModel::DeepSeekModel(const config::ModelConfig& cfg, kernels::Backend& b
   local_ids_.resize(be_, N), targets_.resize(be_, N);
   for (int64_t i = first_; i <= end_; ++i) hidden_.emplace_back(be_, rows_ * H_);
   if (has_head_) {
-    z_.resize(be_, rows_ * H_), rstd_f_.resize(be_, rows_), logits_.resize(be_, N * Vl_), loss_rows_.resize(be_, N);
+    chunk_ = plan::loss_chunk_rows(N, H_, Vl_, stage.loss_chunk_rows);
+    z_.resize(be_, rows_ * H_), rstd_f_.resize(be_, rows_), logits_.resize(be_, chunk_ * Vl_), loss_rows_.resize(be_, N);
     if (sp_) z_full_.resize(be_, N * H_);
+    if (tp_ > 1) row_max_.resize(be_, chunk_), row_sums_.resize(be_, 2 * chunk_);
   }
-  if (tp_ > 1) row_max_.resize(be_, N), row_sums_.resize(be_, 2 * N);
   dz_.resize(be_, N * H_), dh_.resize(be_, rows_ * H_), tmp1_.resize(be_, N * H_), tmp2_.resize(be_, N * H_);
   norm_dw_.resize(be_, H_);
 }
@@ -276,7 +278,7 @@ std::vector<MoeLayer*> DeepSeekModel::moe_layers() {
 }
 
 int64_t DeepSeekModel::saved_activation_bytes() const {
-  int64_t floats = z_.size() + z_full_.size() + rstd_f_.size() + logits_.size() + int64_t(ids_host_.size()) * 3;
+  int64_t floats = z_.size() + z_full_.size() + rstd_f_.size() + int64_t(ids_host_.size()) * 3;
   for (const auto& h : hidden_) floats += h.size();
   for (const auto& m : mtp_) floats += m->saved_floats();
   return floats * int64_t(sizeof(float)) + acts_.kept_bytes() + acts_.recomputed_bytes();
@@ -304,7 +306,7 @@ int64_t DeepSeekModel::residual_region_bytes() const {
 
 int64_t DeepSeekModel::workspace_bytes() const {
   int64_t floats = scratch_.capacity() + dz_.size() + dh_.size() + tmp1_.size() + tmp2_.size() + ones_.size() +
-                   loss_rows_.size() + full_.size();
+                   loss_rows_.size() + logits_.size() + full_.size();
   for (const auto& m : mtp_) floats += m->dh.size();
   int64_t bytes = floats * int64_t(sizeof(float)) + cast_->bytes();  // (the conversions grow in the first step)
   for (const auto& l : layers_)
@@ -329,26 +331,37 @@ void DeepSeekModel::embed(float* out, const int32_t* local_ids, int64_t n) {
   coll_.tp_all_reduce(out, n * H_);
 }
 
-// The LM head and the cross-entropy over `rows` tokens of z [rows,H] (all tokens): logits of
-// this rank's vocabulary columns; the row maximum and the sums of exponentials are reduced over
-// the ranks (vocabulary-parallel), never the logits. Leaves dL/dlogits in `logits`.
-double DeepSeekModel::head_loss(float* logits, const float* z, const int32_t* targets, int64_t rows, double weight,
-                                double loss_scale) {
-  const double grad_scale = weight * loss_scale;
-  linear_forward(env_, logits, z, lm_head_, rows, Vl_, H_);
-  if (keep_logits_ && logits == logits_.data()) {
-    kept_logits_.resize(size_t(rows * Vl_));
-    be_.copy_to_host(kept_logits_.data(), logits, rows * Vl_ * int64_t(sizeof(float)));
-  }
-  if (tp_ == 1) {
-    be_.cross_entropy(loss_rows_.data(), logits, targets, rows, V_, float(grad_scale));
-  } else {
-    be_.cross_entropy_row_max(row_max_.data(), logits, rows, Vl_);
-    coll_.tp_all_reduce_max(row_max_.data(), rows);
-    be_.cross_entropy_row_sums(row_sums_.data(), logits, row_max_.data(), targets, v0_, rows, Vl_);
-    coll_.tp_all_reduce(row_sums_.data(), 2 * rows);
-    be_.cross_entropy_finish(loss_rows_.data(), logits, row_max_.data(), row_sums_.data(), targets, v0_, rows, Vl_,
-                             float(grad_scale));
+// The LM head and the cross-entropy over `rows` tokens of z [rows,H] (all tokens), in chunks of
+// chunk_ rows (docs/design.md §6.13): a chunk's logits [c, Vl] — this rank's vocabulary columns
+// — live in logits_ only while the chunk is worked on. Vocabulary-parallel, the row maximum and
+// the sums of exponentials are reduced over the ranks per chunk, never the logits. The fused
+// cross-entropy leaves the chunk's logit gradient in place, and when a backward follows it is
+// used at once: the chunk's rows of dz and its term of dW_lm. The head's weight gradient is
+// thus made during forward, never deferred (a zero-bubble W has nothing of the head to run),
+// and the micro-batches still add theirs in micro-batch order.
+double DeepSeekModel::head_loss(const float* z, const int32_t* targets, int64_t rows, double weight,
+                                double loss_scale, float* dz, bool keep) {
+  const float grad_scale = float(weight * loss_scale);
+  const WeightGradDeferral::Scope now(nullptr);
+  float* logits = logits_.data();
+  if (keep) kept_logits_.resize(size_t(rows * Vl_));
+  for (int64_t r0 = 0; r0 < rows; r0 += chunk_) {
+    const int64_t c = std::min(chunk_, rows - r0);
+    const float* zc = z + r0 * H_;
+    linear_forward(env_, logits, zc, lm_head_, c, Vl_, H_);
+    if (keep) be_.copy_to_host(kept_logits_.data() + r0 * Vl_, logits, c * Vl_ * int64_t(sizeof(float)));
+    if (tp_ == 1) {
+      be_.cross_entropy(loss_rows_.data() + r0, logits, targets + r0, c, V_, grad_scale);
+    } else {
+      be_.cross_entropy_row_max(row_max_.data(), logits, c, Vl_);
+      coll_.tp_all_reduce_max(row_max_.data(), c);
+      be_.cross_entropy_row_sums(row_sums_.data(), logits, row_max_.data(), targets + r0, v0_, c, Vl_);
+      coll_.tp_all_reduce(row_sums_.data(), 2 * c);
+      be_.cross_entropy_finish(loss_rows_.data() + r0, logits, row_max_.data(), row_sums_.data(), targets + r0, v0_,
+                               c, Vl_, grad_scale);
+    }
+    if (dz) linear_backward(env_, dz + r0 * H_, logits, zc, lm_head_, c, Vl_, H_);
+    progress_.poll();
   }
   loss_host_.resize(size_t(rows));  // the loss is read on the host through the backend
   be_.copy_to_host(loss_host_.data(), loss_rows_.data(), rows * int64_t(sizeof(float)));
@@ -390,7 +403,8 @@ Losses DeepSeekModel::forward_stage(const int32_t* tokens, const float* h_in, co
                         float(cfg_.rms_norm_eps));
     const float* z = z_.data();
     if (sp_) coll_.tp_all_gather_rows(z_full_.data(), z_.data(), rows_, H_), z = z_full_.data();
-    out.ce = head_loss(logits_.data(), z, targets_.data(), N, 1.0 / scale.tokens, scale.gradient);
+    out.ce = head_loss(z, targets_.data(), N, 1.0 / scale.tokens, scale.gradient, scale.backward ? dz_.data() : nullptr,
+                       keep_logits_);
     if (!mtp_.empty()) mtp_forward(tokens, scale, out);
   }
   for (auto* moe : moe_layers()) {
@@ -428,7 +442,8 @@ void DeepSeekModel::mtp_forward(const int32_t* tokens, const LossScale& scale, L
     m.layer->forward(m.h.data(), m.m.data(), B_, n, scale);
     be_.rmsnorm_forward(m.z.data(), m.rstd_z.data(), m.h.data(), m.head_norm.w, rows, H_, eps);
     const double grad_scale = lambda / (scale.sequences * double(n));
-    out.mtp += head_loss(m.logits.data(), m.z.data(), m.targets.data(), rows, grad_scale, scale.gradient);
+    out.mtp += head_loss(m.z.data(), m.targets.data(), rows, grad_scale, scale.gradient,
+                         scale.backward ? m.dz.data() : nullptr, false);
   }
 }
 
@@ -437,10 +452,8 @@ void DeepSeekModel::backward_stage(const float* dh_out) {
   const trace::Scope whole("model", "backward");
   if (has_head_) {
     const trace::Scope t("model", "backward head");
-    const float* z = sp_ ? z_full_.data() : z_.data();
-    // Head: dz = dlogits W_lm, this rank's vocabulary columns' part, summed over the ranks;
-    // dW_lm += dlogits^T z (this rank's rows, complete). MTP adds its gradient of h^0 = z.
-    linear_backward(env_, dz_.data(), logits_.data(), z, lm_head_, N, Vl_, H_);
+    // Head: forward left dz = dlogits W_lm, this rank's vocabulary columns' part, to be summed
+    // over the ranks (and added dW_lm += dlogits^T z). MTP adds its gradient of h^0 = z.
     coll_.tp_all_reduce(dz_.data(), N * H_);
     progress_.poll();
     if (!mtp_.empty()) mtp_backward(dz_.data());
@@ -485,11 +498,10 @@ void DeepSeekModel::mtp_backward(float* dz) {
   for (int64_t k = int64_t(mtp_.size()) - 1; k >= 0; --k) {
     Mtp& m = *mtp_[k];
     const int64_t n = m.n, rows = B_ * n;
-    // Its own head (the complete gradient of its normed states), then the gradient module k+1
-    // left in m.dh.
-    linear_backward(env_, tmp1_.data(), m.logits.data(), m.z.data(), lm_head_, rows, Vl_, H_);
-    coll_.tp_all_reduce(tmp1_.data(), rows * H_);
-    be_.rmsnorm_backward(tmp2_.data(), m.head_norm.g, tmp1_.data(), m.h.data(), m.head_norm.w,
+    // Its own head (the gradient of its normed states its forward made, summed over the ranks),
+    // then the gradient module k+1 left in m.dh.
+    coll_.tp_all_reduce(m.dz.data(), rows * H_);
+    be_.rmsnorm_backward(tmp2_.data(), m.head_norm.g, m.dz.data(), m.h.data(), m.head_norm.w,
                          m.rstd_z.data(), rows, H_);
     be_.add(m.dh.data(), tmp2_.data(), rows * H_);
     m.layer->backward(m.dh.data(), m.m.data(), B_, n, tmp1_.data(), tmp2_.data());  // m.dh = dL/dm

@@ -74,6 +74,8 @@ struct StageSpec {
   // Where the recomputed buffers live: one arena for all instances of a pipeline rank (they run
   // one at a time); null: the instance's own.
   std::shared_ptr<RecomputeArena> recompute_arena;
+  // Token rows per chunk of the LM head and cross-entropy (plan::loss_chunk_rows; 0: its default).
+  int64_t loss_chunk_rows = 0;
 };
 
 struct Losses {
@@ -118,8 +120,8 @@ class DeepSeekModel {
   // the last, the embedding (-1) last.
   static std::vector<int64_t> backward_order(const config::ModelConfig& cfg);
 
-  // With keep_logits, forward copies the main head's logits [B*S, V] here before the loss (one
-  // rank only: under tensor parallelism a rank holds its vocabulary columns).
+  // With keep_logits, forward copies the main head's logits [B*S, V] here, chunk by chunk,
+  // before the loss (this rank's vocabulary columns under tensor parallelism).
   void keep_logits(bool on) { keep_logits_ = on; }
   const std::vector<float>& logits() const { return kept_logits_; }
 
@@ -147,9 +149,12 @@ class DeepSeekModel {
   struct Mtp;  // one multi-token-prediction module
   void map_ids(int32_t* local, const int32_t* ids, int64_t n) const;
   void embed(float* out, const int32_t* local_ids, int64_t n);
-  // The summed loss times `weight`; the logits' gradient is scaled by weight * loss_scale.
-  double head_loss(float* logits, const float* z, const int32_t* targets, int64_t rows, double weight,
-                   double loss_scale);
+  // The LM head and cross-entropy of `rows` normed states z, chunk by chunk: the summed loss
+  // times `weight`. With dz, the head's backward too: dz = dlogits W_lm (this rank's vocabulary
+  // columns' part), dW_lm += dlogits^T z, the logits' gradient scaled by weight * loss_scale.
+  // `keep`: copy the logits to kept_logits_.
+  double head_loss(const float* z, const int32_t* targets, int64_t rows, double weight, double loss_scale, float* dz,
+                   bool keep);
   void mtp_forward(const int32_t* tokens, const LossScale& scale, Losses& out);
   void mtp_backward(float* dz);
 
@@ -172,6 +177,7 @@ class DeepSeekModel {
   TokenPart part_;        // with sequence parallelism, this rank's token rows
   int64_t rows_ = 0;      // token rows of the hidden states on this rank
   int64_t v0_ = 0, Vl_ = 0;  // this rank's vocabulary rows [v0, v0 + Vl)
+  int64_t chunk_ = 0;        // token rows per chunk of the head (logits_ holds one chunk)
   WeightRef embed_, norm_, lm_head_;
   std::vector<std::unique_ptr<DecoderLayer>> layers_;
   std::vector<std::unique_ptr<Mtp>> mtp_;

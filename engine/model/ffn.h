@@ -42,6 +42,9 @@ struct LossScale {
   double tokens = 1;     // target tokens of the global batch (CE is their mean)
   double sequences = 1;  // sequences of the global batch (the balance loss is their mean)
   double gradient = 1;   // the fp16 loss scale: multiplies the gradient of every loss, not its value
+  // false: a pass for the loss only (validation, generation), never followed by backward — the
+  // LM head, whose weight gradient is computed during forward (docs/design.md §6.13), skips it.
+  bool backward = true;
 };
 
 // Expert parallelism: the ranks of the expert-parallel group own contiguous blocks of E / EP

@@ -1,8 +1,12 @@
 #include "engine/plan/memory.h"
 
 #include <algorithm>
+#include <cerrno>
+#include <cstdlib>
+#include <string>
 #include <vector>
 
+#include "engine/common/error.h"
 #include "engine/plan/param_table.h"
 
 namespace dstrain::plan {
@@ -120,11 +124,12 @@ ActivationMemory instance_activation_memory(const config::ModelConfig& m, const 
     }
   }
   int64_t model = 3 * N + (s.end_layer - s.first_layer + 1) * rows * H;  // token ids, hidden states
+  const int64_t chunk = s.has_head ? loss_chunk_rows(N, H, Vl) : 0;  // the head's logits: one chunk's
   if (s.has_head) {
-    model += rows * H + (sp ? N * H : 0) + rows + N * Vl;  // final norm, its gather, logits
+    model += rows * H + (sp ? N * H : 0) + rows;  // final norm, its gather
     for (int64_t k = 1; k <= m.num_nextn_predict_layers; ++k) {  // MTP modules: their own buffers and layer
       const int64_t r = B * (S - k);
-      model += 9 * r * H + 3 * r + r * Vl;
+      model += 10 * r * H + 3 * r;  // (the head's input gradient among them)
       const LayerFloats f = layer_floats(m, m.num_hidden_layers + k - 1, r, r, tp, s.ep, cb, widen);
       kept += f.always + f.selective, dyn_kept += f.dyn_always + f.dyn_selective;
       ep_backward += f.ep_backward + r * H;  // and the module's running output gradient
@@ -132,9 +137,9 @@ ActivationMemory instance_activation_memory(const config::ModelConfig& m, const 
     }
   }
   // Backward temporaries (engine/model/deepseek_model.cpp): scratch, dz, dh, two [N,H] buffers,
-  // ones, per-row losses (last stage), the sequence-parallel gathers.
-  const int64_t work = scratch + N * H + rows * H + 2 * N * H + N + (s.has_head ? N : 0) + (sp ? 3 * N * H : 0) +
-                       ep_backward;
+  // ones, per-row losses and one chunk's logits (last stage), the sequence-parallel gathers.
+  const int64_t work = scratch + N * H + rows * H + 2 * N * H + N + (s.has_head ? N + chunk * Vl : 0) +
+                       (sp ? 3 * N * H : 0) + ep_backward;
   // Under bf16 / fp16 the GEMMs' conversion workspaces (engine/model/layer_env.h, ComputeCast),
   // each as large as the largest input it converted (balanced routing for the experts' rows):
   // slot 0 a GEMM input or output gradient, slot 1 a weight-gradient GEMM's input, slot 2 an
@@ -152,7 +157,7 @@ ActivationMemory instance_activation_memory(const config::ModelConfig& m, const 
     const int64_t saved16 = !wide ? 0 : std::max({N * rq, N * rkv, N * w, N * ws, moe ? nk * H : 0, moe ? nk * I : 0});
     const int64_t slot0 = std::max({N * nh * dqk, N * nh * (dn + dv), N * H, N * rq, N * rkv + N * m.qk_rope_head_dim,
                                     N * 2 * w, N * 2 * ws, moe ? nk * 2 * I : 0, moe ? nk * H : 0,
-                                    s.has_head ? N * Vl : 0, saved16});
+                                    chunk * Vl, saved16});
     const bool ep_rows = moe && s.ep > 1;  // the received rows are fp32
     const int64_t slot1 = std::max({N * H, N * nh * dv, ep_rows ? nk * I : 0, ep_rows ? nk * H : 0,
                                     s.has_head && m.num_nextn_predict_layers > 0 ? N * 2 * H : 0, saved16});
@@ -164,6 +169,24 @@ ActivationMemory instance_activation_memory(const config::ModelConfig& m, const 
   out.recomputed = double(shared) + 4.0 * double(dyn_shared_max);
   out.workspace = 4.0 * double(work) + double(s.compute_bytes == 2 ? 2 * cast : 0);
   return out;
+}
+
+int64_t loss_chunk_rows(int64_t N, int64_t H, int64_t Vl, int64_t requested) {
+  DS_CHECK(N > 0 && H > 0 && Vl > 0, "loss chunk of N {} H {} Vl {}", N, H, Vl);
+  if (requested <= 0) {
+    if (const char* env = std::getenv("DSTRAIN_LOSS_CHUNK_TOKENS"); env && *env) {
+      char* end = nullptr;
+      errno = 0;
+      const long long v = std::strtoll(env, &end, 10);
+      if (errno != 0 || *end != '\0' || v <= 0)
+        throw ConfigError(fmt::format("DSTRAIN_LOSS_CHUNK_TOKENS is '{}'; valid: a positive integer (token rows per "
+                                      "chunk of the LM head and cross-entropy), or unset for the automatic size",
+                                      env));
+      requested = v;
+    }
+  }
+  if (requested <= 0) requested = std::max(kMinLossChunk, ceil_div(N * H, Vl));
+  return std::min(N, requested);
 }
 
 }  // namespace dstrain::plan

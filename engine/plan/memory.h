@@ -57,4 +57,14 @@ struct InstanceShape {
 
 ActivationMemory instance_activation_memory(const config::ModelConfig& m, const InstanceShape& s);
 
+// Token rows per chunk of the LM head and its cross-entropy (docs/design.md §6.13): a model
+// instance holds the logits of one chunk at a time, [chunk, Vl] in fp32, never those of all N
+// tokens. `requested` > 0 asks for that many rows; 0 takes DSTRAIN_LOSS_CHUNK_TOKENS from the
+// environment when set (a positive integer, else a ConfigError naming it), else the automatic
+// size: as many rows as make the chunk's logits as large as the [N, H] hidden states, and at
+// least kMinLossChunk rows (so the weight-gradient GEMM, which writes all of dW_lm once per
+// chunk, keeps a long reduction). Never more than N.
+inline constexpr int64_t kMinLossChunk = 2048;
+int64_t loss_chunk_rows(int64_t N, int64_t H, int64_t Vl, int64_t requested = 0);
+
 }  // namespace dstrain::plan

@@ -102,7 +102,7 @@ Generated generate(const std::string& path, const GenerateOptions& o) {
   std::mt19937_64 rng(o.seed);
   std::uniform_real_distribution<double> uniform(0.0, 1.0);
   std::vector<int32_t> context = out.prompt_ids, tokens(size_t(S + 1), 0);
-  const model::LossScale scale{double(S), 1.0, 1.0};
+  const model::LossScale scale{double(S), 1.0, 1.0, false};  // the logits only: no gradient work
   const auto t0 = std::chrono::steady_clock::now();
   for (int64_t i = 0; i < o.max_new_tokens; ++i) {
     const int64_t n = std::min<int64_t>(int64_t(context.size()), S);  // the window: the last S tokens

@@ -372,7 +372,7 @@ StepResult Trainer::train_step(int64_t step) {
 double Trainer::validate() {
   const plan::BatchPlan& b = plan_.batch;
   const int64_t iters = cfg_.data.eval_iters;
-  const model::LossScale scale{double(iters * b.global * cfg_.seq_length), double(iters * b.global)};
+  const model::LossScale scale{double(iters * b.global * cfg_.seq_length), double(iters * b.global), 1.0, false};
   double ce = 0;
   for (int64_t i = 0; i < iters; ++i)
     ce += engine_.pipeline

@@ -4,6 +4,7 @@
 // magnitude. A mismatch names the tensor and its worst element.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 
 #include "engine/config/load_config.h"
@@ -50,29 +51,50 @@ TEST_P(Golden, LogitsLossesAndEveryGradientMatchHuggingFace) {
   const int64_t B = f.shape("tokens")[0], S = f.shape("tokens")[1] - 1;
   auto be = kernels::make_cpu_backend(2);
   model::LocalCollectives coll;
-  model::DeepSeekModel net(m, *be, coll, params, B, S);
-  net.keep_logits(true);
-  const model::Losses loss = net.forward(tokens.data(), {double(B * S), double(B)});
-  net.backward();
+  // The LM head and cross-entropy in one chunk, and in chunks of 5 rows (B * S is not a multiple):
+  // the logits of every chunk, the loss and the head's gradients made chunk by chunk all match.
+  for (const int64_t chunk : {int64_t(0), int64_t(5)}) {
+    SCOPED_TRACE(chunk ? "chunks of 5 rows" : "one chunk");
+    model::StageSpec spec;
+    spec.loss_chunk_rows = chunk;
+    model::DeepSeekModel net(m, *be, coll, params, B, S, false, spec);
+    params.zero_grads();
+    net.keep_logits(true);
+    const model::Losses loss = net.forward(tokens.data(), {double(B * S), double(B)});
+    net.backward();
 
-  EXPECT_NEAR(loss.ce, f.attr_double("ce_loss"), kTolerance * f.attr_double("ce_loss"));
-  EXPECT_NEAR(loss.aux, f.attr_double("aux_loss"), kTolerance * std::max(1e-3, f.attr_double("aux_loss")));
-  EXPECT_NEAR(loss.mtp, f.attr_double("mtp_loss"), kTolerance * std::max(1e-3, f.attr_double("mtp_loss")));
-  EXPECT_GT(loss.aux, 0.0);  // the variants train with the balance loss on
+    EXPECT_NEAR(loss.ce, f.attr_double("ce_loss"), kTolerance * f.attr_double("ce_loss"));
+    EXPECT_NEAR(loss.aux, f.attr_double("aux_loss"), kTolerance * std::max(1e-3, f.attr_double("aux_loss")));
+    EXPECT_NEAR(loss.mtp, f.attr_double("mtp_loss"), kTolerance * std::max(1e-3, f.attr_double("mtp_loss")));
+    EXPECT_GT(loss.aux, 0.0);  // the variants train with the balance loss on
 
-  const Worst lw = compare(net.logits().data(), f.read_floats("logits"));
-  EXPECT_LE(lw.rel, kTolerance) << "logits: worst element " << lw.index << ": " << lw.got
-                                << " vs " << lw.want;
-  int compared = 0;
-  for (const std::string& name : params.names()) {
-    if (params.view(name).buffer) continue;
-    ASSERT_TRUE(f.exists("grads/" + name)) << "golden file has no gradient for " << name;
-    const Worst w = compare(params.grad(name), f.read_floats("grads/" + name));
-    EXPECT_LE(w.rel, kTolerance) << "grad " << name << ": worst element " << w.index << ": dstrain "
-                                 << w.got << " vs Hugging Face " << w.want << " (relative " << w.rel << ")";
-    ++compared;
+    const Worst lw = compare(net.logits().data(), f.read_floats("logits"));
+    EXPECT_LE(lw.rel, kTolerance) << "logits: worst element " << lw.index << ": " << lw.got
+                                  << " vs " << lw.want;
+    int compared = 0;
+    for (const std::string& name : params.names()) {
+      if (params.view(name).buffer) continue;
+      ASSERT_TRUE(f.exists("grads/" + name)) << "golden file has no gradient for " << name;
+      const Worst w = compare(params.grad(name), f.read_floats("grads/" + name));
+      EXPECT_LE(w.rel, kTolerance) << "grad " << name << ": worst element " << w.index << ": dstrain "
+                                   << w.got << " vs Hugging Face " << w.want << " (relative " << w.rel << ")";
+      ++compared;
+    }
+    EXPECT_EQ(compared, int(f.list("grads").size())) << "gradients in the golden file not compared";
+
+    // A forward for the loss only (validation) gives the same losses and adds no gradient: the
+    // head, whose backward runs inside forward, skips it.
+    params.zero_grads();
+    const model::Losses again = net.forward(tokens.data(), {double(B * S), double(B), 1.0, false});
+    EXPECT_EQ(again.ce, loss.ce);
+    EXPECT_EQ(again.mtp, loss.mtp);
+    for (const std::string& name : params.names()) {
+      if (params.view(name).buffer) continue;
+      const float* g = params.grad(name);
+      const int64_t n = params.view(name).numel;
+      EXPECT_EQ(std::count(g, g + n, 0.0f), n) << name << " has a gradient after a loss-only forward";
+    }
   }
-  EXPECT_EQ(compared, int(f.list("grads").size())) << "gradients in the golden file not compared";
 }
 
 
@@ -108,8 +130,11 @@ TEST_P(Golden, TwoPipelineStagesMatchHuggingFace) {
     std::vector<std::unique_ptr<model::DeepSeekModel>> stage;
     for (int s = 0; s < 2; ++s) {
       const plan::StageRange& r = plan.stages[size_t(s)];
-      model::StageSpec spec{r.first_layer, r.end_layer, r.has_embedding, r.has_head, nullptr, nullptr};
+      model::StageSpec spec;
+      spec.first_layer = r.first_layer, spec.end_layer = r.end_layer;
+      spec.embedding = r.has_embedding, spec.head = r.has_head;
       if (r.has_head && !r.has_embedding) spec.embed_w = mirror_w.data(), spec.embed_g = mirror_g.data();
+      spec.loss_chunk_rows = split ? 7 : 0;  // the split run's head (and MTP head) in chunks of 7 rows
       stage.push_back(std::make_unique<model::DeepSeekModel>(m, *be, coll, *stores[size_t(s)], B, S, false, spec));
     }
     const model::LossScale scale{double(B * S), double(B)};

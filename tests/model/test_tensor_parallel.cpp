@@ -100,9 +100,10 @@ struct RunResult {
 };
 
 // One forward and backward of `cfg`'s model at tensor parallelism `tp` over the batch `tokens`
-// [B, S+1], from the full weights `weights` (or the layout-invariant initialisation when empty).
+// [B, S+1], from the full weights `weights` (or the layout-invariant initialisation when empty),
+// the LM head in chunks of `loss_chunk` token rows (0: the automatic size).
 RunResult run(const config::TrainConfig& cfg, const Tensors& weights, const std::vector<int32_t>& tokens, int64_t B,
-              int64_t S, int tp, bool sp) {
+              int64_t S, int tp, bool sp, int64_t loss_chunk = 0) {
   const config::ModelConfig& m = cfg.model;
   const plan::ParallelPlan plan = plan::make_plan(cfg, 1);
   ThreadGroup group(tp);
@@ -123,7 +124,9 @@ RunResult run(const config::TrainConfig& cfg, const Tensors& weights, const std:
         for (const auto& [name, full] : weights) params->load_full(name, full.data());
         auto be = kernels::make_cpu_backend(1);
         ThreadCollectives coll(group, r);
-        model::DeepSeekModel net(m, *be, coll, *params, B, S, sp);
+        model::StageSpec spec;
+        spec.loss_chunk_rows = loss_chunk;
+        model::DeepSeekModel net(m, *be, coll, *params, B, S, sp, spec);
         losses[size_t(r)] = net.forward(tokens.data(), {double(B * S), double(B)});
         net.backward();
         for (auto* moe : net.moe_layers()) {
@@ -241,7 +244,8 @@ TEST_P(GoldenTp, EveryLayoutMatchesHuggingFace) {
 INSTANTIATE_TEST_SUITE_P(Variants, GoldenTp, ::testing::Values("tiny_v3", "tiny_v2", "tiny_v3_yarn"));
 
 // A vocabulary tensor parallelism does not divide (250 rows over 4 ranks: 63, 63, 63, 61) and an
-// MTP module, from the layout-invariant initialisation, against one rank.
+// MTP module, from the layout-invariant initialisation, against one rank; the LM heads in one
+// chunk and in chunks of 5 rows (the vocabulary-parallel reductions then run per chunk).
 TEST(TensorParallel, UnevenVocabularyShardsAndMtpMatchOneRank) {
   config::TrainConfig cfg = config::load_config_text(
       "train_batch_size: 2\nseq_length: 12\nmodel:\n  preset: tiny\n  vocab_size: 250\n  num_nextn_predict_layers: 1\n"
@@ -253,9 +257,10 @@ TEST(TensorParallel, UnevenVocabularyShardsAndMtpMatchOneRank) {
   for (auto& t : tokens) t = int32_t(rng() % 250);
   tokens[3] = -100;  // an ignored target
   const RunResult one = run(cfg, {}, tokens, B, S, 1, false);
-  for (const Layout l : {Layout{4, false}, Layout{4, true}, Layout{2, true}}) {
-    SCOPED_TRACE(layout_name(l));
-    const RunResult r = run(cfg, {}, tokens, B, S, l.tp, l.sp);
+  for (const auto& [l, chunk] : {std::pair{Layout{4, false}, 0}, {Layout{4, true}, 0}, {Layout{2, true}, 0},
+                                 {Layout{4, false}, 5}, {Layout{2, true}, 5}}) {
+    SCOPED_TRACE(layout_name(l) + (chunk ? " chunks of 5" : ""));
+    const RunResult r = run(cfg, {}, tokens, B, S, l.tp, l.sp, chunk);
     EXPECT_NEAR(r.loss.ce, one.loss.ce, 1e-6 * one.loss.ce);
     EXPECT_NEAR(r.loss.mtp, one.loss.mtp, 1e-6 * one.loss.mtp);
     EXPECT_NEAR(r.loss.aux, one.loss.aux, 1e-5 * one.loss.aux);

@@ -3,8 +3,10 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdlib>
 
 #include "engine/config/presets.h"
+#include "engine/plan/memory.h"
 #include "engine/plan/parallel_plan.h"
 #include "engine/plan/report.h"
 #include "tests/unit/test_helpers.h"
@@ -192,6 +194,39 @@ TEST(Memory, ZeroShardsOptimizerStateThenGradients) {
   const MemoryEstimate b1 = estimate_memory(dense, expert, dp, edp, 1, Precision::kBf16);
   EXPECT_EQ(b1.weights, 6.0 * 1'400'000);  // fp32 compute values + the 16-bit copy
   EXPECT_EQ(b1.optimizer, 12.0 * (dense / dp + expert / edp));  // fp32 master + m + v
+}
+
+// The LM head's chunk (docs/design.md §6.13): automatic — the logits of a chunk as large as the
+// [N, H] hidden states, at least kMinLossChunk rows, at most N; asked for; from the environment,
+// whose bad values are refused by name.
+TEST(Memory, LossChunkRows) {
+  unsetenv("DSTRAIN_LOSS_CHUNK_TOKENS");
+  EXPECT_EQ(plan::loss_chunk_rows(8192, 2048, 102400), plan::kMinLossChunk);  // h200: 164 rows would do
+  EXPECT_EQ(plan::loss_chunk_rows(65536, 2048, 51200), 2622);                 // ceil(65536 * 2048 / 51200)
+  EXPECT_EQ(plan::loss_chunk_rows(16384, 768, 8192), plan::kMinLossChunk);
+  EXPECT_EQ(plan::loss_chunk_rows(512, 256, 256), 512);  // small: one chunk
+  EXPECT_EQ(plan::loss_chunk_rows(512, 256, 256, 100), 100);
+  EXPECT_EQ(plan::loss_chunk_rows(512, 256, 256, 1000), 512);
+  setenv("DSTRAIN_LOSS_CHUNK_TOKENS", "7", 1);
+  EXPECT_EQ(plan::loss_chunk_rows(512, 256, 256), 7);
+  EXPECT_EQ(plan::loss_chunk_rows(512, 256, 256, 9), 9);  // an explicit request wins
+  for (const char* bad : {"0", "-3", "12x", "lots", "99999999999999999999"}) {
+    setenv("DSTRAIN_LOSS_CHUNK_TOKENS", bad, 1);
+    EXPECT_THROW(
+        {
+          try {
+            plan::loss_chunk_rows(512, 256, 256);
+          } catch (const ConfigError& e) {
+            EXPECT_NE(std::string(e.what()).find(std::string("DSTRAIN_LOSS_CHUNK_TOKENS is '") + bad + "'"),
+                      std::string::npos)
+                << e.what();
+            throw;
+          }
+        },
+        ConfigError)
+        << bad;
+  }
+  unsetenv("DSTRAIN_LOSS_CHUNK_TOKENS");
 }
 
 TEST(Report, NamesEveryFigureAUserChecks) {
