@@ -240,7 +240,9 @@ DeepSeekModel::DeepSeekModel(const config::ModelConfig& cfg, kernels::Backend& b
   local_ids_.resize(be_, N), targets_.resize(be_, N);
   for (int64_t i = first_; i <= end_; ++i) hidden_.emplace_back(be_, rows_ * H_);
   if (has_head_) {
-    chunk_ = plan::loss_chunk_rows(N, H_, Vl_, stage.loss_chunk_rows);
+    // From the vocabulary block, not this rank's rows (the last rank may hold fewer): every
+    // tensor-parallel rank runs as many chunks, each with its reductions.
+    chunk_ = plan::loss_chunk_rows(N, H_, std::min(V_, block), stage.loss_chunk_rows);
     z_.resize(be_, rows_ * H_), rstd_f_.resize(be_, rows_), logits_.resize(be_, chunk_ * Vl_), loss_rows_.resize(be_, N);
     if (sp_) z_full_.resize(be_, N * H_);
     if (tp_ > 1) row_max_.resize(be_, chunk_), row_sums_.resize(be_, 2 * chunk_);

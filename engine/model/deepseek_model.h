@@ -124,6 +124,7 @@ class DeepSeekModel {
   // before the loss (this rank's vocabulary columns under tensor parallelism).
   void keep_logits(bool on) { keep_logits_ = on; }
   const std::vector<float>& logits() const { return kept_logits_; }
+  int64_t loss_chunk_rows() const { return chunk_; }  // token rows per chunk of the LM head (0: no head)
 
   // The hidden state entering decoder layer i (i = L: the last layer's output), this rank's
   // rows, copied to the host.

@@ -312,6 +312,29 @@ TEST(TensorParallel, EveryRankHasTheSameBufferLayout) {
   }
 }
 
+// The LM head's chunk is the same on every tensor-parallel rank, whatever the rows of its
+// vocabulary shard (each chunk has its reductions): the automatic size at 8,192 tokens over
+// shards of 250, 250, 250 and 248 rows, where the shard sizes themselves would give 2,098 and 2,115.
+TEST(TensorParallel, EveryRankChunksTheHeadAlike) {
+  config::TrainConfig cfg = config::load_config_text(
+      "train_batch_size: 128\nseq_length: 64\nmodel:\n  preset: tiny\n  vocab_size: 998\n"
+      "parallel:\n  tensor: 4\ndata:\n  path: data/tinyshakespeare.txt\n",
+      "inline");
+  const config::ModelConfig& m = cfg.model;
+  ASSERT_EQ(m.hidden_size, 64);
+  const plan::ParallelPlan p = plan::make_plan(cfg, 4);
+  auto be = kernels::make_cpu_backend(1);
+  const int64_t want = plan::loss_chunk_rows(128 * 64, 64, 250);
+  ASSERT_EQ(want, 2098);
+  ASSERT_EQ(plan::loss_chunk_rows(128 * 64, 64, 248), 2115);
+  for (int r = 0; r < 4; ++r) {
+    model::ParamStore store(p.params, p.param_stage, m.num_routed(), model::ShardCoords{0, r, 4, 0, 1});
+    NoCalls coll(r, 4);
+    const model::DeepSeekModel net(m, *be, coll, store, 128, 64);
+    EXPECT_EQ(net.loss_chunk_rows(), want) << "rank " << r;
+  }
+}
+
 // Memory per rank at TP 2 and 4 (the small preset): the tensor-parallel shards are 1/TP of the
 // one-rank tensors, the replicated parameters and the routed experts whole; the plan's figure
 // (what --dry-run and the start-up refusal use) is what the rank holds; with sequence
