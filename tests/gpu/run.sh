@@ -12,7 +12,8 @@
 #   kernels  dstrain-gpu-check --bench: every CUDA op against the CPU backend, determinism, the
 #            caching pool; GEMM and attention TFLOP/s
 #   nccl     dstrain-nccl-check: the NCCL communicator's operations on device buffers (one rank)
-#   dump     --dump-grads of the tiny preset on CUDA (fp32, bf16) against the CPU backend's,
+#   dump     --dump-grads of the tiny preset on CUDA (fp32, fp32 with the LM head in chunks of 7
+#            rows, bf16) against the CPU backend's,
 #            computed when the bundle was made (fp32 to 1e-4, bf16 to 5e-2 of each tensor's
 #            largest value)
 #   train    50 steps of `small` on CUDA: the loss must fall; a trace of steps 10-11 (train.trace.json)
@@ -95,6 +96,9 @@ step dump 60 '
   set -e
   dstrain configs/tiny.yaml --set device=$dev --dump-grads '"$out"'/tiny_fp32_cuda.h5 | tail -2
   dstrain-ckpt compare-dumps '"$B"'/expected/tiny_fp32.h5 '"$out"'/tiny_fp32_cuda.h5 1e-4
+  # the LM head in chunks of 7 rows (offset rows in the cross-entropy kernels) against the same
+  DSTRAIN_LOSS_CHUNK_TOKENS=7 dstrain configs/tiny.yaml --set device=$dev --dump-grads '"$out"'/tiny_fp32_chunks.h5 | tail -1
+  dstrain-ckpt compare-dumps '"$B"'/expected/tiny_fp32.h5 '"$out"'/tiny_fp32_chunks.h5 1e-4
   dstrain configs/tiny.yaml --set device=$dev --set bf16.enabled=true --dump-grads '"$out"'/tiny_bf16_cuda.h5 | tail -2
   dstrain-ckpt compare-dumps '"$B"'/expected/tiny_bf16.h5 '"$out"'/tiny_bf16_cuda.h5 5e-2'
 
