@@ -94,7 +94,11 @@ TEST(Recompute, TrainingCurvesAreBitwiseEqual) {
 TEST(Recompute, MeasuredActivationMemoryMatchesThePlan) {
   const std::string dir = fresh_dir("recompute_memory");
   const std::string batch = " --set train_batch_size=8 --set train_micro_batch_size_per_gpu=2";
-  const std::vector<std::pair<int, std::string>> layouts = {
+  struct Layout {
+    int np;
+    std::string args, env = "";
+  };
+  const std::vector<Layout> layouts = {
       {1, ""},
       {1, kFull},
       {1, kSelective + " --set model.num_nextn_predict_layers=1"},
@@ -108,10 +112,16 @@ TEST(Recompute, MeasuredActivationMemoryMatchesThePlan) {
       // bf16 adds the GEMMs' conversion workspaces to the plan and to what the model holds.
       {1, " --set bf16.enabled=true"},
       {2, " --set bf16.enabled=true --set parallel.tensor=2 --set parallel.sequence_parallel=true" + kFull},
-      {2, " --set fp16.enabled=true --set parallel.pipeline=2"}};
+      {2, " --set fp16.enabled=true --set parallel.pipeline=2"},
+      // The LM head in chunks of 100 rows (its reductions per chunk under tensor parallelism).
+      {1, " --set bf16.enabled=true", "DSTRAIN_LOSS_CHUNK_TOKENS=100 "},
+      {2, " --set parallel.tensor=2 --set parallel.sequence_parallel=true --set model.num_nextn_predict_layers=1",
+       "DSTRAIN_LOSS_CHUNK_TOKENS=100 "},
+      {2, " --set bf16.enabled=true --set parallel.pipeline=2", "DSTRAIN_LOSS_CHUNK_TOKENS=100 "}};
   const std::regex line(R"(activation memory on rank 0 after the first step: .* \(plan .*, ([-+][0-9.]+)%\))");
-  for (const auto& [np, layout] : layouts) {
-    const Result r = run((np > 1 ? mpirun(np) : "") + train_cmd(dir, "run", 1, "--resume none" + batch + layout));
+  for (const auto& [np, args, env] : layouts) {
+    const std::string layout = env + args;
+    const Result r = run(env + (np > 1 ? mpirun(np) : "") + train_cmd(dir, "run", 1, "--resume none" + batch + args));
     ASSERT_EQ(r.rc, 0) << layout << r.err;
     std::smatch m;
     ASSERT_TRUE(std::regex_search(r.out, m, line)) << layout << r.out;

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdlib>
 
 #include "engine/common/rng.h"
 #include "engine/config/presets.h"
@@ -149,6 +150,11 @@ namespace {
 // --dry-run use) against what the model allocates, for each preset at a few batch shapes, with
 // MTP, and under each recomputation mode: within 2% (the plan mirrors the buffers).
 TEST(MemoryEstimate, ActivationsMatchWhatTheModelAllocates) {
+  // The LM head in its automatic chunk (the whole micro-batch here) and in chunks of 7 rows.
+  struct Unset {
+    ~Unset() { unsetenv("DSTRAIN_LOSS_CHUNK_TOKENS"); }
+  } unset_at_the_end;
+  for (const char* chunk : {"", "7"})
   for (const char* preset : {"tiny", "small"})
     for (const auto& [B, S] : {std::pair<int64_t, int64_t>{2, 32}, {4, 64}}) {
       config::ModelConfig m = config::model_preset(preset);
@@ -159,6 +165,8 @@ TEST(MemoryEstimate, ActivationsMatchWhatTheModelAllocates) {
         ParamStore params(table, stages, m.num_routed(), {});
         auto be = kernels::make_cpu_backend(1);
         LocalCollectives coll;
+        if (*chunk) setenv("DSTRAIN_LOSS_CHUNK_TOKENS", chunk, 1);
+        else unsetenv("DSTRAIN_LOSS_CHUNK_TOKENS");
         double saved_none = 0, saved_selective = 0;
         for (const auto& [enabled, granularity, layers] :
              {std::tuple<bool, config::CheckpointGranularity, std::optional<int64_t>>{false, {}, {}},
@@ -173,8 +181,8 @@ TEST(MemoryEstimate, ActivationsMatchWhatTheModelAllocates) {
           plan::InstanceShape shape;
           shape.end_layer = m.num_hidden_layers, shape.micro_batch = B, shape.seq_length = S, shape.checkpointing = ac;
           const plan::ActivationMemory want = plan::instance_activation_memory(m, shape);
-          const std::string what = fmt::format("{} B {} S {} mtp {} recompute {} layers {}", preset, B, S, mtp,
-                                               int(spec.recompute), spec.recompute_layers);
+          const std::string what = fmt::format("{} B {} S {} mtp {} recompute {} layers {} head chunk {}", preset, B, S,
+                                               mtp, int(spec.recompute), spec.recompute_layers, net.loss_chunk_rows());
           const double saved = double(net.saved_activation_bytes()), work = double(net.workspace_bytes());
           EXPECT_NEAR(want.saved(), saved, 0.02 * saved) << what;
           EXPECT_NEAR(want.recomputed, double(net.activation_store().recomputed_bytes()), 0.02 * saved) << what;
