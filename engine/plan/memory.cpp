@@ -185,7 +185,10 @@ int64_t loss_chunk_rows(int64_t N, int64_t H, int64_t Vl, int64_t requested) {
       requested = v;
     }
   }
-  if (requested <= 0) requested = std::max(kMinLossChunk, ceil_div(N * H, Vl));
+  // Logits as large as the hidden states; raised towards kMinLossChunk rows while a chunk's
+  // logits stay within kLossChunkCap floats (1 GiB).
+  if (requested <= 0)
+    requested = std::max(ceil_div(N * H, Vl), std::min(kMinLossChunk, std::max<int64_t>(1, kLossChunkCap / Vl)));
   return std::min(N, requested);
 }
 

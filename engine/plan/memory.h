@@ -63,8 +63,10 @@ ActivationMemory instance_activation_memory(const config::ModelConfig& m, const 
 // environment when set (a positive integer, else a ConfigError naming it), else the automatic
 // size: as many rows as make the chunk's logits as large as the [N, H] hidden states, and at
 // least kMinLossChunk rows (so the weight-gradient GEMM, which writes all of dW_lm once per
-// chunk, keeps a long reduction). Never more than N.
+// chunk, keeps a long reduction) unless their logits would pass kLossChunkCap floats. Never
+// more than N.
 inline constexpr int64_t kMinLossChunk = 2048;
+inline constexpr int64_t kLossChunkCap = int64_t(1) << 28;  // floats: 1 GiB of fp32 logits
 int64_t loss_chunk_rows(int64_t N, int64_t H, int64_t Vl, int64_t requested = 0);
 
 }  // namespace dstrain::plan

@@ -197,7 +197,8 @@ TEST(Memory, ZeroShardsOptimizerStateThenGradients) {
 }
 
 // The LM head's chunk (docs/design.md §6.13): automatic — the logits of a chunk as large as the
-// [N, H] hidden states, at least kMinLossChunk rows, at most N; asked for; from the environment,
+// [N, H] hidden states, at least kMinLossChunk rows within 1 GiB of logits, at most N; asked
+// for; from the environment,
 // whose bad values are refused by name.
 TEST(Memory, LossChunkRows) {
   unsetenv("DSTRAIN_LOSS_CHUNK_TOKENS");
@@ -205,6 +206,10 @@ TEST(Memory, LossChunkRows) {
   EXPECT_EQ(plan::loss_chunk_rows(65536, 2048, 51200), 2622);                 // ceil(65536 * 2048 / 51200)
   EXPECT_EQ(plan::loss_chunk_rows(16384, 768, 8192), plan::kMinLossChunk);
   EXPECT_EQ(plan::loss_chunk_rows(512, 256, 256), 512);  // small: one chunk
+  // A vocabulary of a million: 268 rows (1 GiB of logits), not 2,048 (8 GB); the hidden-state
+  // rule wins where it asks for more.
+  EXPECT_EQ(plan::loss_chunk_rows(1'024'000, 64, 1'000'000), (int64_t(1) << 28) / 1'000'000);
+  EXPECT_EQ(plan::loss_chunk_rows(16'000'000, 7168, 1'000'000), 114'688);
   EXPECT_EQ(plan::loss_chunk_rows(512, 256, 256, 100), 100);
   EXPECT_EQ(plan::loss_chunk_rows(512, 256, 256, 1000), 512);
   setenv("DSTRAIN_LOSS_CHUNK_TOKENS", "7", 1);
