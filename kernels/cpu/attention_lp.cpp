@@ -12,6 +12,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "kernels/cpu/amx.h"
 #include "kernels/cpu/cpu_ops.h"
 
 namespace dstrain::kernels::cpu {
@@ -276,6 +277,167 @@ void attention_backward_lp(float* dQ, float* dK, float* dV, const float* dO, con
       }
       scatter_head(dK + qo, dKh, S, dqk, qs);
       scatter_head(dV + vo, dVh, S, dv, vs);
+    }
+  }
+}
+
+namespace {
+int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+// The AMX path's tiling: query tiles of kAttnTile rows; the backward pass goes over a tile's keys
+// in blocks of kAmxKeys (a multiple of kAttnTile), so a block's scores, their gradient and both
+// 16-bit copies stay in the core's cache between the GEMMs and the element work.
+constexpr int64_t kAmxKeys = 256;
+static_assert(kAmxKeys % kAttnTile == 0 && kAttnTile % 32 == 0);
+
+// The padded sizes: S to whole query tiles, the head widths to whole 32-element steps of the
+// tile products; and the per-thread scratch (enough for either pass).
+struct AmxDims {
+  int64_t Sp, dq, dw;
+  AmxDims(int64_t S, int64_t dqk, int64_t dv) : Sp(round_up(S, kAttnTile)), dq(round_up(dqk, 32)), dw(round_up(dv, 32)) {}
+  int64_t u16() const { return 4 * Sp * dq + 3 * Sp * dw + std::max(kAttnTile * Sp, 4 * kAttnTile * kAmxKeys); }
+  int64_t f32() const {
+    return Sp * (dq + dw) + std::max(kAttnTile * (Sp + dw), kAttnTile * (2 * kAmxKeys + dq + 1));
+  }
+};
+
+// Rows [0, n) of one head (width d, row stride ld) into a dense [rows_pad, d_pad] block, zeros
+// around; transposed: into [d_pad, rows_pad].
+void pad_head(uint16_t* dst, const uint16_t* src, int64_t n, int64_t d, int64_t ld, int64_t rows_pad, int64_t d_pad) {
+  for (int64_t i = 0; i < n; ++i) {
+    std::copy(src + i * ld, src + i * ld + d, dst + i * d_pad);
+    std::fill(dst + i * d_pad + d, dst + (i + 1) * d_pad, uint16_t(0));
+  }
+  std::fill(dst + n * d_pad, dst + rows_pad * d_pad, uint16_t(0));
+}
+void pad_head_transposed(uint16_t* dst, const uint16_t* src, int64_t n, int64_t d, int64_t ld, int64_t rows_pad,
+                         int64_t d_pad) {
+  std::fill(dst, dst + d_pad * rows_pad, uint16_t(0));
+  constexpr int64_t kRows = 32;  // source rows per pass: they stay in L1 while the columns go out
+  for (int64_t i0 = 0; i0 < n; i0 += kRows) {
+    const int64_t i1 = std::min(n, i0 + kRows);
+    for (int64_t j = 0; j < d; ++j)
+      for (int64_t i = i0; i < i1; ++i) dst[j * rows_pad + i] = src[i * ld + j];
+  }
+}
+// Rows [0, n) of a [*, d_pad] fp32 block back into one head (width d, row stride ld).
+void unpad_rows(float* dst, const float* src, int64_t n, int64_t d, int64_t ld, int64_t d_pad) {
+  for (int64_t i = 0; i < n; ++i) std::copy(src + i * d_pad, src + i * d_pad + d, dst + i * ld);
+}
+}  // namespace
+
+AttentionPack attention_amx_elems(int64_t S, int64_t dqk, int64_t dv, int threads) {
+  const AmxDims D(S, dqk, dv);
+  return {int64_t(threads) * D.u16(), int64_t(threads) * D.f32()};
+}
+
+void attention_forward_amx(float* O, float* lse, const uint16_t* Q, const uint16_t* K, const uint16_t* V, int64_t B,
+                           int64_t S, int64_t nh, int64_t dqk, int64_t dv, float scale, uint16_t* pack16,
+                           float* pack32, int ws_threads) {
+  const int64_t qs = nh * dqk, vs = nh * dv, T = kAttnTile;
+  const AmxDims D(S, dqk, dv);
+  const int64_t Sp = D.Sp, dq = D.dq, dw = D.dw;
+#pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(ws_threads)
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t h = 0; h < nh; ++h) {
+      const int t = omp_get_thread_num();
+      uint16_t* Qd = pack16 + t * D.u16();  // A of Q K^T: [Sp, dq]
+      uint16_t* Kt = Qd + Sp * dq;          // B of Q K^T: (d, key), packed
+      uint16_t* Vb = Kt + Sp * dq;          // B of P V: (key, d), packed
+      uint16_t* P16 = Vb + Sp * dw;         // a tile's probabilities [T, keys]
+      float* Sc = pack32 + t * D.f32();     // a tile's scores [T, keys]
+      float* Ot = Sc + T * Sp;              // a tile's output [T, dw]
+      const int64_t qo = b * S * qs + h * dqk, vo = b * S * vs + h * dv;
+      pad_head(Qd, Q + qo, S, dqk, qs, Sp, dq);
+      vnni_pack(Kt, dq * 16, K + qo, qs, dqk, S, dq, Sp, true);
+      vnni_pack(Vb, Sp * 16, V + vo, vs, S, dv, Sp, dw, false);
+      for (int64_t i0 = 0; i0 < S; i0 += T) {
+        const int64_t rows = std::min(T, S - i0), keys = i0 + T;
+        amx_gemm(Sc, keys, Qd + i0 * dq, dq, Kt, dq * 16, T, keys, dq, false);
+        for (int64_t r = 0; r < rows; ++r)
+          lse[(b * nh + h) * S + i0 + r] =
+              softmax_row_lp(Sc + r * keys, P16 + r * keys, i0 + r + 1, keys, scale, LowPrecision::kBf16);
+        std::fill(P16 + rows * keys, P16 + T * keys, uint16_t(0));
+        amx_gemm(Ot, dw, P16, keys, Vb, Sp * 16, T, dw, keys, false);
+        unpad_rows(O + vo + i0 * vs, Ot, rows, dv, vs, dw);
+      }
+    }
+  }
+}
+
+void attention_backward_amx(float* dQ, float* dK, float* dV, const float* dO, const uint16_t* dO16, const uint16_t* Q,
+                            const uint16_t* K, const uint16_t* V, const float* O, const float* lse, int64_t B,
+                            int64_t S, int64_t nh, int64_t dqk, int64_t dv, float scale, uint16_t* pack16,
+                            float* pack32, int ws_threads) {
+  const int64_t qs = nh * dqk, vs = nh * dv, T = kAttnTile, KB = kAmxKeys;
+  const AmxDims D(S, dqk, dv);
+  const int64_t Sp = D.Sp, dq = D.dq, dw = D.dw;
+  // Per query tile and block of the keys it sees: the block's scores and dP, then P and dS
+  // (exactly as the oneDNN path rounds them), then dQ of the tile += dS K, and dK, dV of the
+  // block += dS^T Q, P^T dO — transposed (dK^T = Q^T dS), so that dS and P, packed from their
+  // rows, are the B operands. dK^T and dV^T collect over the query tiles and go out at the end.
+#pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(ws_threads)
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t h = 0; h < nh; ++h) {
+      const int t = omp_get_thread_num();
+      uint16_t* Qd = pack16 + t * D.u16();  // A of Q K^T: [Sp, dq]
+      uint16_t* Kt = Qd + Sp * dq;          // B of Q K^T: (d, key)
+      uint16_t* Kb = Kt + Sp * dq;          // B of dS K: (key, d)
+      uint16_t* QT = Kb + Sp * dq;          // A of Q^T dS: [dq, Sp]
+      uint16_t* dOd = QT + Sp * dq;         // A of dO V^T: [Sp, dw]
+      uint16_t* Vt = dOd + Sp * dw;         // B of dO V^T: (d, key)
+      uint16_t* dOT = Vt + Sp * dw;         // A of dO^T P: [dw, Sp]
+      uint16_t* P16 = dOT + Sp * dw;        // a block's P and dS [T, kb], and both packed as B
+      uint16_t* dS16 = P16 + T * KB;
+      uint16_t* Pv = dS16 + T * KB;
+      uint16_t* dSv = Pv + T * KB;
+      float* dKT = pack32 + t * D.f32();  // [dq, Sp]
+      float* dVT = dKT + dq * Sp;         // [dw, Sp]
+      float* Sc = dVT + dw * Sp;          // a block's scores, then P [T, kb]
+      float* dP = Sc + T * KB;            // a block's dP, then dS
+      float* dQt = dP + T * KB;           // a tile's dQ [T, dq]
+      float* Drow = dQt + T * dq;         // a tile's row sums D
+      const int64_t qo = b * S * qs + h * dqk, vo = b * S * vs + h * dv;
+      pad_head(Qd, Q + qo, S, dqk, qs, Sp, dq);
+      vnni_pack(Kt, dq * 16, K + qo, qs, dqk, S, dq, Sp, true);
+      vnni_pack(Kb, Sp * 16, K + qo, qs, S, dqk, Sp, dq, false);
+      pad_head_transposed(QT, Q + qo, S, dqk, qs, Sp, dq);
+      pad_head(dOd, dO16 + vo, S, dv, vs, Sp, dw);
+      vnni_pack(Vt, dw * 16, V + vo, vs, dv, S, dw, Sp, true);
+      pad_head_transposed(dOT, dO16 + vo, S, dv, vs, Sp, dw);
+      std::fill(dKT, dKT + Sp * (dq + dw), 0.0f);  // dKT and dVT, adjacent
+      for (int64_t i0 = 0; i0 < S; i0 += T) {
+        const int64_t rows = std::min(T, S - i0), keys = i0 + T;
+        for (int64_t r = 0; r < rows; ++r) {
+          const float* dout = dO + vo + (i0 + r) * vs;
+          const float* o = O + vo + (i0 + r) * vs;
+          float Di = 0;
+          for (int64_t d = 0; d < dv; ++d) Di += dout[d] * o[d];
+          Drow[r] = Di;
+        }
+        for (int64_t j0 = 0; j0 < keys; j0 += KB) {
+          const int64_t kb = std::min(KB, keys - j0);  // a multiple of T; j0 <= i0: every row sees some
+          amx_gemm(Sc, kb, Qd + i0 * dq, dq, Kt + (j0 / 16) * dq * 16, dq * 16, T, kb, dq, false);
+          amx_gemm(dP, kb, dOd + i0 * dw, dw, Vt + (j0 / 16) * dw * 16, dw * 16, T, kb, dw, false);
+          for (int64_t r = 0; r < rows; ++r) {
+            const int64_t i = i0 + r;
+            softmax_grad_row_lp(Sc + r * kb, dP + r * kb, P16 + r * kb, dS16 + r * kb, std::min(kb, i + 1 - j0),
+                                kb, lse[(b * nh + h) * S + i], Drow[r], scale, LowPrecision::kBf16);
+          }
+          std::fill(P16 + rows * kb, P16 + T * kb, uint16_t(0));
+          std::fill(dS16 + rows * kb, dS16 + T * kb, uint16_t(0));
+          amx_gemm(dQt, dq, dS16, kb, Kb + j0 * 16, Sp * 16, T, dq, kb, j0 > 0);
+          vnni_pack(dSv, T * 16, dS16, kb, T, kb, T, kb, false);
+          vnni_pack(Pv, T * 16, P16, kb, T, kb, T, kb, false);
+          amx_gemm(dKT + j0, Sp, QT + i0, Sp, dSv, T * 16, dq, kb, T, true);
+          amx_gemm(dVT + j0, Sp, dOT + i0, Sp, Pv, T * 16, dw, kb, T, true);
+        }
+        unpad_rows(dQ + qo + i0 * qs, dQt, rows, dqk, qs, dq);
+      }
+      for (int64_t s = 0; s < S; ++s) {
+        for (int64_t d = 0; d < dqk; ++d) dK[qo + s * qs + d] = dKT[d * Sp + s];
+        for (int64_t d = 0; d < dv; ++d) dV[vo + s * vs + d] = dVT[d * Sp + s];
+      }
     }
   }
 }

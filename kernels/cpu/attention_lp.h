@@ -54,4 +54,19 @@ void attention_backward_lp(float* dQ, float* dK, float* dV, const float* dO, con
                            int64_t nh, int64_t dqk, int64_t dv, float scale, float* ws, uint16_t* ws16,
                            uint16_t* pack16, float* pack32, int ws_threads, const TileGemm& gemm, LowPrecision p);
 
+// The same attention with its GEMMs on the AMX unit (bf16 only; where amx_bf16_usable()):
+// per (sequence, head) each B operand is packed once into the tile unit's layout (kernels/cpu/
+// amx.h) and every operand is padded with zeros to whole tiles (S to a multiple of
+// kAttnTile, the head widths to multiples of 32), so the tile products have no edges. The
+// softmax and its gradient are the functions the oneDNN path runs, row by row, so P and dS are
+// rounded exactly as there. Scratch per thread: attention_amx_elems.
+AttentionPack attention_amx_elems(int64_t S, int64_t dqk, int64_t dv, int threads);
+void attention_forward_amx(float* O, float* lse, const uint16_t* Q, const uint16_t* K, const uint16_t* V, int64_t B,
+                           int64_t S, int64_t nh, int64_t dqk, int64_t dv, float scale, uint16_t* pack16,
+                           float* pack32, int ws_threads);
+void attention_backward_amx(float* dQ, float* dK, float* dV, const float* dO, const uint16_t* dO16, const uint16_t* Q,
+                            const uint16_t* K, const uint16_t* V, const float* O, const float* lse, int64_t B,
+                            int64_t S, int64_t nh, int64_t dqk, int64_t dv, float scale, uint16_t* pack16,
+                            float* pack32, int ws_threads);
+
 }  // namespace dstrain::kernels::cpu

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "dstrain/kernels/backend.h"
+#include "kernels/cpu/amx.h"
 #include "kernels/cpu/attention_lp.h"
 #include "kernels/cpu/blas_gemm.h"
 #include "kernels/cpu/cpu_ops.h"
@@ -193,9 +194,21 @@ class CpuBackend final : public Backend {
     attention_s_ = std::max(attention_s_, S);
   }
   const cpu::TileGemm& tile_gemm(DType t) const { return t == DType::kBF16 ? tile_bf16_ : tile_fp16_; }
-  // The tile GEMMs are oneDNN matmuls too: 16-bit attention where the 16-bit GEMMs run natively.
+  // bf16 attention on the AMX unit where there is one (kernels/cpu/amx.h), unless
+  // DSTRAIN_ATTENTION_TILES=onednn; else its tile GEMMs are oneDNN matmuls: 16-bit attention
+  // where the 16-bit GEMMs run natively.
+  static bool amx_attention(DType t) {
+    if (t != DType::kBF16) return false;
+    if (const char* o = std::getenv("DSTRAIN_ATTENTION_TILES")) {
+      const std::string v = o;
+      if (v != "amx" && v != "onednn")
+        throw std::invalid_argument("DSTRAIN_ATTENTION_TILES=" + v + ": valid: amx, onednn");
+      if (v == "onednn") return false;
+    }
+    return cpu::amx_bf16_usable();
+  }
   bool low_precision_attention(DType t) const override {
-    return t != DType::kF32 && tile_gemm(t).available() && lowp_.native(low(t));
+    return t != DType::kF32 && (amx_attention(t) || (tile_gemm(t).available() && lowp_.native(low(t))));
   }
   void attention_forward(float* O, float* lse, ConstView Q, ConstView K, ConstView V, int64_t B, int64_t S,
                          int64_t nh, int64_t dqk, int64_t dv, float scale) override {
@@ -205,6 +218,11 @@ class CpuBackend final : public Backend {
     check_lowp_attention(Q.dtype, {K.dtype, V.dtype});
     check_attention(S);
     reserve_packs(S, dqk, dv);
+    if (amx_attention(Q.dtype))
+      return cpu::attention_forward_amx(O, lse, static_cast<const uint16_t*>(Q.data),
+                                        static_cast<const uint16_t*>(K.data), static_cast<const uint16_t*>(V.data), B,
+                                        S, nh, dqk, dv, scale, attention_pack16_.data(), attention_pack32_.data(),
+                                        threads_);
     cpu::attention_forward_lp(O, lse, static_cast<const uint16_t*>(Q.data), static_cast<const uint16_t*>(K.data),
                               static_cast<const uint16_t*>(V.data), B, S, nh, dqk, dv, scale, attention_ws_.data(),
                               attention_ws16_.data(), attention_pack16_.data(), attention_pack32_.data(), threads_,
@@ -219,6 +237,11 @@ class CpuBackend final : public Backend {
     check_lowp_attention(Q.dtype, {K.dtype, V.dtype, dO_lp.dtype});
     check_attention(S);
     reserve_packs(S, dqk, dv);
+    if (amx_attention(Q.dtype))
+      return cpu::attention_backward_amx(dQ, dK, dV, dO, static_cast<const uint16_t*>(dO_lp.data),
+                                         static_cast<const uint16_t*>(Q.data), static_cast<const uint16_t*>(K.data),
+                                         static_cast<const uint16_t*>(V.data), O, lse, B, S, nh, dqk, dv, scale,
+                                         attention_pack16_.data(), attention_pack32_.data(), threads_);
     cpu::attention_backward_lp(dQ, dK, dV, dO, static_cast<const uint16_t*>(dO_lp.data),
                                static_cast<const uint16_t*>(Q.data), static_cast<const uint16_t*>(K.data),
                                static_cast<const uint16_t*>(V.data), O, lse, B, S, nh, dqk, dv, scale,
@@ -228,9 +251,11 @@ class CpuBackend final : public Backend {
   // The 16-bit kernels' dense per-head copies: sized by the head widths, which reserve_attention
   // does not know, so they grow on the first call with a model's widths (once per model).
   void reserve_packs(int64_t S, int64_t dqk, int64_t dv) {
-    const cpu::AttentionPack n = cpu::attention_pack_elems(S, dqk, dv, threads_);
-    if (int64_t(attention_pack16_.size()) < n.u16) attention_pack16_.resize(size_t(n.u16));
-    if (int64_t(attention_pack32_.size()) < n.f32) attention_pack32_.resize(size_t(n.f32));
+    const cpu::AttentionPack n = cpu::attention_pack_elems(S, dqk, dv, threads_),
+                             a = cpu::attention_amx_elems(S, dqk, dv, threads_);
+    const int64_t u16 = std::max(n.u16, a.u16), f32 = std::max(n.f32, a.f32);
+    if (int64_t(attention_pack16_.size()) < u16) attention_pack16_.resize(size_t(u16));
+    if (int64_t(attention_pack32_.size()) < f32) attention_pack32_.resize(size_t(f32));
   }
   void check_lowp_attention(DType t, std::initializer_list<DType> others) const {
     for (DType o : others)

@@ -10,9 +10,11 @@
 #include <cstring>
 #include <limits>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "dstrain/kernels/backend.h"
+#include "kernels/cpu/amx.h"
 #include "kernels/cpu/low_precision.h"
 
 namespace dstrain::kernels::cpu {
@@ -304,17 +306,41 @@ TEST(BackendTyped, ConvertGemmAndGroupedGemmMatchTheBuildingBlocks) {
   EXPECT_EQ(moved.bytes(), 1000);
 }
 
-// 16-bit attention (bf16 where oneDNN has a native matmul) against the fp32 kernel on the same
-// rounded Q, K, V (and dO): the only differences are the rounding of P and dS before their
-// GEMMs, so outputs and gradients agree to a few bf16 ulps of their scale; the log-sum-exp,
-// from fp32 scores of exactly representable inputs, to fp32 accuracy. Several query tiles,
-// an odd sequence length, dqk != dv.
-TEST(BackendTyped, LowPrecisionAttentionMatchesFp32OnRoundedInputs) {
+// DSTRAIN_ATTENTION_TILES set for one scope (read on every attention call).
+void check_attention_against_fp32(Backend& backend, int64_t S);
+
+class AttentionTiles {
+ public:
+  explicit AttentionTiles(const char* v) { setenv("DSTRAIN_ATTENTION_TILES", v, 1); }
+  ~AttentionTiles() { unsetenv("DSTRAIN_ATTENTION_TILES"); }
+};
+
+// Both tile engines of the 16-bit attention: oneDNN matmuls and the AMX tile products.
+class LowPrecisionAttention : public ::testing::TestWithParam<const char*> {};
+INSTANTIATE_TEST_SUITE_P(Tiles, LowPrecisionAttention, ::testing::Values("onednn", "amx"));
+
+// 16-bit attention (bf16 where oneDNN has a native matmul, or AMX) against the fp32 kernel on
+// the same rounded Q, K, V (and dO): the only differences are the rounding of P and dS before
+// their GEMMs, so outputs and gradients agree to a few bf16 ulps of their scale; the
+// log-sum-exp, from fp32 scores of exactly representable inputs, to fp32 accuracy. Several query
+// tiles, an odd sequence length, dqk != dv, neither a multiple of 32; S = 300 also gives the
+// AMX backward pass two blocks of keys.
+TEST_P(LowPrecisionAttention, MatchesFp32OnRoundedInputs) {
   const LowpGemmChoice choice("native");  // the 16-bit tile GEMMs even where widening is faster
+  const AttentionTiles tiles(GetParam());
+  if (std::string(GetParam()) == "amx" && !amx_bf16_usable()) GTEST_SKIP() << "no AMX-BF16 on this CPU";
   auto be = make_cpu_backend(2);
   if (!be->low_precision_attention(DType::kBF16)) GTEST_SKIP() << "no bf16 matmul on this CPU";
   EXPECT_FALSE(be->low_precision_attention(DType::kF32));
-  const int64_t B = 2, S = 150, nh = 3, dqk = 40, dv = 24, N = B * S;
+  for (const int64_t S : {150, 300}) {
+    SCOPED_TRACE("S = " + std::to_string(S));
+    check_attention_against_fp32(*be, S);
+  }
+}
+
+void check_attention_against_fp32(Backend& backend, int64_t S) {
+  Backend* be = &backend;
+  const int64_t B = 2, nh = 3, dqk = 40, dv = 24, N = B * S;
   const float scale = 1.0f / std::sqrt(float(dqk));
   be->reserve_attention(S);
   std::mt19937 rng(3);
@@ -353,6 +379,106 @@ TEST(BackendTyped, LowPrecisionAttentionMatchesFp32OnRoundedInputs) {
   EXPECT_THROW(be->attention_forward(O.data(), lse.data(), q, k, ConstView{v16.data(), DType::kF16}, B, S, nh, dqk, dv,
                                      scale),
                std::invalid_argument);
+}
+
+// The AMX tile products against a double-precision product of the same bf16 values: B packed
+// both ways (from rows and transposed), K and N not whole tiles (zeros padded in), M one and
+// several pairs of row tiles, with and without accumulation; padded columns come out as the
+// zeros they multiply (plus C when accumulating).
+TEST(Amx, TileProductsMatchADoubleReference) {
+  if (!amx_bf16_usable()) GTEST_SKIP() << "no AMX-BF16 on this CPU";
+  std::mt19937 rng(11);
+  std::normal_distribution<float> d(0.f, 1.f);
+  struct Case {
+    int64_t M, N, K;
+    bool transposed, accumulate;
+  };
+  for (const Case c : {Case{16, 16, 32, false, false}, Case{48, 40, 40, true, true}, Case{64, 96, 96, false, true},
+                       Case{96, 72, 200, true, false}, Case{32, 130, 64, false, false}}) {
+    SCOPED_TRACE(::testing::Message() << c.M << " x " << c.N << " x " << c.K << (c.transposed ? " T" : "")
+                                      << (c.accumulate ? " +C" : ""));
+    const int64_t Kp = (c.K + 31) / 32 * 32, Np = (c.N + 15) / 16 * 16;
+    std::vector<uint16_t> A(size_t(c.M * Kp), 0), src(size_t(c.K * c.N)), Bv(size_t(Kp * Np), 0xffff);
+    for (int64_t i = 0; i < c.M; ++i)
+      for (int64_t k = 0; k < c.K; ++k) A[size_t(i * Kp + k)] = to_bf16(d(rng));
+    for (auto& v : src) v = to_bf16(d(rng));
+    const auto b = [&](int64_t k, int64_t n) { return from_bf16(src[size_t(c.transposed ? n * c.K + k : k * c.N + n)]); };
+    vnni_pack(Bv.data(), Kp * 16, src.data(), c.transposed ? c.K : c.N, c.K, c.N, Kp, Np, c.transposed);
+    std::vector<float> C(size_t(c.M * Np));
+    for (auto& v : C) v = d(rng);
+    const std::vector<float> C0 = C;
+    amx_gemm(C.data(), Np, A.data(), Kp, Bv.data(), Kp * 16, c.M, Np, Kp, c.accumulate);
+    for (int64_t i = 0; i < c.M; ++i) {
+      for (int64_t n = 0; n < Np; ++n) {
+        double want = c.accumulate ? C0[size_t(i * Np + n)] : 0.0, mag = std::fabs(want);
+        for (int64_t k = 0; k < c.K && n < c.N; ++k) {
+          const double t = double(from_bf16(A[size_t(i * Kp + k)])) * b(k, n);
+          want += t, mag += std::fabs(t);
+        }
+        ASSERT_NEAR(C[size_t(i * Np + n)], want, 1e-5 * mag + 1e-30) << i << ", " << n;
+      }
+    }
+  }
+}
+
+// The AMX path and the oneDNN tiles compute the same thing from the same bf16 values with fp32
+// accumulation and round P and dS alike: they agree to fp32 rounding, and the forward pass
+// exactly where the products sum in the same order.
+TEST(Amx, AttentionMatchesTheOneDnnTiles) {
+  const LowpGemmChoice choice("native");
+  if (!amx_bf16_usable()) GTEST_SKIP() << "no AMX-BF16 on this CPU";
+  auto be = make_cpu_backend(2);
+  {
+    const AttentionTiles onednn("onednn");
+    if (!be->low_precision_attention(DType::kBF16)) GTEST_SKIP() << "no oneDNN bf16 matmul on this CPU";
+  }
+  const int64_t B = 1, S = 333, nh = 2, dqk = 72, dv = 40, N = B * S;
+  be->reserve_attention(S);
+  std::mt19937 rng(5);
+  std::normal_distribution<float> d(0.f, 1.f);
+  const auto randn16 = [&](int64_t n) {
+    std::vector<uint16_t> h(static_cast<size_t>(n));
+    for (auto& v : h) v = to_bf16(2.0f * d(rng));
+    return h;
+  };
+  const auto q16 = randn16(N * nh * dqk), k16 = randn16(N * nh * dqk), v16 = randn16(N * nh * dv),
+             do16 = randn16(N * nh * dv);
+  std::vector<float> dO(do16.size());
+  for (size_t i = 0; i < dO.size(); ++i) dO[i] = from_bf16(do16[i]);
+  const ConstView q{q16.data(), DType::kBF16}, k{k16.data(), DType::kBF16}, v{v16.data(), DType::kBF16};
+  struct Out {
+    std::vector<float> O, lse, dQ, dK, dV;
+  };
+  const auto run = [&](const char* tiles) {
+    const AttentionTiles choice(tiles);
+    Out o{std::vector<float>(size_t(N * nh * dv)), std::vector<float>(size_t(N * nh)),
+          std::vector<float>(q16.size()), std::vector<float>(k16.size()), std::vector<float>(v16.size())};
+    be->attention_forward(o.O.data(), o.lse.data(), q, k, v, B, S, nh, dqk, dv, 0.125f);
+    be->attention_backward(o.dQ.data(), o.dK.data(), o.dV.data(), dO.data(), {do16.data(), DType::kBF16}, q, k, v,
+                           o.O.data(), o.lse.data(), B, S, nh, dqk, dv, 0.125f);
+    return o;
+  };
+  const Out a = run("amx"), r = run("onednn");
+  const auto close = [](const std::vector<float>& got, const std::vector<float>& want, const char* what) {
+    double scale = 0;
+    for (float w : want) scale = std::max(scale, double(std::fabs(w)));
+    ASSERT_GT(scale, 0.0) << what;
+    for (size_t i = 0; i < want.size(); ++i) ASSERT_NEAR(got[i], want[i], 2e-6 * scale) << what << " " << i;
+  };
+  close(a.O, r.O, "O");
+  close(a.lse, r.lse, "lse");
+  close(a.dQ, r.dQ, "dQ");
+  close(a.dK, r.dK, "dK");
+  close(a.dV, r.dV, "dV");
+  // A value the selector does not know is refused by name.
+  const AttentionTiles bad("flash");
+  std::vector<float> O(size_t(N * nh * dv)), lse(size_t(N * nh));
+  try {
+    be->attention_forward(O.data(), lse.data(), q, k, v, B, S, nh, dqk, dv, 0.125f);
+    ADD_FAILURE() << "DSTRAIN_ATTENTION_TILES=flash accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("DSTRAIN_ATTENTION_TILES=flash"), std::string::npos) << e.what();
+  }
 }
 
 }  // namespace

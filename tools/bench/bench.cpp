@@ -35,6 +35,7 @@
 #include "engine/model/deepseek_model.h"
 #include "engine/plan/model_math.h"
 #include "engine/plan/parallel_plan.h"
+#include "kernels/cpu/amx.h"
 #include "kernels/cpu/cpu_ops.h"
 #include "kernels/cpu/low_precision.h"
 
@@ -429,13 +430,19 @@ int bench_lowp(int threads) {
       v16{Vb.data(), kernels::DType::kBF16}, do16{dOb.data(), kernels::DType::kBF16};
   const double f32 = time_it([&] { be->attention_forward(O.data(), lse.data(), Q.data(), K.data(), V.data(), B, S, nh, dqk, dv, scale); }, 3);
   const double b32 = time_it([&] { be->attention_backward(dQ.data(), dK.data(), dV.data(), dO.data(), Q.data(), K.data(), V.data(), O.data(), lse.data(), B, S, nh, dqk, dv, scale); }, 3);
-  const double f16 = time_it([&] { be->attention_forward(O.data(), lse.data(), q16, k16, v16, B, S, nh, dqk, dv, scale); }, 3);
-  const double b16 = time_it([&] { be->attention_backward(dQ.data(), dK.data(), dV.data(), dO.data(), do16, q16, k16, v16, O.data(), lse.data(), B, S, nh, dqk, dv, scale); }, 3);
   const double flops = 2.0 * B * nh * (dqk + dv) * S * S / 2;  // causal: half the score matrix
-  std::printf("attention (medium, S=%ld, %ld heads, causal): forward fp32 %.1f ms (%.0f GFLOP/s), bf16 %.1f ms "
-              "(%.0f GFLOP/s, %.2fx); backward fp32 %.1f ms, bf16 %.1f ms (%.2fx)\n",
-              long(S), long(nh), f32 * 1e3, flops / f32 / 1e9, f16 * 1e3, flops / f16 / 1e9, f32 / f16, b32 * 1e3,
-              b16 * 1e3, b32 / b16);
+  // The bf16 kernel on each tile engine this CPU has (DSTRAIN_ATTENTION_TILES; AMX by default).
+  for (const char* tiles : {"amx", "onednn"}) {
+    if (std::string(tiles) == "amx" && !kernels::cpu::amx_bf16_usable()) continue;
+    setenv("DSTRAIN_ATTENTION_TILES", tiles, 1);
+    const double f16 = time_it([&] { be->attention_forward(O.data(), lse.data(), q16, k16, v16, B, S, nh, dqk, dv, scale); }, 3);
+    const double b16 = time_it([&] { be->attention_backward(dQ.data(), dK.data(), dV.data(), dO.data(), do16, q16, k16, v16, O.data(), lse.data(), B, S, nh, dqk, dv, scale); }, 3);
+    std::printf("attention (medium, S=%ld, %ld heads, causal): forward fp32 %.1f ms (%.0f GFLOP/s), bf16 on %s tiles "
+                "%.1f ms (%.0f GFLOP/s, %.2fx); backward fp32 %.1f ms, bf16 %.1f ms (%.2fx)\n",
+                long(S), long(nh), f32 * 1e3, flops / f32 / 1e9, tiles, f16 * 1e3, flops / f16 / 1e9, f32 / f16,
+                b32 * 1e3, b16 * 1e3, b32 / b16);
+  }
+  unsetenv("DSTRAIN_ATTENTION_TILES");
 
   // The routed experts' gate+up GEMMs of one medium MoE layer at 2 x 2048 tokens (6 of 32
   // experts per token: 768 rows each on average, here 512..1024): the grouped call (one problem

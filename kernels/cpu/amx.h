@@ -1,0 +1,34 @@
+// AMX-BF16 tile products for the 16-bit attention (docs/design.md §6.8): the attention's GEMMs
+// are many small products (a 64-row query tile against the keys it sees), where oneDNN's matmul
+// repacks its B operand on every call and spends as long in set-up as in the product. Here the B
+// operands are packed once per (sequence, head) into the layout the AMX unit reads, and each
+// product is a plain loop of tile loads and tile dot products on the calling thread.
+//
+// This file's functions run only where amx_bf16_usable() said yes; their translation unit is
+// compiled for AMX and AVX-512 BW whatever the machine the build ran on.
+#pragma once
+
+#include <cstdint>
+
+namespace dstrain::kernels::cpu {
+
+// The CPU has AMX-TILE and AMX-BF16 (and AVX-512 BW), and Linux let this process use the tile
+// registers (arch_prctl ARCH_REQ_XCOMP_PERM). Asked once per process.
+bool amx_bf16_usable();
+
+// The "VNNI" layout of a product's B operand, B [K, N] (bf16): column blocks of 16, each block
+// K/2 rows of 64 bytes holding (B(k, n), B(k+1, n)) for its 16 columns n, k even; the block of
+// columns [16 j, 16 j + 16) starts at element j * block_stride (>= 16 K).
+//
+// Packs B(k, n) = src[k * ld + n] (transposed: src[n * ld + k]) for k < K, n < N, with zeros up
+// to Kp x Np (Kp even, Np a multiple of 16).
+void vnni_pack(uint16_t* Bv, int64_t block_stride, const uint16_t* src, int64_t ld, int64_t K, int64_t N,
+               int64_t Kp, int64_t Np, bool transposed);
+
+// C [M, N] (fp32, row stride ldc) = A B (+ C when accumulate): A [M, K] bf16 with row stride
+// lda, B in the VNNI layout above; M and N multiples of 16, K a multiple of 32. Accumulates in
+// fp32 (the tile unit's bf16 dot products).
+void amx_gemm(float* C, int64_t ldc, const uint16_t* A, int64_t lda, const uint16_t* Bv, int64_t block_stride,
+              int64_t M, int64_t N, int64_t K, bool accumulate);
+
+}  // namespace dstrain::kernels::cpu
