@@ -645,60 +645,31 @@ __global__ void plan_counts_kernel(int32_t* counts, const int32_t* sorted, int64
   counts[e] = int32_t(lower(e + 1) - lower(e));
 }
 
-__device__ int64_t balance_group(const Backend::BalanceShape& b, int64_t i) {
-  return b.group_len > 0 ? (b.first + i) / b.group_len : 0;
-}
 __global__ void balance_rowsum_kernel(double* rowsum, const float* scores, int64_t n, int64_t E) {
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= n) return;
-  double sum = 0;
-  for (int64_t e = 0; e < E; ++e) sum += scores[i * E + e];
-  rowsum[i] = sum;
+  rowsum[i] = dev::balance_row_sum(scores + i * E, E);
 }
 // One thread per (group, expert), over the group's tokens in order: the CPU's sums, term by term.
 __global__ void balance_stats_kernel(float* stats, const int32_t* idx, const float* scores, const double* rowsum,
                                      Backend::BalanceShape b) {
   const int64_t id = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (id >= b.groups * b.E) return;
-  const int64_t g = id / b.E, e = id % b.E;
-  int64_t lo = 0, hi = b.n;
-  if (b.group_len > 0) {
-    lo = max(int64_t(0), g * b.group_len - b.first);
-    hi = min(b.n, (g + 1) * b.group_len - b.first);
-  } else if (g != 0) {
-    hi = lo;  // one group: every token is group 0's (as the CPU)
-  }
   double f = 0, P = 0;
-  for (int64_t i = lo; i < hi; ++i) {
-    for (int64_t j = 0; j < b.k; ++j)
-      if (idx[i * b.k + j] == e) f += double(b.E) / double(b.k * b.T);
-    P += scores[i * b.E + e] / rowsum[i] / double(b.T);
-  }
-  stats[g * b.E + e] = float(f);
-  stats[b.groups * b.E + g * b.E + e] = float(P);
+  dev::balance_stats_cell(&f, &P, idx, scores, rowsum, b, id / b.E, id % b.E);
+  stats[id] = float(f);
+  stats[b.groups * b.E + id] = float(P);
 }
 __global__ void balance_grad_kernel(float* dscores, const float* stats, const float* scores, Backend::BalanceShape b,
                                     double weight, double grad_scale) {
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= b.n) return;
-  const float* fg = stats + balance_group(b, i) * b.E;
-  const float* s = scores + i * b.E;
-  double sum = 0, dot = 0;
-  for (int64_t e = 0; e < b.E; ++e) sum += s[e];
-  for (int64_t e = 0; e < b.E; ++e) dot += weight * fg[e] / double(b.T) * s[e] / sum;
-  for (int64_t e = 0; e < b.E; ++e) dscores[i * b.E + e] = float((weight * fg[e] / double(b.T) - dot) / sum * grad_scale);
+  dev::balance_grad_row(dscores + i * b.E, stats + dev::balance_group_of(b, i) * b.E, scores + i * b.E, b, weight,
+                        grad_scale);
 }
 __global__ void balance_aux_kernel(float* aux, const float* stats, Backend::BalanceShape b, double weight) {
   if (blockIdx.x != 0 || threadIdx.x != 0) return;
-  const float* f = stats;
-  const float* P = stats + b.groups * b.E;
-  double total = 0;
-  for (int64_t g = 0; g < b.groups; ++g) {
-    double loss = 0;
-    for (int64_t e = 0; e < b.E; ++e) loss += double(f[g * b.E + e]) * double(P[g * b.E + e]);
-    total += weight * loss;
-  }
-  aux[0] = float(double(aux[0]) + total);
+  aux[0] = float(double(aux[0]) + dev::balance_aux_total(stats, b, weight));
 }
 
 __global__ void gather_rows_kernel(float* out, const float* in, const int32_t* src, int64_t n, int64_t H) {

@@ -259,6 +259,70 @@ DSTRAIN_HD void router_backward_row(float* dl, const float* dw, const float* dsc
   }
 }
 
+// ---- Balance loss (docs/model.md §3.7) -------------------------------------------------------
+// The sums of Backend::moe_balance_stats / moe_balance_grad, per cell and per token: the CUDA
+// kernels run one thread per (group, expert) cell and per token over them, in the CPU backend's
+// order term by term, so both give the same doubles.
+using BalanceShape = Backend::BalanceShape;
+
+// The group of this call's token i (group_len 0: one group).
+DSTRAIN_HD int64_t balance_group_of(const BalanceShape& b, int64_t i) {
+  return b.group_len > 0 ? (b.first + i) / b.group_len : 0;
+}
+// This call's tokens [lo, hi) that fall in group g.
+DSTRAIN_HD void balance_group_range(const BalanceShape& b, int64_t g, int64_t* lo, int64_t* hi) {
+  *lo = 0, *hi = b.n;
+  if (b.group_len > 0) {
+    const int64_t a = g * b.group_len - b.first, z = (g + 1) * b.group_len - b.first;
+    *lo = a > 0 ? a : 0;
+    *hi = z < b.n ? z : b.n;
+    if (*hi < *lo) *hi = *lo;
+  } else if (g != 0) {
+    *hi = *lo;
+  }
+}
+// A token's score sum.
+DSTRAIN_HD double balance_row_sum(const float* s, int64_t E) {
+  double sum = 0;
+  for (int64_t e = 0; e < E; ++e) sum += s[e];
+  return sum;
+}
+// Cell (g, e): f, the selections of expert e times E / (k T), and P, the mean over T of the
+// tokens' normalised scores for e, over the group's tokens in order (rowsum: balance_row_sum).
+DSTRAIN_HD void balance_stats_cell(double* f, double* P, const int32_t* idx, const float* scores, const double* rowsum,
+                                   const BalanceShape& b, int64_t g, int64_t e) {
+  int64_t lo = 0, hi = 0;
+  balance_group_range(b, g, &lo, &hi);
+  double fs = 0, ps = 0;
+  for (int64_t i = lo; i < hi; ++i) {
+    for (int64_t j = 0; j < b.k; ++j)
+      if (idx[i * b.k + j] == e) fs += double(b.E) / double(b.k * b.T);
+    ps += scores[i * b.E + e] / rowsum[i] / double(b.T);
+  }
+  *f = fs, *P = ps;
+}
+// One token's gradient: dL/ds'_e = weight f_e / T through s' = s / sum(s), times grad_scale
+// (fg: the token's group's f).
+DSTRAIN_HD void balance_grad_row(float* ds, const float* fg, const float* s, const BalanceShape& b, double weight,
+                                 double grad_scale) {
+  const double sum = balance_row_sum(s, b.E);
+  double dot = 0;
+  for (int64_t e = 0; e < b.E; ++e) dot += weight * fg[e] / double(b.T) * s[e] / sum;
+  for (int64_t e = 0; e < b.E; ++e) ds[e] = float((weight * fg[e] / double(b.T) - dot) / sum * grad_scale);
+}
+// weight x the sum over groups and experts of f P (stats as moe_balance_stats leaves them).
+DSTRAIN_HD double balance_aux_total(const float* stats, const BalanceShape& b, double weight) {
+  const float* f = stats;
+  const float* P = stats + b.groups * b.E;
+  double total = 0;
+  for (int64_t g = 0; g < b.groups; ++g) {
+    double loss = 0;
+    for (int64_t e = 0; e < b.E; ++e) loss += double(f[g * b.E + e]) * double(P[g * b.E + e]);
+    total += weight * loss;
+  }
+  return total;
+}
+
 // ---- Causal attention, one row per lane group -----------------------------------------------
 // Q, K [B,S,nh,dqk], V [B,S,nh,dv] in the storage type; O fp32. Scores s_ij = scale * q_i . k_j
 // for j <= i. Forward takes two passes over the keys: the first finds the row's log-sum-exp L

@@ -2,7 +2,8 @@
 // the host compiler, against the CPU backend: conversions bit for bit over special and random
 // values, RoPE / SwiGLU / AdamW elements, router rows, and the attention rows run with one lane
 // (the GPU runs the same functions with 32) — forward, D, dQ and dK/dV, fp32 to 1e-5 and the
-// 16-bit rows against fp32 attention on the rounded inputs. Runs on every machine, GPU or not.
+// 16-bit rows against fp32 attention on the rounded inputs — and the balance loss's cells and
+// rows. Runs on every machine, GPU or not.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -191,6 +192,54 @@ void attention_rows(FVec& O, FVec& lse, FVec& dQ, FVec& dK, FVec& dV, const std:
         dev::attention_backward_dkv_row<KIND, 1, 256>(dK.data(), dV.data(), dO_lp.data(), Q.data(), K.data(),
                                                       V.data(), lse.data(), D.data(), a, b, h, i, 0, Identity{});
       }
+}
+
+// The balance loss's cells, token rows and total as the CUDA kernels run them (one thread per
+// (group, expert) cell, per token) against the CPU backend's moe_balance_stats / _grad: the
+// same doubles summed in the same order, so equal to float rounding. Sequence groups cut by the
+// call's first token, a group the call does not reach, and the one-group (batch) form.
+TEST(DeviceMath, BalanceCellsAndRowsMatchTheCpuBackend) {
+  auto be = make_cpu_backend(1);
+  const int64_t E = 7, k = 3;
+  struct Case {
+    int64_t first, n, group_len, groups, T;
+  };
+  for (const Case c : {Case{5, 37, 16, 4, 16}, Case{0, 40, 0, 1, 40}, Case{16, 20, 16, 3, 16}}) {
+    SCOPED_TRACE(::testing::Message() << "first " << c.first << ", n " << c.n << ", group_len " << c.group_len);
+    Backend::BalanceShape b;
+    b.n = c.n, b.k = k, b.E = E, b.first = c.first, b.group_len = c.group_len, b.groups = c.groups, b.T = c.T;
+    FVec scores = randn(size_t(c.n * E), 71);
+    for (float& x : scores) x = 1.0f / (1.0f + std::exp(-x));
+    std::mt19937 rng(72);
+    std::vector<int32_t> idx(size_t(c.n * k));
+    for (int64_t i = 0; i < c.n; ++i)
+      for (int64_t j = 0; j < k; ++j) idx[size_t(i * k + j)] = int32_t((i + 2 * j + int64_t(rng() % 2)) % E);
+    FVec want(size_t(2 * c.groups * E)), got(want.size());
+    be->moe_balance_stats(want.data(), idx.data(), scores.data(), b);
+    std::vector<double> rowsum(size_t(c.n));
+    for (int64_t i = 0; i < c.n; ++i) rowsum[size_t(i)] = dev::balance_row_sum(scores.data() + i * E, E);
+    for (int64_t g = 0; g < c.groups; ++g) {
+      for (int64_t e = 0; e < E; ++e) {
+        double f = 0, P = 0;
+        dev::balance_stats_cell(&f, &P, idx.data(), scores.data(), rowsum.data(), b, g, e);
+        got[size_t(g * E + e)] = float(f);
+        got[size_t(c.groups * E + g * E + e)] = float(P);
+      }
+    }
+    EXPECT_LT(max_rel_err(got, want), 1e-6);
+    double nonzero = 0;
+    for (float v : want) nonzero += v != 0.0f;
+    EXPECT_GT(nonzero, 0.0);
+    const double weight = 0.29, grad_scale = 4.0;
+    FVec dwant(size_t(c.n * E)), dgot(dwant.size());
+    float aux = 0.5f;
+    be->moe_balance_grad(dwant.data(), &aux, want.data(), scores.data(), b, weight, grad_scale);
+    for (int64_t i = 0; i < c.n; ++i)
+      dev::balance_grad_row(dgot.data() + i * E, want.data() + dev::balance_group_of(b, i) * E,
+                            scores.data() + i * E, b, weight, grad_scale);
+    EXPECT_LT(max_rel_err(dgot, dwant), 1e-6);
+    EXPECT_NEAR(0.5 + dev::balance_aux_total(want.data(), b, weight), aux, 1e-6);
+  }
 }
 
 TEST(DeviceMath, AttentionRowsMatchTheCpuBackendInEveryType) {
