@@ -150,9 +150,11 @@ template <class T>
 void gather_head(T* dst, const T* src, int64_t n, int64_t d, int64_t ld) {
   for (int64_t i = 0; i < n; ++i) std::copy(src + i * ld, src + i * ld + d, dst + i * d);
 }
+// And back: n rows of width d (row stride src_ld, d unless given) into one head.
 template <class T>
-void scatter_head(T* dst, const T* src, int64_t n, int64_t d, int64_t ld) {
-  for (int64_t i = 0; i < n; ++i) std::copy(src + i * d, src + i * d + d, dst + i * ld);
+void scatter_head(T* dst, const T* src, int64_t n, int64_t d, int64_t ld, int64_t src_ld = 0) {
+  if (src_ld == 0) src_ld = d;
+  for (int64_t i = 0; i < n; ++i) std::copy(src + i * src_ld, src + i * src_ld + d, dst + i * ld);
 }
 
 // One row of raw scores s (unscaled) in place: its first `visible` entries become the causal
@@ -320,10 +322,6 @@ void pad_head_transposed(uint16_t* dst, const uint16_t* src, int64_t n, int64_t 
       for (int64_t i = i0; i < i1; ++i) dst[j * rows_pad + i] = src[i * ld + j];
   }
 }
-// Rows [0, n) of a [*, d_pad] fp32 block back into one head (width d, row stride ld).
-void unpad_rows(float* dst, const float* src, int64_t n, int64_t d, int64_t ld, int64_t d_pad) {
-  for (int64_t i = 0; i < n; ++i) std::copy(src + i * d_pad, src + i * d_pad + d, dst + i * ld);
-}
 }  // namespace
 
 AttentionPack attention_amx_elems(int64_t S, int64_t dqk, int64_t dv, int threads) {
@@ -359,7 +357,7 @@ void attention_forward_amx(float* O, float* lse, const uint16_t* Q, const uint16
               softmax_row_lp(Sc + r * keys, P16 + r * keys, i0 + r + 1, keys, scale, LowPrecision::kBf16);
         std::fill(P16 + rows * keys, P16 + T * keys, uint16_t(0));
         amx_gemm(Ot, dw, P16, keys, Vb, Sp * 16, T, dw, keys, false);
-        unpad_rows(O + vo + i0 * vs, Ot, rows, dv, vs, dw);
+        scatter_head(O + vo + i0 * vs, Ot, rows, dv, vs, dw);
       }
     }
   }
@@ -432,7 +430,7 @@ void attention_backward_amx(float* dQ, float* dK, float* dV, const float* dO, co
           amx_gemm(dKT + j0, Sp, QT + i0, Sp, dSv, T * 16, dq, kb, T, true);
           amx_gemm(dVT + j0, Sp, dOT + i0, Sp, Pv, T * 16, dw, kb, T, true);
         }
-        unpad_rows(dQ + qo + i0 * qs, dQt, rows, dqk, qs, dq);
+        scatter_head(dQ + qo + i0 * qs, dQt, rows, dqk, qs, dq);
       }
       for (int64_t s = 0; s < S; ++s) {
         for (int64_t d = 0; d < dqk; ++d) dK[qo + s * qs + d] = dKT[d * Sp + s];
