@@ -292,14 +292,33 @@ int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 constexpr int64_t kAmxKeys = 256;
 static_assert(kAmxKeys % kAttnTile == 0 && kAttnTile % 32 == 0);
 
+// Row strides a multiple of 4 KiB put the 16 rows of a tile in one set of the 12-way L1 cache,
+// and every tile load misses: the blocks read or written a tile at a time with rows of a
+// power-of-two length (Qᵀ, dOᵀ, dKᵀ, dVᵀ: S; the score blocks: the keys) get kSkew more
+// elements a row.
+constexpr int64_t kSkew = 32;
+
+// A tile row is 64 bytes: the blocks start on cache lines (the callers' buffers need not), or
+// every tile load and store touches twice as many lines.
+template <class T>
+T* line_aligned(T* p) {
+  return reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(p) + 63) & ~uintptr_t(63));
+}
+
 // The padded sizes: S to whole query tiles, the head widths to whole 32-element steps of the
-// tile products; and the per-thread scratch (enough for either pass).
+// tile products, Sl the skewed row of the transposed blocks; and the per-thread scratch (enough
+// for either pass).
 struct AmxDims {
-  int64_t Sp, dq, dw;
-  AmxDims(int64_t S, int64_t dqk, int64_t dv) : Sp(round_up(S, kAttnTile)), dq(round_up(dqk, 32)), dw(round_up(dv, 32)) {}
-  int64_t u16() const { return 4 * Sp * dq + 3 * Sp * dw + std::max(kAttnTile * Sp, 4 * kAttnTile * kAmxKeys); }
+  int64_t Sp, dq, dw, Sl;
+  AmxDims(int64_t S, int64_t dqk, int64_t dv)
+      : Sp(round_up(S, kAttnTile)), dq(round_up(dqk, 32)), dw(round_up(dv, 32)), Sl(Sp + kSkew) {}
+  // Multiples of 32 / 16 elements (64 bytes), as is every block's offset inside them.
+  int64_t u16() const {
+    return 3 * Sp * dq + dq * Sl + 2 * Sp * dw + dw * Sl +
+           std::max(kAttnTile * Sl, 2 * kAttnTile * (kAmxKeys + kSkew) + 2 * kAttnTile * kAmxKeys);
+  }
   int64_t f32() const {
-    return Sp * (dq + dw) + std::max(kAttnTile * (Sp + dw), kAttnTile * (2 * kAmxKeys + dq + 1));
+    return Sl * (dq + dw) + std::max(kAttnTile * (Sl + dw), kAttnTile * (2 * (kAmxKeys + kSkew) + dq + 1));
   }
 };
 
@@ -314,7 +333,7 @@ void pad_head(uint16_t* dst, const uint16_t* src, int64_t n, int64_t d, int64_t 
 }
 void pad_head_transposed(uint16_t* dst, const uint16_t* src, int64_t n, int64_t d, int64_t ld, int64_t rows_pad,
                          int64_t d_pad) {
-  std::fill(dst, dst + d_pad * rows_pad, uint16_t(0));
+  std::fill(dst, dst + d_pad * rows_pad, uint16_t(0));  // rows_pad: the destination's row stride
   constexpr int64_t kRows = 32;  // source rows per pass: they stay in L1 while the columns go out
   for (int64_t i0 = 0; i0 < n; i0 += kRows) {
     const int64_t i1 = std::min(n, i0 + kRows);
@@ -325,8 +344,8 @@ void pad_head_transposed(uint16_t* dst, const uint16_t* src, int64_t n, int64_t 
 }  // namespace
 
 AttentionPack attention_amx_elems(int64_t S, int64_t dqk, int64_t dv, int threads) {
-  const AmxDims D(S, dqk, dv);
-  return {int64_t(threads) * D.u16(), int64_t(threads) * D.f32()};
+  const AmxDims D(S, dqk, dv);  // each thread's part a whole number of lines; one line of slack
+  return {int64_t(threads) * D.u16() + 32, int64_t(threads) * D.f32() + 16};
 }
 
 void attention_forward_amx(float* O, float* lse, const uint16_t* Q, const uint16_t* K, const uint16_t* V, int64_t B,
@@ -339,24 +358,24 @@ void attention_forward_amx(float* O, float* lse, const uint16_t* Q, const uint16
   for (int64_t b = 0; b < B; ++b) {
     for (int64_t h = 0; h < nh; ++h) {
       const int t = omp_get_thread_num();
-      uint16_t* Qd = pack16 + t * D.u16();  // A of Q K^T: [Sp, dq]
+      uint16_t* Qd = line_aligned(pack16) + t * D.u16();  // A of Q K^T: [Sp, dq]
       uint16_t* Kt = Qd + Sp * dq;          // B of Q K^T: (d, key), packed
       uint16_t* Vb = Kt + Sp * dq;          // B of P V: (key, d), packed
-      uint16_t* P16 = Vb + Sp * dw;         // a tile's probabilities [T, keys]
-      float* Sc = pack32 + t * D.f32();     // a tile's scores [T, keys]
-      float* Ot = Sc + T * Sp;              // a tile's output [T, dw]
+      uint16_t* P16 = Vb + Sp * dw;         // a tile's probabilities [T, keys], row stride keys + kSkew
+      float* Sc = line_aligned(pack32) + t * D.f32();  // a tile's scores [T, keys], the same
+      float* Ot = Sc + T * D.Sl;            // a tile's output [T, dw]
       const int64_t qo = b * S * qs + h * dqk, vo = b * S * vs + h * dv;
       pad_head(Qd, Q + qo, S, dqk, qs, Sp, dq);
       vnni_pack(Kt, dq * 16, K + qo, qs, dqk, S, dq, Sp, true);
       vnni_pack(Vb, Sp * 16, V + vo, vs, S, dv, Sp, dw, false);
       for (int64_t i0 = 0; i0 < S; i0 += T) {
-        const int64_t rows = std::min(T, S - i0), keys = i0 + T;
-        amx_gemm(Sc, keys, Qd + i0 * dq, dq, Kt, dq * 16, T, keys, dq, false);
+        const int64_t rows = std::min(T, S - i0), keys = i0 + T, ld = keys + kSkew;
+        amx_gemm(Sc, ld, Qd + i0 * dq, dq, Kt, dq * 16, T, keys, dq, false);
         for (int64_t r = 0; r < rows; ++r)
           lse[(b * nh + h) * S + i0 + r] =
-              softmax_row_lp(Sc + r * keys, P16 + r * keys, i0 + r + 1, keys, scale, LowPrecision::kBf16);
-        std::fill(P16 + rows * keys, P16 + T * keys, uint16_t(0));
-        amx_gemm(Ot, dw, P16, keys, Vb, Sp * 16, T, dw, keys, false);
+              softmax_row_lp(Sc + r * ld, P16 + r * ld, i0 + r + 1, keys, scale, LowPrecision::kBf16);
+        std::fill(P16 + rows * ld, P16 + T * ld, uint16_t(0));
+        amx_gemm(Ot, dw, P16, ld, Vb, Sp * 16, T, dw, keys, false);
         scatter_head(O + vo + i0 * vs, Ot, rows, dv, vs, dw);
       }
     }
@@ -369,7 +388,7 @@ void attention_backward_amx(float* dQ, float* dK, float* dV, const float* dO, co
                             float* pack32, int ws_threads) {
   const int64_t qs = nh * dqk, vs = nh * dv, T = kAttnTile, KB = kAmxKeys;
   const AmxDims D(S, dqk, dv);
-  const int64_t Sp = D.Sp, dq = D.dq, dw = D.dw;
+  const int64_t Sp = D.Sp, dq = D.dq, dw = D.dw, Sl = D.Sl, ldb = KB + kSkew;
   // Per query tile and block of the keys it sees: the block's scores and dP, then P and dS
   // (exactly as the oneDNN path rounds them), then dQ of the tile += dS K, and dK, dV of the
   // block += dS^T Q, P^T dO — transposed (dK^T = Q^T dS), so that dS and P, packed from their
@@ -378,32 +397,32 @@ void attention_backward_amx(float* dQ, float* dK, float* dV, const float* dO, co
   for (int64_t b = 0; b < B; ++b) {
     for (int64_t h = 0; h < nh; ++h) {
       const int t = omp_get_thread_num();
-      uint16_t* Qd = pack16 + t * D.u16();  // A of Q K^T: [Sp, dq]
+      uint16_t* Qd = line_aligned(pack16) + t * D.u16();  // A of Q K^T: [Sp, dq]
       uint16_t* Kt = Qd + Sp * dq;          // B of Q K^T: (d, key)
       uint16_t* Kb = Kt + Sp * dq;          // B of dS K: (key, d)
-      uint16_t* QT = Kb + Sp * dq;          // A of Q^T dS: [dq, Sp]
-      uint16_t* dOd = QT + Sp * dq;         // A of dO V^T: [Sp, dw]
+      uint16_t* QT = Kb + Sp * dq;          // A of Q^T dS: [dq, Sl]
+      uint16_t* dOd = QT + dq * Sl;         // A of dO V^T: [Sp, dw]
       uint16_t* Vt = dOd + Sp * dw;         // B of dO V^T: (d, key)
-      uint16_t* dOT = Vt + Sp * dw;         // A of dO^T P: [dw, Sp]
-      uint16_t* P16 = dOT + Sp * dw;        // a block's P and dS [T, kb], and both packed as B
-      uint16_t* dS16 = P16 + T * KB;
-      uint16_t* Pv = dS16 + T * KB;
+      uint16_t* dOT = Vt + Sp * dw;         // A of dO^T P: [dw, Sl]
+      uint16_t* P16 = dOT + dw * Sl;        // a block's P and dS [T, kb] (row stride ldb), and both
+      uint16_t* dS16 = P16 + T * ldb;       // packed as B
+      uint16_t* Pv = dS16 + T * ldb;
       uint16_t* dSv = Pv + T * KB;
-      float* dKT = pack32 + t * D.f32();  // [dq, Sp]
-      float* dVT = dKT + dq * Sp;         // [dw, Sp]
-      float* Sc = dVT + dw * Sp;          // a block's scores, then P [T, kb]
-      float* dP = Sc + T * KB;            // a block's dP, then dS
-      float* dQt = dP + T * KB;           // a tile's dQ [T, dq]
+      float* dKT = line_aligned(pack32) + t * D.f32();  // [dq, Sl]
+      float* dVT = dKT + dq * Sl;         // [dw, Sl]
+      float* Sc = dVT + dw * Sl;          // a block's scores, then P [T, kb] (row stride ldb)
+      float* dP = Sc + T * ldb;           // a block's dP, then dS
+      float* dQt = dP + T * ldb;          // a tile's dQ [T, dq]
       float* Drow = dQt + T * dq;         // a tile's row sums D
       const int64_t qo = b * S * qs + h * dqk, vo = b * S * vs + h * dv;
       pad_head(Qd, Q + qo, S, dqk, qs, Sp, dq);
       vnni_pack(Kt, dq * 16, K + qo, qs, dqk, S, dq, Sp, true);
       vnni_pack(Kb, Sp * 16, K + qo, qs, S, dqk, Sp, dq, false);
-      pad_head_transposed(QT, Q + qo, S, dqk, qs, Sp, dq);
+      pad_head_transposed(QT, Q + qo, S, dqk, qs, Sl, dq);
       pad_head(dOd, dO16 + vo, S, dv, vs, Sp, dw);
       vnni_pack(Vt, dw * 16, V + vo, vs, dv, S, dw, Sp, true);
-      pad_head_transposed(dOT, dO16 + vo, S, dv, vs, Sp, dw);
-      std::fill(dKT, dKT + Sp * (dq + dw), 0.0f);  // dKT and dVT, adjacent
+      pad_head_transposed(dOT, dO16 + vo, S, dv, vs, Sl, dw);
+      std::fill(dKT, dKT + Sl * (dq + dw), 0.0f);  // dKT and dVT, adjacent
       for (int64_t i0 = 0; i0 < S; i0 += T) {
         const int64_t rows = std::min(T, S - i0), keys = i0 + T;
         for (int64_t r = 0; r < rows; ++r) {
@@ -415,26 +434,26 @@ void attention_backward_amx(float* dQ, float* dK, float* dV, const float* dO, co
         }
         for (int64_t j0 = 0; j0 < keys; j0 += KB) {
           const int64_t kb = std::min(KB, keys - j0);  // a multiple of T; j0 <= i0: every row sees some
-          amx_gemm(Sc, kb, Qd + i0 * dq, dq, Kt + (j0 / 16) * dq * 16, dq * 16, T, kb, dq, false);
-          amx_gemm(dP, kb, dOd + i0 * dw, dw, Vt + (j0 / 16) * dw * 16, dw * 16, T, kb, dw, false);
+          amx_gemm(Sc, ldb, Qd + i0 * dq, dq, Kt + (j0 / 16) * dq * 16, dq * 16, T, kb, dq, false);
+          amx_gemm(dP, ldb, dOd + i0 * dw, dw, Vt + (j0 / 16) * dw * 16, dw * 16, T, kb, dw, false);
           for (int64_t r = 0; r < rows; ++r) {
             const int64_t i = i0 + r;
-            softmax_grad_row_lp(Sc + r * kb, dP + r * kb, P16 + r * kb, dS16 + r * kb, std::min(kb, i + 1 - j0),
+            softmax_grad_row_lp(Sc + r * ldb, dP + r * ldb, P16 + r * ldb, dS16 + r * ldb, std::min(kb, i + 1 - j0),
                                 kb, lse[(b * nh + h) * S + i], Drow[r], scale, LowPrecision::kBf16);
           }
-          std::fill(P16 + rows * kb, P16 + T * kb, uint16_t(0));
-          std::fill(dS16 + rows * kb, dS16 + T * kb, uint16_t(0));
-          amx_gemm(dQt, dq, dS16, kb, Kb + j0 * 16, Sp * 16, T, dq, kb, j0 > 0);
-          vnni_pack(dSv, T * 16, dS16, kb, T, kb, T, kb, false);
-          vnni_pack(Pv, T * 16, P16, kb, T, kb, T, kb, false);
-          amx_gemm(dKT + j0, Sp, QT + i0, Sp, dSv, T * 16, dq, kb, T, true);
-          amx_gemm(dVT + j0, Sp, dOT + i0, Sp, Pv, T * 16, dw, kb, T, true);
+          std::fill(P16 + rows * ldb, P16 + T * ldb, uint16_t(0));
+          std::fill(dS16 + rows * ldb, dS16 + T * ldb, uint16_t(0));
+          amx_gemm(dQt, dq, dS16, ldb, Kb + j0 * 16, Sp * 16, T, dq, kb, j0 > 0);
+          vnni_pack(dSv, T * 16, dS16, ldb, T, kb, T, kb, false);
+          vnni_pack(Pv, T * 16, P16, ldb, T, kb, T, kb, false);
+          amx_gemm(dKT + j0, Sl, QT + i0, Sl, dSv, T * 16, dq, kb, T, true);
+          amx_gemm(dVT + j0, Sl, dOT + i0, Sl, Pv, T * 16, dw, kb, T, true);
         }
         scatter_head(dQ + qo + i0 * qs, dQt, rows, dqk, qs, dq);
       }
       for (int64_t s = 0; s < S; ++s) {
-        for (int64_t d = 0; d < dqk; ++d) dK[qo + s * qs + d] = dKT[d * Sp + s];
-        for (int64_t d = 0; d < dv; ++d) dV[vo + s * vs + d] = dVT[d * Sp + s];
+        for (int64_t d = 0; d < dqk; ++d) dK[qo + s * qs + d] = dKT[d * Sl + s];
+        for (int64_t d = 0; d < dv; ++d) dV[vo + s * vs + d] = dVT[d * Sl + s];
       }
     }
   }
