@@ -195,8 +195,9 @@ class CpuBackend final : public Backend {
   }
   const cpu::TileGemm& tile_gemm(DType t) const { return t == DType::kBF16 ? tile_bf16_ : tile_fp16_; }
   // bf16 attention on the AMX unit where there is one (kernels/cpu/amx.h), unless
-  // DSTRAIN_ATTENTION_TILES=onednn; else its tile GEMMs are oneDNN matmuls: 16-bit attention
-  // where the 16-bit GEMMs run natively.
+  // DSTRAIN_ATTENTION_TILES=onednn; else its tile GEMMs are oneDNN matmuls. Either way 16-bit
+  // attention only where the 16-bit GEMMs run natively: where they are widened the model's dO
+  // comes in fp32 (ComputeCast), and Q, K, V are widened to match.
   static bool amx_attention(DType t) {
     if (t != DType::kBF16) return false;
     if (const char* o = std::getenv("DSTRAIN_ATTENTION_TILES")) {
@@ -208,7 +209,7 @@ class CpuBackend final : public Backend {
     return cpu::amx_bf16_usable();
   }
   bool low_precision_attention(DType t) const override {
-    return t != DType::kF32 && (amx_attention(t) || (tile_gemm(t).available() && lowp_.native(low(t))));
+    return t != DType::kF32 && lowp_.native(low(t)) && (amx_attention(t) || tile_gemm(t).available());
   }
   void attention_forward(float* O, float* lse, ConstView Q, ConstView K, ConstView V, int64_t B, int64_t S,
                          int64_t nh, int64_t dqk, int64_t dv, float scale) override {
