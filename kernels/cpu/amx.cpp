@@ -20,11 +20,10 @@ bool amx_bf16_usable() {
   return usable;
 }
 
-// Everything below runs only after amx_bf16_usable(): compiled for AMX and AVX-512 BW here alone
-// (no standard-library template is instantiated under these options, so none of the program's
-// shared inline code can come from this part).
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,amx-tile,amx-bf16")
+// Everything below runs only after amx_bf16_usable(): each function is compiled for AMX and
+// AVX-512 BW by its own target attribute (GCC and clang alike), and none calls a
+// standard-library template, so none of the program's shared inline code is built for them.
+#define DSTRAIN_AMX __attribute__((target("avx512f,avx512bw,avx512vl,amx-tile,amx-bf16")))
 // GCC 12 takes the undefined upper half of _mm512_castsi256_si512 for an uninitialised read.
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 
@@ -38,7 +37,7 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
-void configure_tiles() {
+DSTRAIN_AMX void configure_tiles() {
   TileConfig cfg;
   for (int t = 0; t < 8; ++t) cfg.colsb[t] = 64, cfg.rows[t] = 16;
   _tile_loadconfig(&cfg);
@@ -47,7 +46,7 @@ void configure_tiles() {
 // One block of MT x NT tiles of 16 x 16 (MT, NT in {1, 2}): rows of A from A, columns of B from
 // Bv (its first column block; the second at + block_stride), over K in steps of 32.
 template <int MT, int NT>
-void tile_block(float* C, int64_t ldc, const uint16_t* A, int64_t lda, const uint16_t* Bv, int64_t block_stride,
+DSTRAIN_AMX void tile_block(float* C, int64_t ldc, const uint16_t* A, int64_t lda, const uint16_t* Bv, int64_t block_stride,
                 int64_t K, bool accumulate) {
   const int64_t sc = ldc * 4, sa = lda * 2;
   float* C1 = C + 16 * ldc;
@@ -80,7 +79,7 @@ void tile_block(float* C, int64_t ldc, const uint16_t* A, int64_t lda, const uin
 }
 
 template <int MT>
-void tile_row(float* C, int64_t ldc, const uint16_t* A, int64_t lda, const uint16_t* Bv, int64_t block_stride,
+DSTRAIN_AMX void tile_row(float* C, int64_t ldc, const uint16_t* A, int64_t lda, const uint16_t* Bv, int64_t block_stride,
               int64_t N, int64_t K, bool accumulate) {
   int64_t n = 0;
   for (; n + 32 <= N; n += 32)
@@ -90,7 +89,7 @@ void tile_row(float* C, int64_t ldc, const uint16_t* A, int64_t lda, const uint1
 
 }  // namespace
 
-void vnni_pack(uint16_t* Bv, int64_t block_stride, const uint16_t* src, int64_t ld, int64_t K, int64_t N,
+DSTRAIN_AMX void vnni_pack(uint16_t* Bv, int64_t block_stride, const uint16_t* src, int64_t ld, int64_t K, int64_t N,
                int64_t Kp, int64_t Np, bool transposed) {
   // Interleaves two rows of 16: (r0[0], r1[0], r0[1], r1[1], ...) from (r0[0..15], r1[0..15]).
   alignas(64) static const uint16_t kInterleave[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
@@ -127,7 +126,7 @@ void vnni_pack(uint16_t* Bv, int64_t block_stride, const uint16_t* src, int64_t 
   }
 }
 
-void amx_gemm(float* C, int64_t ldc, const uint16_t* A, int64_t lda, const uint16_t* Bv, int64_t block_stride,
+DSTRAIN_AMX void amx_gemm(float* C, int64_t ldc, const uint16_t* A, int64_t lda, const uint16_t* Bv, int64_t block_stride,
               int64_t M, int64_t N, int64_t K, bool accumulate) {
   configure_tiles();
   int64_t m = 0;
@@ -135,7 +134,5 @@ void amx_gemm(float* C, int64_t ldc, const uint16_t* A, int64_t lda, const uint1
   if (m < M) tile_row<1>(C + m * ldc, ldc, A + m * lda, lda, Bv, block_stride, N, K, accumulate);
   _tile_release();
 }
-
-#pragma GCC pop_options
 
 }  // namespace dstrain::kernels::cpu
