@@ -145,16 +145,29 @@ void TileGemm::run(float* C, int64_t ldc, const uint16_t* A, int64_t lda, const 
 namespace {
 uint16_t* block16(uint16_t* ws16, int64_t S) { return ws16 + int64_t(omp_get_thread_num()) * 2 * kAttnTile * S; }
 
-// Rows [0, n) of one head of a token-major tensor (row stride ld) into a dense [n, d] block.
+// Rows [0, n) of one head of a token-major tensor (row stride ld) into a dense [n, d] block — or,
+// given rows_pad >= n and d_pad >= d, into [rows_pad, d_pad] with zeros around.
 template <class T>
-void gather_head(T* dst, const T* src, int64_t n, int64_t d, int64_t ld) {
-  for (int64_t i = 0; i < n; ++i) std::copy(src + i * ld, src + i * ld + d, dst + i * d);
+void gather_head(T* dst, const T* src, int64_t n, int64_t d, int64_t ld, int64_t rows_pad = 0, int64_t d_pad = 0) {
+  if (d_pad == 0) rows_pad = n, d_pad = d;
+  for (int64_t i = 0; i < n; ++i) {
+    std::copy(src + i * ld, src + i * ld + d, dst + i * d_pad);
+    std::fill(dst + i * d_pad + d, dst + (i + 1) * d_pad, T(0));
+  }
+  std::fill(dst + n * d_pad, dst + rows_pad * d_pad, T(0));
 }
 // And back: n rows of width d (row stride src_ld, d unless given) into one head.
 template <class T>
 void scatter_head(T* dst, const T* src, int64_t n, int64_t d, int64_t ld, int64_t src_ld = 0) {
   if (src_ld == 0) src_ld = d;
   for (int64_t i = 0; i < n; ++i) std::copy(src + i * src_ld, src + i * src_ld + d, dst + i * ld);
+}
+
+// D = rowsum(dO * O) of one row.
+inline float row_dot(const float* dout, const float* o, int64_t dv) {
+  float Di = 0;
+  for (int64_t d = 0; d < dv; ++d) Di += dout[d] * o[d];
+  return Di;
 }
 
 // One row of raw scores s (unscaled) in place: its first `visible` entries become the causal
@@ -265,12 +278,8 @@ void attention_backward_lp(float* dQ, float* dK, float* dV, const float* dO, con
         gemm.run(dP, keys, dOh + i0 * dv, dv, Vh, dv, rows, keys, dv, false, true, false);
         for (int64_t r = 0; r < rows; ++r) {
           const int64_t i = i0 + r;
-          const float* dout = dO + vo + i * vs;
-          const float* o = O + vo + i * vs;
-          float Di = 0;
-          for (int64_t d = 0; d < dv; ++d) Di += dout[d] * o[d];
           softmax_grad_row_lp(P + r * keys, dP + r * keys, P16 + r * keys, dS16 + r * keys, i + 1, keys,
-                              lse[(b * nh + h) * S + i], Di, scale, p);
+                              lse[(b * nh + h) * S + i], row_dot(dO + vo + i * vs, O + vo + i * vs, dv), scale, p);
         }
         gemm.run(Tt, dqk, dS16, keys, Kh, dqk, rows, dqk, keys, false, false, false);
         scatter_head(dQ + qo + i0 * qs, Tt, rows, dqk, qs);
@@ -322,15 +331,7 @@ struct AmxDims {
   }
 };
 
-// Rows [0, n) of one head (width d, row stride ld) into a dense [rows_pad, d_pad] block, zeros
-// around; transposed: into [d_pad, rows_pad].
-void pad_head(uint16_t* dst, const uint16_t* src, int64_t n, int64_t d, int64_t ld, int64_t rows_pad, int64_t d_pad) {
-  for (int64_t i = 0; i < n; ++i) {
-    std::copy(src + i * ld, src + i * ld + d, dst + i * d_pad);
-    std::fill(dst + i * d_pad + d, dst + (i + 1) * d_pad, uint16_t(0));
-  }
-  std::fill(dst + n * d_pad, dst + rows_pad * d_pad, uint16_t(0));
-}
+// gather_head's padded form transposed: rows [0, n) of one head into [d_pad, rows_pad].
 void pad_head_transposed(uint16_t* dst, const uint16_t* src, int64_t n, int64_t d, int64_t ld, int64_t rows_pad,
                          int64_t d_pad) {
   std::fill(dst, dst + d_pad * rows_pad, uint16_t(0));  // rows_pad: the destination's row stride
@@ -365,7 +366,7 @@ void attention_forward_amx(float* O, float* lse, const uint16_t* Q, const uint16
       float* Sc = line_aligned(pack32) + t * D.f32();  // a tile's scores [T, keys], the same
       float* Ot = Sc + T * D.Sl;            // a tile's output [T, dw]
       const int64_t qo = b * S * qs + h * dqk, vo = b * S * vs + h * dv;
-      pad_head(Qd, Q + qo, S, dqk, qs, Sp, dq);
+      gather_head(Qd, Q + qo, S, dqk, qs, Sp, dq);
       vnni_pack(Kt, dq * 16, K + qo, qs, dqk, S, dq, Sp, true);
       vnni_pack(Vb, Sp * 16, V + vo, vs, S, dv, Sp, dw, false);
       for (int64_t i0 = 0; i0 < S; i0 += T) {
@@ -415,23 +416,17 @@ void attention_backward_amx(float* dQ, float* dK, float* dV, const float* dO, co
       float* dQt = dP + T * ldb;          // a tile's dQ [T, dq]
       float* Drow = dQt + T * dq;         // a tile's row sums D
       const int64_t qo = b * S * qs + h * dqk, vo = b * S * vs + h * dv;
-      pad_head(Qd, Q + qo, S, dqk, qs, Sp, dq);
+      gather_head(Qd, Q + qo, S, dqk, qs, Sp, dq);
       vnni_pack(Kt, dq * 16, K + qo, qs, dqk, S, dq, Sp, true);
       vnni_pack(Kb, Sp * 16, K + qo, qs, S, dqk, Sp, dq, false);
       pad_head_transposed(QT, Q + qo, S, dqk, qs, Sl, dq);
-      pad_head(dOd, dO16 + vo, S, dv, vs, Sp, dw);
+      gather_head(dOd, dO16 + vo, S, dv, vs, Sp, dw);
       vnni_pack(Vt, dw * 16, V + vo, vs, dv, S, dw, Sp, true);
       pad_head_transposed(dOT, dO16 + vo, S, dv, vs, Sl, dw);
       std::fill(dKT, dKT + Sl * (dq + dw), 0.0f);  // dKT and dVT, adjacent
       for (int64_t i0 = 0; i0 < S; i0 += T) {
         const int64_t rows = std::min(T, S - i0), keys = i0 + T;
-        for (int64_t r = 0; r < rows; ++r) {
-          const float* dout = dO + vo + (i0 + r) * vs;
-          const float* o = O + vo + (i0 + r) * vs;
-          float Di = 0;
-          for (int64_t d = 0; d < dv; ++d) Di += dout[d] * o[d];
-          Drow[r] = Di;
-        }
+        for (int64_t r = 0; r < rows; ++r) Drow[r] = row_dot(dO + vo + (i0 + r) * vs, O + vo + (i0 + r) * vs, dv);
         for (int64_t j0 = 0; j0 < keys; j0 += KB) {
           const int64_t kb = std::min(KB, keys - j0);  // a multiple of T; j0 <= i0: every row sees some
           amx_gemm(Sc, ldb, Qd + i0 * dq, dq, Kt + (j0 / 16) * dq * 16, dq * 16, T, kb, dq, false);
