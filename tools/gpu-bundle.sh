@@ -2,7 +2,7 @@
 # Prepares the GPU check (tests/gpu/run.sh) for a machine that can install nothing: the device
 # machine has the CUDA toolkit, the driver and PyTorch, but none of Debian's -dev packages (so
 # none of dstrain's libraries) and no network, and at most 64 MiB of working tree travels there.
-# Builds dstrain here for sm_90a (the default preset builds the CUDA backend where nvcc is) and
+# Builds dstrain here for sm_90a (preset `bundle`: CUDA backend, CPU kernels for x86-64-v3) and
 # packs into .gpu-bundle/dstrain-gpu.tar.gz (git-ignored; name `.gpu-bundle` in the device
 # tool's carry):
 #   bin/       dstrain, dstrain-gpu-check, dstrain-nccl-check, dstrain-ckpt, dstrain-report (and the plugins
@@ -16,15 +16,31 @@
 # Then rehearses the bundle (tools/gpu-rehearse.sh) unless DSTRAIN_GPU_REHEARSE=0.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-cmake --preset default >/dev/null
-cmake --build --preset default --target dstrain dstrain-gpu-check dstrain-nccl-check dstrain-ckpt dstrain-report
+# Its own build (preset `bundle`, build-bundle/): the default build's CPU kernels are compiled
+# for this machine (-march=native), and the device machine's CPU may lack what this one has
+# (AVX-512 FP16, say) -- an illegal instruction there, found only on the GPU's clock.
+cmake --preset bundle >/dev/null
+cmake --build --preset bundle --target dstrain dstrain-gpu-check dstrain-nccl-check dstrain-ckpt dstrain-report
+# AVX-512 (zmm / mask registers) and AMX only in the functions that check the CPU before they run
+# (kernels/cpu/amx.cpp, docs/design.md §6.8); anywhere else fails the bundle here.
+isa_users() { objdump -d --no-show-raw-insn "$1" | awk '/^[0-9a-f]+ <.*>:$/ {fn = $2} /%zmm|%k[0-7]|tmm[0-7]|ldtilecfg/ {print fn}' | sort -u; }
+allowed=$(isa_users build-bundle/kernels/CMakeFiles/dstrain_kernels_cpu.dir/cpu/amx.cpp.o)
+for f in bin/dstrain bin/dstrain-gpu-check bin/dstrain-nccl-check bin/dstrain-ckpt bin/dstrain-report \
+         lib/libdstrain_cuda.so lib/libdstrain_nccl.so; do
+  stray=$(comm -23 <(isa_users "build-bundle/$f") <(echo "$allowed"))
+  if [ -n "$stray" ]; then
+    echo "build-bundle/$f uses AVX-512 or AMX outside kernels/cpu/amx.cpp:" >&2
+    echo "$stray" | head -20 >&2
+    exit 1
+  fi
+done
 stage=$(mktemp -d)
 trap 'rm -rf "$stage"' EXIT
 b=$stage/dstrain-gpu
 mkdir -p "$b/bin" "$b/lib" "$b/expected"
-cp build/bin/dstrain build/bin/dstrain-gpu-check build/bin/dstrain-nccl-check build/bin/dstrain-ckpt \
-   build/bin/dstrain-report "$b/bin/"
-cp build/lib/libdstrain_cuda.so build/lib/libdstrain_nccl.so "$b/lib/"  # the plugins (dlopen'ed from bin/../lib)
+cp build-bundle/bin/dstrain build-bundle/bin/dstrain-gpu-check build-bundle/bin/dstrain-nccl-check build-bundle/bin/dstrain-ckpt \
+   build-bundle/bin/dstrain-report "$b/bin/"
+cp build-bundle/lib/libdstrain_cuda.so build-bundle/lib/libdstrain_nccl.so "$b/lib/"  # the plugins (dlopen'ed from bin/../lib)
 
 # Open MPI: Debian's prefix is /usr; OPAL_PREFIX=$b/ompi moves every install directory under it.
 pkglib=$(ompi_info --path pkglibdir --parsable | sed 's/^path:pkglibdir://')
@@ -51,7 +67,7 @@ done
 for p in fp32 bf16; do
   extra=""
   [ $p = bf16 ] && extra="--set bf16.enabled=true"
-  build/bin/dstrain configs/tiny.yaml --set device=cpu $extra --dump-grads "$b/expected/tiny_$p.h5" >/dev/null
+  build-bundle/bin/dstrain configs/tiny.yaml --set device=cpu $extra --dump-grads "$b/expected/tiny_$p.h5" >/dev/null
 done
 git rev-parse --short HEAD >"$b/REVISION" 2>/dev/null || echo unknown >"$b/REVISION"
 mkdir -p .gpu-bundle
