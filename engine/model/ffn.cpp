@@ -341,13 +341,13 @@ struct Group {
 };
 
 // The experts' weight gradients dW_e += dY_e^T X_e (A: rows of dY in `dy` [a_len], B: rows of X
-// in `x` [b_len elements]) now, or — under a WeightGradDeferral — later, from copies of dy and x
-// where later kernels overwrite them.
-void run_weight_grads(const LayerEnv& env, Group g, const float* dy, int64_t a_len, kernels::ConstView x,
-                      int64_t b_len) {
+// in `x` [b_len elements]) now — from `dy_c`, dy already in the GEMMs' type (round_once) — or,
+// under a WeightGradDeferral, later, from copies of dy and x where later kernels overwrite them.
+void run_weight_grads(const LayerEnv& env, Group g, const float* dy, kernels::ConstView dy_c, int64_t a_len,
+                      kernels::ConstView x, int64_t b_len) {
   if (g.C.empty()) return;
   WeightGradDeferral* d = WeightGradDeferral::active();
-  if (!d) return g.run(env, kernels::f32(dy), a_len, x, b_len, true, false, 1.0f);
+  if (!d) return g.run(env, dy_c, a_len, x, b_len, true, false, 1.0f);
   auto dyc = d->keep(dy, a_len);
   auto xc = d->keep(x, b_len * kernels::dtype_size(x.dtype));
   d->push([env, g = std::move(g), dyc, xc, a_len, b_len] {
@@ -395,9 +395,12 @@ void MoeLayer::experts_backward(float* dX, const float* dY, kernels::ConstView X
     gdWd.add(down_[size_t(e)].g, o * H_, o * I_, H_, I_, c);    // dW_d += dY^T M
   }
   if (gdM.C.empty()) return;
-  gdM.run(env_, kernels::f32(dY), rows * H_, {}, 0, false, false, 0.0f);
+  // dY and dGU each feed two grouped GEMMs (dX, dW): rounded once, in slot 0, which neither
+  // weight-gradient GEMM's other input (slot 1 or none) touches.
+  const kernels::ConstView dYc = round_once(env_, 0, dY, rows * H_);
+  gdM.run(env_, dYc, rows * H_, {}, 0, false, false, 0.0f);
   env_.poll();
-  run_weight_grads(env_, gdWd, dY, rows * H_, M, rows * I_);
+  run_weight_grads(env_, gdWd, dY, dYc, rows * H_, M, rows * I_);
   env_.poll();
   be.swiglu_backward(dGU, dM, GU, rows, I_);
   Group gdX, gdWgu;
@@ -407,9 +410,10 @@ void MoeLayer::experts_backward(float* dX, const float* dY, kernels::ConstView X
     gdX.add(dX + o * H_, o * 2 * I_, gate_up_[size_t(e)], c, H_, 2 * I_);  // dX = dGU W_gu
     gdWgu.add(gate_up_[size_t(e)].g, o * 2 * I_, o * H_, 2 * I_, H_, c);    // dW_gu += dGU^T X
   }
-  gdX.run(env_, kernels::f32(dGU), rows * 2 * I_, {}, 0, false, false, 0.0f);
+  const kernels::ConstView dGUc = round_once(env_, 0, dGU, rows * 2 * I_);
+  gdX.run(env_, dGUc, rows * 2 * I_, {}, 0, false, false, 0.0f);
   env_.poll();
-  run_weight_grads(env_, gdWgu, dGU, rows * 2 * I_, X, rows * H_);
+  run_weight_grads(env_, gdWgu, dGU, dGUc, rows * 2 * I_, X, rows * H_);
   env_.poll();
 }
 

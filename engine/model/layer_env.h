@@ -335,6 +335,13 @@ inline kernels::ConstView pin_input(const LayerEnv& env, const WeightRef& W, con
   if (!low_precision(env, W)) return {};
   return (*env.cast)(kPinned, x, n);
 }
+// n floats at x rounded to the compute type once, into ComputeCast slot `slot`, for several
+// 16-bit GEMMs that read them next (each GEMM then reads the view as it is); x itself where the
+// GEMMs are fp32 or widened (there each call rounds its own input, as before).
+inline kernels::ConstView round_once(const LayerEnv& env, int slot, const float* x, int64_t n) {
+  if (!env.cast || !env.cast->active() || env.cast->widened()) return kernels::f32(x);
+  return (*env.cast)(slot, x, n);
+}
 // y = x W^T (+ b); beta = 1 accumulates into y.
 inline void linear_forward(const LayerEnv& env, float* y, const float* x, const WeightRef& W, int64_t rows,
                            int64_t out, int64_t in, float beta = 0.0f, kernels::ConstView xc = {}) {
