@@ -87,6 +87,32 @@ DSTRAIN_AMX void tile_row(float* C, int64_t ldc, const uint16_t* A, int64_t lda,
   if (n < N) tile_block<MT, 1>(C + n, ldc, A, lda, Bv + (n / 16) * block_stride, block_stride, K, accumulate);
 }
 
+// r[j][i] = r[i][j] for a 16 x 16 matrix of 32-bit words held as 16 rows: 32-bit and 64-bit
+// interleaves within the 128-bit lanes, then two rounds of lane shuffles.
+DSTRAIN_AMX void transpose_16x16_words(__m512i r[16]) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);      // per lane: a0 b0 a1 b1
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);  //           a2 b2 a3 b3
+  }
+  for (int g = 0; g < 4; ++g) {  // rows 4g .. 4g + 3: u[4g + c] holds their column 4l + c in lane l
+    const __m512i* q = t + 4 * g;
+    u[4 * g + 0] = _mm512_unpacklo_epi64(q[0], q[2]);
+    u[4 * g + 1] = _mm512_unpackhi_epi64(q[0], q[2]);
+    u[4 * g + 2] = _mm512_unpacklo_epi64(q[1], q[3]);
+    u[4 * g + 3] = _mm512_unpackhi_epi64(q[1], q[3]);
+  }
+  for (int c = 0; c < 4; ++c) {
+    const __m512i v = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x88), w = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xdd);
+    const __m512i x = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x88);
+    const __m512i y = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xdd);
+    r[c] = _mm512_shuffle_i32x4(v, x, 0x88);       // column c (lane 0 of each)
+    r[4 + c] = _mm512_shuffle_i32x4(w, y, 0x88);   // column 4 + c
+    r[8 + c] = _mm512_shuffle_i32x4(v, x, 0xdd);   // column 8 + c
+    r[12 + c] = _mm512_shuffle_i32x4(w, y, 0xdd);  // column 12 + c
+  }
+}
+
 }  // namespace
 
 DSTRAIN_AMX void vnni_pack(uint16_t* Bv, int64_t block_stride, const uint16_t* src, int64_t ld, int64_t K, int64_t N,
@@ -102,7 +128,17 @@ DSTRAIN_AMX void vnni_pack(uint16_t* Bv, int64_t block_stride, const uint16_t* s
                                             _mm512_set1_epi32(int(ld / 2)));
   for (int64_t n0 = 0; n0 < Np; n0 += 16) {
     uint16_t* block = Bv + (n0 / 16) * block_stride;
-    for (int64_t k = 0; k < Kp; k += 2) {
+    int64_t k = 0;
+    // Transposed, 16 whole rows: 32 values of each, as 16 words, transposed into 16 rows of the
+    // layout at once (the gather below moves one word per element loaded).
+    if (words && n0 + 16 <= N)
+      for (; k + 32 <= K; k += 32) {
+        __m512i r[16];
+        for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(src + (n0 + i) * ld + k);
+        transpose_16x16_words(r);
+        for (int j = 0; j < 16; ++j) _mm512_storeu_si512(block + (k + 2 * j) * 16, r[j]);
+      }
+    for (; k < Kp; k += 2) {
       uint16_t* out = block + k * 16;
       if (!transposed && k + 1 < K && n0 + 16 <= N) {
         const __m256i r0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + k * ld + n0));
@@ -133,6 +169,69 @@ DSTRAIN_AMX void amx_gemm(float* C, int64_t ldc, const uint16_t* A, int64_t lda,
   for (; m + 32 <= M; m += 32) tile_row<2>(C + m * ldc, ldc, A + m * lda, lda, Bv, block_stride, N, K, accumulate);
   if (m < M) tile_row<1>(C + m * ldc, ldc, A + m * lda, lda, Bv, block_stride, N, K, accumulate);
   _tile_release();
+}
+
+namespace {
+
+// dst [rows_pad, ld_dst] = src [rows, cols] (row stride ld_src) with zeros to the right and below.
+DSTRAIN_AMX void copy_padded(uint16_t* dst, int64_t ld_dst, const uint16_t* src, int64_t ld_src, int64_t rows,
+                             int64_t cols, int64_t rows_pad) {
+  for (int64_t r = 0; r < rows_pad; ++r) {
+    uint16_t* d = dst + r * ld_dst;
+    int64_t c = 0;
+    if (r < rows)
+      for (; c < cols; ++c) d[c] = src[r * ld_src + c];
+    for (; c < ld_dst; ++c) d[c] = 0;
+  }
+}
+
+// Rows [0, rows) of C [., N] (row stride ldc) into a tile row's buffer T [16, Np] (zeros
+// elsewhere; all zeros unless `load`), and back.
+DSTRAIN_AMX void rows_in(float* T, int64_t Np, const float* C, int64_t ldc, int64_t rows, int64_t N, bool load) {
+  for (int64_t r = 0; r < 16; ++r)
+    for (int64_t n = 0; n < Np; ++n) T[r * Np + n] = load && r < rows && n < N ? C[r * ldc + n] : 0.0f;
+}
+DSTRAIN_AMX void rows_out(float* C, int64_t ldc, const float* T, int64_t Np, int64_t rows, int64_t N) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t n = 0; n < N; ++n) C[r * ldc + n] = T[r * Np + n];
+}
+
+}  // namespace
+
+AmxMatmulWorkspace amx_matmul_workspace(int64_t M, int64_t N, int64_t K) {
+  const int64_t Kp = (K + 31) / 32 * 32, Np = (N + 15) / 16 * 16, Mp = (M + 15) / 16 * 16;
+  return {Kp * Np + Mp * Kp, 16 * Np};
+}
+
+DSTRAIN_AMX void amx_matmul(float* C, const uint16_t* A, const uint16_t* B, int64_t M, int64_t N, int64_t K, bool tb,
+                            bool accumulate, uint16_t* ws16, float* ws32) {
+  if (M <= 0 || N <= 0) return;
+  if (K <= 0) {
+    if (!accumulate)
+      for (int64_t i = 0; i < M * N; ++i) C[i] = 0.0f;
+    return;
+  }
+  const int64_t Kp = (K + 31) / 32 * 32, Np = (N + 15) / 16 * 16, Mp = (M + 15) / 16 * 16, M16 = M / 16 * 16;
+  uint16_t* Bv = ws16;
+  vnni_pack(Bv, Kp * 16, B, tb ? K : N, K, N, Kp, Np, tb);
+  // Whole tiles of rows from A in place where K is a multiple of 32; the rest (all of A
+  // otherwise) from a padded copy Ap.
+  uint16_t* Ap = Bv + Kp * Np;
+  const bool in_place = K == Kp;
+  if (in_place) copy_padded(Ap, Kp, A + M16 * K, K, M - M16, K, M16 < M ? 16 : 0);
+  else copy_padded(Ap, Kp, A, K, M, K, Mp);
+  const uint16_t* Amain = in_place ? A : Ap;
+  const int64_t lda = in_place ? K : Kp;
+  const uint16_t* Atail = in_place ? Ap : Ap + M16 * Kp;
+  if (N == Np && M16 > 0) amx_gemm(C, N, Amain, lda, Bv, Kp * 16, M16, N, Kp, accumulate);
+  // The rows the direct product did not cover (all of them when N is not a multiple of 16), a
+  // tile row at a time through ws32.
+  for (int64_t m0 = N == Np ? M16 : 0; m0 < M; m0 += 16) {
+    const int64_t rows = M - m0 < 16 ? M - m0 : 16;
+    rows_in(ws32, Np, C + m0 * N, N, rows, N, accumulate);
+    amx_gemm(ws32, Np, m0 < M16 ? Amain + m0 * lda : Atail, m0 < M16 ? lda : Kp, Bv, Kp * 16, 16, Np, Kp, accumulate);
+    rows_out(C + m0 * N, N, ws32, Np, rows, N);
+  }
 }
 
 }  // namespace dstrain::kernels::cpu

@@ -31,4 +31,17 @@ void vnni_pack(uint16_t* Bv, int64_t block_stride, const uint16_t* src, int64_t 
 void amx_gemm(float* C, int64_t ldc, const uint16_t* A, int64_t lda, const uint16_t* Bv, int64_t block_stride,
               int64_t M, int64_t N, int64_t K, bool accumulate);
 
+// A whole GEMM on one thread, for the experts' grouped GEMMs (CpuBackend::gemm_grouped, docs/
+// design.md §6.8): C [M, N] (row stride N) = A op(B) (+ C when accumulate), bf16 operands in
+// BLAS's row-major conventions — A [M, K]; op(B) = B [K, N], or B^T of B [N, K] when tb — for
+// any M, N, K >= 0. B is packed into the VNNI layout; A is read in place where K is a multiple
+// of 32, else copied padded; rows past the last whole tile go through a padded tile. (No A^T:
+// the weight gradients' transposing copy cost more than the tile unit saved; they stay on oneDNN.)
+struct AmxMatmulWorkspace {
+  int64_t u16 = 0, f32 = 0;  // elements
+};
+AmxMatmulWorkspace amx_matmul_workspace(int64_t M, int64_t N, int64_t K);
+void amx_matmul(float* C, const uint16_t* A, const uint16_t* B, int64_t M, int64_t N, int64_t K, bool tb,
+                bool accumulate, uint16_t* ws16, float* ws32);
+
 }  // namespace dstrain::kernels::cpu

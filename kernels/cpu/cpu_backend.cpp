@@ -123,6 +123,24 @@ class CpuBackend final : public Backend {
     // Many problems: one per thread at a time, as the fp32 form (small GEMMs run closer to the
     // core's rate on one thread each than one after the other on all threads).
     if (count >= 2 * threads_ && lowp_.native(low(dtype))) {
+      // bf16 on the AMX unit where there is one (unless DSTRAIN_GROUPED_GEMM=onednn): oneDNN 2.6
+      // has no AMX kernel for run-time shapes (its gemm:jit runs them at AVX512-BF16's rate).
+      // Not the weight gradients (A transposed): there a transposing copy of A cost more than
+      // the tile unit saved (0.6-0.9x of oneDNN in `dstrain-bench lowp`).
+      if (!ta && (beta == 0.0f || beta == 1.0f) && alpha == 1.0f && own_amx(dtype, "DSTRAIN_GROUPED_GEMM")) {
+        if (amx_ws16_.size() < size_t(threads_)) amx_ws16_.resize(size_t(threads_)), amx_ws32_.resize(size_t(threads_));
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads_)
+        for (int64_t i = 0; i < count; ++i) {
+          const cpu::AmxMatmulWorkspace need = cpu::amx_matmul_workspace(M[i], N[i], K[i]);
+          std::vector<uint16_t>& w16 = amx_ws16_[size_t(omp_get_thread_num())];
+          std::vector<float>& w32 = amx_ws32_[size_t(omp_get_thread_num())];
+          if (int64_t(w16.size()) < need.u16) w16.resize(size_t(need.u16));
+          if (int64_t(w32.size()) < need.f32) w32.resize(size_t(need.f32));
+          cpu::amx_matmul(C[i], static_cast<const uint16_t*>(A[i]), static_cast<const uint16_t*>(B[i]), M[i], N[i],
+                          K[i], tb, beta == 1.0f, w16.data(), w32.data());
+        }
+        return;
+      }
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads_)
       for (int64_t i = 0; i < count; ++i)
         lowp_.run_on_this_thread(C[i], static_cast<const uint16_t*>(A[i]), static_cast<const uint16_t*>(B[i]), M[i],
@@ -198,12 +216,14 @@ class CpuBackend final : public Backend {
   // DSTRAIN_ATTENTION_TILES=onednn; else its tile GEMMs are oneDNN matmuls. Either way 16-bit
   // attention only where the 16-bit GEMMs run natively: where they are widened the model's dO
   // comes in fp32 (ComputeCast), and Q, K, V are widened to match.
-  static bool amx_attention(DType t) {
+  static bool amx_attention(DType t) { return own_amx(t, "DSTRAIN_ATTENTION_TILES"); }
+  // bf16 on this file's AMX tile products where the CPU has them, unless the environment
+  // variable `var` says onednn (read on each call, so that a test can compare the two).
+  static bool own_amx(DType t, const char* var) {
     if (t != DType::kBF16) return false;
-    if (const char* o = std::getenv("DSTRAIN_ATTENTION_TILES")) {
+    if (const char* o = std::getenv(var)) {
       const std::string v = o;
-      if (v != "amx" && v != "onednn")
-        throw std::invalid_argument("DSTRAIN_ATTENTION_TILES=" + v + ": valid: amx, onednn");
+      if (v != "amx" && v != "onednn") throw std::invalid_argument(std::string(var) + "=" + v + ": valid: amx, onednn");
       if (v == "onednn") return false;
     }
     return cpu::amx_bf16_usable();
@@ -443,6 +463,8 @@ class CpuBackend final : public Backend {
   std::vector<uint16_t> attention_ws16_;  // and their 16-bit roundings (low-precision attention)
   std::vector<uint16_t> attention_pack16_;  // dense per-head operands (low-precision attention)
   std::vector<float> attention_pack32_;
+  std::vector<std::vector<uint16_t>> amx_ws16_;  // per thread: the grouped GEMMs' packed operands (AMX)
+  std::vector<std::vector<float>> amx_ws32_;
   cpu::TileGemm tile_bf16_{cpu::LowPrecision::kBf16}, tile_fp16_{cpu::LowPrecision::kFp16};
   int64_t attention_s_ = 0;
 };

@@ -421,6 +421,108 @@ TEST(Amx, TileProductsMatchADoubleReference) {
   }
 }
 
+// A whole GEMM on the tile unit, B as it is and transposed, sizes off the tiles' multiples in
+// M, N and K (tail rows through the padded tile, N % 16 != 0 through the row buffer, K padded),
+// and on whole tiles (A read in place): against a double-precision product of the same bf16
+// values; the elements past C's end untouched.
+TEST(Amx, MatmulMatchesADoubleReference) {
+  if (!amx_bf16_usable()) GTEST_SKIP() << "no AMX-BF16 on this CPU";
+  std::mt19937 rng(12);
+  std::normal_distribution<float> d(0.f, 1.f);
+  struct Shape {
+    int64_t M, N, K;
+  };
+  for (const Shape sh : {Shape{37, 45, 70}, Shape{64, 32, 64}, Shape{50, 48, 96}, Shape{5, 7, 3}, Shape{33, 16, 33},
+                         Shape{0, 16, 32}, Shape{16, 16, 0}})
+    for (const bool tb : {false, true})
+      for (const bool acc : {false, true}) {
+        SCOPED_TRACE(::testing::Message() << sh.M << " x " << sh.N << " x " << sh.K << (tb ? " B^T" : "")
+                                          << (acc ? " +C" : ""));
+        const int64_t M = sh.M, N = sh.N, K = sh.K;
+        std::vector<uint16_t> A(size_t(M * K)), B(size_t(K * N));
+        for (auto& v : A) v = to_bf16(d(rng));
+        for (auto& v : B) v = to_bf16(d(rng));
+        const auto a = [&](int64_t i, int64_t k) { return double(from_bf16(A[size_t(i * K + k)])); };
+        const auto b = [&](int64_t k, int64_t n) { return double(from_bf16(B[size_t(tb ? n * K + k : k * N + n)])); };
+        std::vector<float> C(size_t(M * N + 8));
+        for (auto& v : C) v = d(rng);
+        const std::vector<float> C0 = C;
+        const AmxMatmulWorkspace need = amx_matmul_workspace(M, N, K);
+        std::vector<uint16_t> w16(size_t(need.u16), 0xffff);  // garbage: every padding is written
+        std::vector<float> w32(size_t(need.f32), std::nanf(""));
+        amx_matmul(C.data(), A.data(), B.data(), M, N, K, tb, acc, w16.data(), w32.data());
+        for (int64_t i = 0; i < M; ++i)
+          for (int64_t n = 0; n < N; ++n) {
+            double want = acc ? C0[size_t(i * N + n)] : 0.0, mag = std::fabs(want);
+            for (int64_t k = 0; k < K; ++k) want += a(i, k) * b(k, n), mag += std::fabs(a(i, k) * b(k, n));
+            ASSERT_NEAR(C[size_t(i * N + n)], want, 1e-5 * mag + 1e-30) << i << ", " << n;
+          }
+        for (size_t i = size_t(M * N); i < C.size(); ++i) ASSERT_EQ(C[i], C0[i]) << "past C's end, " << i;
+      }
+}
+
+// DSTRAIN_GROUPED_GEMM set for one scope (read on every grouped call).
+class GroupedGemmEngine {
+ public:
+  explicit GroupedGemmEngine(const char* v) { setenv("DSTRAIN_GROUPED_GEMM", v, 1); }
+  ~GroupedGemmEngine() { unsetenv("DSTRAIN_GROUPED_GEMM"); }
+};
+
+// The backend's grouped bf16 GEMM (the experts') on the AMX unit against the same problems on
+// oneDNN: forward-like (B transposed), input-gradient-like and weight-gradient-like (A
+// transposed, the rows summed: oneDNN either way), row counts 0 to 40, beta 0 and 1; a bad
+// engine name refused.
+TEST(Amx, GroupedGemmMatchesOneDnn) {
+  const LowpGemmChoice choice("native");
+  if (!amx_bf16_usable()) GTEST_SKIP() << "no AMX-BF16 on this CPU";
+  auto be = make_cpu_backend(2);
+  if (!be->low_precision_gemm_native(DType::kBF16)) GTEST_SKIP() << "no native bf16 matmul";
+  std::mt19937 rng(13);
+  std::normal_distribution<float> d(0.f, 1.f);
+  const int64_t count = 7, H = 48, I = 40;
+  struct Kind {
+    bool ta, tb;
+    float beta;
+  };
+  for (const Kind kind : {Kind{false, true, 0.0f}, Kind{false, false, 1.0f}, Kind{true, false, 1.0f}}) {
+    SCOPED_TRACE(::testing::Message() << (kind.ta ? "A^T " : "") << (kind.tb ? "B^T " : "") << "beta " << kind.beta);
+    std::vector<int64_t> Ms(count), Ns(count), Ks(count);
+    std::vector<std::vector<uint16_t>> As(count), Bs(count);
+    std::vector<std::vector<float>> C0(count);
+    for (int64_t i = 0; i < count; ++i) {
+      const int64_t rows = (i * 13) % 41;  // 0 included
+      Ms[i] = kind.ta ? I : rows, Ns[i] = kind.ta ? H : kind.tb ? I : H, Ks[i] = kind.ta ? rows : kind.tb ? H : I;
+      As[i].resize(size_t(Ms[i] * Ks[i])), Bs[i].resize(size_t(Ks[i] * Ns[i]));
+      for (auto* v : {&As[i], &Bs[i]})
+        for (auto& e : *v) e = to_bf16(d(rng));
+      C0[i].resize(size_t(Ms[i] * Ns[i]));
+      for (auto& e : C0[i]) e = d(rng);
+    }
+    const auto run = [&](const char* engine) {
+      const GroupedGemmEngine use(engine);
+      std::vector<std::vector<float>> Cs = C0;
+      std::vector<float*> C(count);
+      std::vector<const void*> A(count), B(count);
+      for (int64_t i = 0; i < count; ++i) C[i] = Cs[i].data(), A[i] = As[i].data(), B[i] = Bs[i].data();
+      be->gemm_grouped(C.data(), A.data(), B.data(), DType::kBF16, Ms.data(), Ns.data(), Ks.data(), count, kind.ta,
+                       kind.tb, 1.0f, kind.beta);
+      return Cs;
+    };
+    const auto amx = run("amx"), onednn = run("onednn");
+    for (int64_t i = 0; i < count; ++i)
+      for (size_t j = 0; j < amx[i].size(); ++j)
+        ASSERT_NEAR(amx[i][j], onednn[i][j], 1e-5 * (1 + std::fabs(onednn[i][j]))) << i << " " << j;
+  }
+  const GroupedGemmEngine bad("tiles");
+  std::vector<float> c(4);
+  std::vector<uint16_t> a(4), b(4);
+  std::vector<float*> C(4, c.data());
+  std::vector<const void*> A(4, a.data()), B(4, b.data());
+  const int64_t one[4] = {1, 1, 1, 1};
+  EXPECT_THROW(be->gemm_grouped(C.data(), A.data(), B.data(), DType::kBF16, one, one, one, 4, false, true, 1.0f, 0.0f),
+               std::invalid_argument);
+}
+
 // The AMX path and the oneDNN tiles compute the same thing from the same bf16 values with fp32
 // accumulation and round P and dS alike: they agree to fp32 rounding, and the forward pass
 // exactly where the products sum in the same order.

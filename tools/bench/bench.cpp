@@ -15,6 +15,7 @@
 #include <thread>
 #include <sys/resource.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
@@ -465,19 +466,42 @@ int bench_lowp(int threads) {
       Ap[size_t(e)] = Xb.data() + r * K;
       Bp[size_t(e)] = Wb.data() + e * N * K;
     }
-    const double grouped = time_it([&] {
+    // Each engine the grouped call has here (oneDNN; the AMX tile products where the CPU has
+    // them), in alternating rounds, the fastest round each: this machine's speed drifts.
+    std::vector<std::string> engines = {"onednn"};
+    if (kernels::cpu::amx_bf16_usable()) engines.push_back("amx");
+    const auto per_engine = [&](const std::function<void()>& fn) {
+      std::vector<double> best(engines.size(), 1e30);
+      for (int round = 0; round < 3; ++round)
+        for (size_t i = 0; i < engines.size(); ++i) {
+          setenv("DSTRAIN_GROUPED_GEMM", engines[i].c_str(), 1);
+          best[i] = std::min(best[i], time_it(fn, 3));
+        }
+      unsetenv("DSTRAIN_GROUPED_GEMM");
+      return best;
+    };
+    const auto print_engines = [&](const char* what, const std::vector<double>& t, double flops) {
+      std::printf("%s:", what);
+      for (size_t i = 0; i < engines.size(); ++i)
+        std::printf("%s %s %.0f GFLOP/s", i ? "," : "", engines[i].c_str(), flops / t[i] / 1e9);
+      if (engines.size() > 1) std::printf(" (%s %.2fx)", engines.back().c_str(), t[0] / t.back());
+      std::printf("\n");
+    };
+    const std::vector<double> forward = per_engine([&] {
       be->gemm_grouped(Cp.data(), Ap.data(), Bp.data(), kernels::DType::kBF16, Ms.data(), Ns.data(), Ks.data(), E,
                        false, true, 1.0f, 0.0f);
-    }, 5);
+    });
+    const double grouped = *std::min_element(forward.begin(), forward.end());
     const double serial = time_it([&] {
       for (int64_t e = 0; e < E; ++e)
         lp.run(Cp[size_t(e)], static_cast<const uint16_t*>(Ap[size_t(e)]), static_cast<const uint16_t*>(Bp[size_t(e)]),
                Ms[size_t(e)], N, K, false, true, 1.0f, 0.0f, LowPrecision::kBf16, true);
     }, 5);
     const double f = 2.0 * double(rows) * N * K;
-    std::printf("expert gate+up, %ld experts, %ld rows (bf16): grouped %.0f GFLOP/s, one after the other %.0f GFLOP/s "
-                "(%.2fx)\n",
-                long(E), long(rows), f / grouped / 1e9, f / serial / 1e9, serial / grouped);
+    print_engines(("expert gate+up, " + std::to_string(E) + " experts, " + std::to_string(rows) +
+                   " rows (bf16), grouped").c_str(), forward, f);
+    std::printf("  one after the other on oneDNN (all threads each) %.0f GFLOP/s: the fastest grouped engine %.2fx\n",
+                f / serial / 1e9, serial / grouped);
     // Their weight gradients, dW[N, K] = dY^T X: the row counts are the reduction dimension.
     std::vector<float> dW(size_t(E * N * K));
     std::vector<uint16_t> dYb(size_t(rows * N));
@@ -488,11 +512,23 @@ int bench_lowp(int threads) {
       Ap[size_t(e)] = dYb.data() + r * N;
       Bp[size_t(e)] = Xb.data() + r * K;
     }
+    // On oneDNN whatever the CPU: with A transposed the backend does not take the AMX path.
     const double wgrad = time_it([&] {
       be->gemm_grouped(Cp.data(), Ap.data(), Bp.data(), kernels::DType::kBF16, wM.data(), wN.data(), Ms.data(), E,
                        true, false, 1.0f, 1.0f);
     }, 5);
-    std::printf("expert gate+up weight gradients (bf16, grouped): %.0f GFLOP/s\n", f / wgrad / 1e9);
+    std::printf("expert gate+up weight gradients (bf16, grouped, oneDNN): %.0f GFLOP/s\n", f / wgrad / 1e9);
+    // Their input gradients, dX[rows, K] = dGU W (W not transposed).
+    std::vector<float> dX(size_t(rows * K));
+    for (int64_t e = 0, r = 0; e < E; r += Ms[size_t(e)], ++e) {
+      Cp[size_t(e)] = dX.data() + r * K;
+      Ap[size_t(e)] = dYb.data() + r * N;
+      Bp[size_t(e)] = Wb.data() + e * N * K;
+    }
+    print_engines("expert gate+up input gradients (bf16, grouped)", per_engine([&] {
+      be->gemm_grouped(Cp.data(), Ap.data(), Bp.data(), kernels::DType::kBF16, Ms.data(), wN.data(), wM.data(), E,
+                       false, false, 1.0f, 0.0f);
+    }), f);
   }
   return 0;
 }
