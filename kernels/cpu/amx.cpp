@@ -203,8 +203,26 @@ AmxMatmulWorkspace amx_matmul_workspace(int64_t M, int64_t N, int64_t K) {
   return {Kp * Np + Mp * Kp, 16 * Np};
 }
 
+int64_t amx_packed_b_elems(int64_t N, int64_t K) { return (K + 31) / 32 * 32 * ((N + 15) / 16 * 16); }
+
+DSTRAIN_AMX void amx_pack_b(uint16_t* Bv, const uint16_t* B, int64_t N, int64_t K, bool tb, int64_t n_begin,
+                            int64_t n_end) {
+  if (K <= 0 || n_end <= n_begin) return;
+  const int64_t Kp = (K + 31) / 32 * 32, cols = (n_end < N ? n_end : N) - n_begin;
+  vnni_pack(Bv + (n_begin / 16) * Kp * 16, Kp * 16, tb ? B + n_begin * K : B + n_begin, tb ? K : N, K,
+            cols > 0 ? cols : 0, Kp, n_end - n_begin, tb);
+}
+
 DSTRAIN_AMX void amx_matmul(float* C, const uint16_t* A, const uint16_t* B, int64_t M, int64_t N, int64_t K, bool tb,
                             bool accumulate, uint16_t* ws16, float* ws32) {
+  if (M <= 0 || N <= 0) return;
+  const int64_t Np = (N + 15) / 16 * 16;
+  amx_pack_b(ws16, B, N, K, tb, 0, Np);
+  amx_matmul_packed(C, A, ws16, M, N, K, accumulate, ws16 + amx_packed_b_elems(N, K), ws32);
+}
+
+DSTRAIN_AMX void amx_matmul_packed(float* C, const uint16_t* A, const uint16_t* Bv, int64_t M, int64_t N, int64_t K,
+                                   bool accumulate, uint16_t* ws16, float* ws32) {
   if (M <= 0 || N <= 0) return;
   if (K <= 0) {
     if (!accumulate)
@@ -212,11 +230,9 @@ DSTRAIN_AMX void amx_matmul(float* C, const uint16_t* A, const uint16_t* B, int6
     return;
   }
   const int64_t Kp = (K + 31) / 32 * 32, Np = (N + 15) / 16 * 16, Mp = (M + 15) / 16 * 16, M16 = M / 16 * 16;
-  uint16_t* Bv = ws16;
-  vnni_pack(Bv, Kp * 16, B, tb ? K : N, K, N, Kp, Np, tb);
   // Whole tiles of rows from A in place where K is a multiple of 32; the rest (all of A
   // otherwise) from a padded copy Ap.
-  uint16_t* Ap = Bv + Kp * Np;
+  uint16_t* Ap = ws16;
   const bool in_place = K == Kp;
   if (in_place) copy_padded(Ap, Kp, A + M16 * K, K, M - M16, K, M16 < M ? 16 : 0);
   else copy_padded(Ap, Kp, A, K, M, K, Mp);

@@ -43,5 +43,13 @@ struct AmxMatmulWorkspace {
 AmxMatmulWorkspace amx_matmul_workspace(int64_t M, int64_t N, int64_t K);
 void amx_matmul(float* C, const uint16_t* A, const uint16_t* B, int64_t M, int64_t N, int64_t K, bool tb,
                 bool accumulate, uint16_t* ws16, float* ws32);
+// amx_matmul in its two parts, for one product split over threads (CpuBackend::gemm): the
+// column blocks [n_begin, n_end) of packed B (n_begin a multiple of 16, n_end at most N rounded
+// up to 16; Bv holds them all, amx_packed_b_elems), then rows of A against the packed B (ws16:
+// amx_matmul_workspace(M, N, K).u16 - amx_packed_b_elems(N, K) elements, ws32 its f32).
+int64_t amx_packed_b_elems(int64_t N, int64_t K);
+void amx_pack_b(uint16_t* Bv, const uint16_t* B, int64_t N, int64_t K, bool tb, int64_t n_begin, int64_t n_end);
+void amx_matmul_packed(float* C, const uint16_t* A, const uint16_t* Bv, int64_t M, int64_t N, int64_t K,
+                       bool accumulate, uint16_t* ws16, float* ws32);
 
 }  // namespace dstrain::kernels::cpu

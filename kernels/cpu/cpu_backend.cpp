@@ -110,8 +110,39 @@ class CpuBackend final : public Backend {
     if (A.dtype == DType::kF32)
       return gemm(C, static_cast<const float*>(A.data), static_cast<const float*>(B.data), M, N, K, ta, tb, alpha,
                   beta);
+    // bf16 on the AMX unit where there is one (unless DSTRAIN_DENSE_GEMM=onednn), A not
+    // transposed (the weight gradients stay on oneDNN, as the experts' do).
+    if (!ta && M >= 32 && (beta == 0.0f || beta == 1.0f) && alpha == 1.0f && lowp_.native(low(A.dtype)) &&
+        own_amx(A.dtype, "DSTRAIN_DENSE_GEMM"))
+      return amx_dense(C, static_cast<const uint16_t*>(A.data), static_cast<const uint16_t*>(B.data), M, N, K, tb,
+                       beta == 1.0f);
     lowp_.run(C, static_cast<const uint16_t*>(A.data), static_cast<const uint16_t*>(B.data), M, N, K, ta, tb, alpha,
               beta, low(A.dtype));
+  }
+  // One product over the threads: B packed once (its column blocks split over the threads),
+  // then each thread's rows (whole 32-row tile pairs) against it.
+  void amx_dense(float* C, const uint16_t* A, const uint16_t* B, int64_t M, int64_t N, int64_t K, bool tb,
+                 bool accumulate) {
+    const int64_t Np = (N + 15) / 16 * 16;
+    if (int64_t(amx_b_.size()) < cpu::amx_packed_b_elems(N, K)) amx_b_.resize(size_t(cpu::amx_packed_b_elems(N, K)));
+    if (amx_ws16_.size() < size_t(threads_)) amx_ws16_.resize(size_t(threads_)), amx_ws32_.resize(size_t(threads_));
+    uint16_t* Bv = amx_b_.data();
+#pragma omp parallel num_threads(threads_)
+    {
+      const int64_t t = omp_get_thread_num(), T = omp_get_num_threads();
+      const int64_t blocks = Np / 16;
+      cpu::amx_pack_b(Bv, B, N, K, tb, blocks * t / T * 16, blocks * (t + 1) / T * 16);
+#pragma omp barrier
+      const int64_t pairs = (M + 31) / 32, m0 = std::min(M, pairs * t / T * 32), m1 = std::min(M, pairs * (t + 1) / T * 32);
+      if (m1 > m0) {
+        const cpu::AmxMatmulWorkspace need = cpu::amx_matmul_workspace(m1 - m0, N, K);
+        std::vector<uint16_t>& w16 = amx_ws16_[size_t(t)];
+        std::vector<float>& w32 = amx_ws32_[size_t(t)];
+        if (int64_t(w16.size()) < need.u16) w16.resize(size_t(need.u16));
+        if (int64_t(w32.size()) < need.f32) w32.resize(size_t(need.f32));
+        cpu::amx_matmul_packed(C + m0 * N, A + m0 * K, Bv, m1 - m0, N, K, accumulate, w16.data(), w32.data());
+      }
+    }
   }
   void gemm_grouped(float* const* C, const void* const* A, const void* const* B, DType dtype, const int64_t* M,
                     const int64_t* N, const int64_t* K, int64_t count, bool ta, bool tb, float alpha,
@@ -463,7 +494,8 @@ class CpuBackend final : public Backend {
   std::vector<uint16_t> attention_ws16_;  // and their 16-bit roundings (low-precision attention)
   std::vector<uint16_t> attention_pack16_;  // dense per-head operands (low-precision attention)
   std::vector<float> attention_pack32_;
-  std::vector<std::vector<uint16_t>> amx_ws16_;  // per thread: the grouped GEMMs' packed operands (AMX)
+  std::vector<uint16_t> amx_b_;  // a dense AMX product's packed B
+  std::vector<std::vector<uint16_t>> amx_ws16_;  // per thread: the AMX products' packed operands
   std::vector<std::vector<float>> amx_ws32_;
   cpu::TileGemm tile_bf16_{cpu::LowPrecision::kBf16}, tile_fp16_{cpu::LowPrecision::kFp16};
   int64_t attention_s_ = 0;

@@ -523,6 +523,58 @@ TEST(Amx, GroupedGemmMatchesOneDnn) {
                std::invalid_argument);
 }
 
+// DSTRAIN_DENSE_GEMM set for one scope (read on every call).
+class DenseGemmEngine {
+ public:
+  explicit DenseGemmEngine(const char* v) { setenv("DSTRAIN_DENSE_GEMM", v, 1); }
+  ~DenseGemmEngine() { unsetenv("DSTRAIN_DENSE_GEMM"); }
+};
+
+// The backend's typed bf16 GEMM split over its threads on the AMX unit (B packed by column
+// blocks per thread, rows by 32-row pairs per thread) against oneDNN: row counts that split
+// unevenly, N and K off the tiles' multiples, B transposed or not, beta 0 and 1; A transposed
+// stays on oneDNN (the same bits either way); a bad engine name refused.
+TEST(Amx, DenseGemmMatchesOneDnn) {
+  const LowpGemmChoice choice("native");
+  if (!amx_bf16_usable()) GTEST_SKIP() << "no AMX-BF16 on this CPU";
+  auto be = make_cpu_backend(2);
+  if (!be->low_precision_gemm_native(DType::kBF16)) GTEST_SKIP() << "no native bf16 matmul";
+  std::mt19937 rng(14);
+  std::normal_distribution<float> d(0.f, 1.f);
+  struct Case {
+    int64_t M, N, K;
+    bool ta, tb;
+    float beta;
+  };
+  for (const Case c : {Case{100, 45, 70, false, true, 0.0f}, Case{96, 64, 96, false, false, 1.0f},
+                       Case{33, 200, 40, false, true, 1.0f}, Case{64, 48, 50, true, false, 1.0f}}) {
+    SCOPED_TRACE(::testing::Message() << c.M << " x " << c.N << " x " << c.K << (c.ta ? " A^T" : "")
+                                      << (c.tb ? " B^T" : "") << " beta " << c.beta);
+    std::vector<uint16_t> A(size_t(c.M * c.K)), B(size_t(c.K * c.N));
+    for (auto& v : A) v = to_bf16(d(rng));
+    for (auto& v : B) v = to_bf16(d(rng));
+    std::vector<float> C0(size_t(c.M * c.N));
+    for (auto& v : C0) v = d(rng);
+    const auto run = [&](const char* engine) {
+      const DenseGemmEngine use(engine);
+      std::vector<float> C = C0;
+      be->gemm(C.data(), ConstView{A.data(), DType::kBF16}, ConstView{B.data(), DType::kBF16}, c.M, c.N, c.K, c.ta,
+               c.tb, 1.0f, c.beta);
+      return C;
+    };
+    const auto amx = run("amx"), onednn = run("onednn");
+    for (size_t i = 0; i < amx.size(); ++i)
+      ASSERT_NEAR(amx[i], onednn[i], 1e-5 * (1 + std::fabs(onednn[i]))) << i;
+    if (c.ta) EXPECT_EQ(amx, onednn);
+  }
+  const DenseGemmEngine bad("tiles");
+  std::vector<float> C(64 * 16);
+  std::vector<uint16_t> A(64 * 32), B(32 * 16);
+  EXPECT_THROW(be->gemm(C.data(), ConstView{A.data(), DType::kBF16}, ConstView{B.data(), DType::kBF16}, 64, 16, 32,
+                        false, false, 1.0f, 0.0f),
+               std::invalid_argument);
+}
+
 // The AMX path and the oneDNN tiles compute the same thing from the same bf16 values with fp32
 // accumulation and round P and dS alike: they agree to fp32 rounding, and the forward pass
 // exactly where the products sum in the same order.
