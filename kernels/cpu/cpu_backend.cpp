@@ -125,7 +125,7 @@ class CpuBackend final : public Backend {
                  bool accumulate) {
     const int64_t Np = (N + 15) / 16 * 16;
     if (int64_t(amx_b_.size()) < cpu::amx_packed_b_elems(N, K)) amx_b_.resize(size_t(cpu::amx_packed_b_elems(N, K)));
-    if (amx_ws16_.size() < size_t(threads_)) amx_ws16_.resize(size_t(threads_)), amx_ws32_.resize(size_t(threads_));
+    amx_ws_.resize(size_t(threads_));
     uint16_t* Bv = amx_b_.data();
 #pragma omp parallel num_threads(threads_)
     {
@@ -135,12 +135,8 @@ class CpuBackend final : public Backend {
 #pragma omp barrier
       const int64_t pairs = (M + 31) / 32, m0 = std::min(M, pairs * t / T * 32), m1 = std::min(M, pairs * (t + 1) / T * 32);
       if (m1 > m0) {
-        const cpu::AmxMatmulWorkspace need = cpu::amx_matmul_workspace(m1 - m0, N, K);
-        std::vector<uint16_t>& w16 = amx_ws16_[size_t(t)];
-        std::vector<float>& w32 = amx_ws32_[size_t(t)];
-        if (int64_t(w16.size()) < need.u16) w16.resize(size_t(need.u16));
-        if (int64_t(w32.size()) < need.f32) w32.resize(size_t(need.f32));
-        cpu::amx_matmul_packed(C + m0 * N, A + m0 * K, Bv, m1 - m0, N, K, accumulate, w16.data(), w32.data());
+        AmxScratch& w = amx_ws_[size_t(t)].grow(m1 - m0, N, K);
+        cpu::amx_matmul_packed(C + m0 * N, A + m0 * K, Bv, m1 - m0, N, K, accumulate, w.u16.data(), w.f32.data());
       }
     }
   }
@@ -159,16 +155,12 @@ class CpuBackend final : public Backend {
       // Not the weight gradients (A transposed): there a transposing copy of A cost more than
       // the tile unit saved (0.6-0.9x of oneDNN in `dstrain-bench lowp`).
       if (!ta && (beta == 0.0f || beta == 1.0f) && alpha == 1.0f && own_amx(dtype, "DSTRAIN_GROUPED_GEMM")) {
-        if (amx_ws16_.size() < size_t(threads_)) amx_ws16_.resize(size_t(threads_)), amx_ws32_.resize(size_t(threads_));
+        amx_ws_.resize(size_t(threads_));
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads_)
         for (int64_t i = 0; i < count; ++i) {
-          const cpu::AmxMatmulWorkspace need = cpu::amx_matmul_workspace(M[i], N[i], K[i]);
-          std::vector<uint16_t>& w16 = amx_ws16_[size_t(omp_get_thread_num())];
-          std::vector<float>& w32 = amx_ws32_[size_t(omp_get_thread_num())];
-          if (int64_t(w16.size()) < need.u16) w16.resize(size_t(need.u16));
-          if (int64_t(w32.size()) < need.f32) w32.resize(size_t(need.f32));
+          AmxScratch& w = amx_ws_[size_t(omp_get_thread_num())].grow(M[i], N[i], K[i]);
           cpu::amx_matmul(C[i], static_cast<const uint16_t*>(A[i]), static_cast<const uint16_t*>(B[i]), M[i], N[i],
-                          K[i], tb, beta == 1.0f, w16.data(), w32.data());
+                          K[i], tb, beta == 1.0f, w.u16.data(), w.f32.data());
         }
         return;
       }
@@ -495,8 +487,17 @@ class CpuBackend final : public Backend {
   std::vector<uint16_t> attention_pack16_;  // dense per-head operands (low-precision attention)
   std::vector<float> attention_pack32_;
   std::vector<uint16_t> amx_b_;  // a dense AMX product's packed B
-  std::vector<std::vector<uint16_t>> amx_ws16_;  // per thread: the AMX products' packed operands
-  std::vector<std::vector<float>> amx_ws32_;
+  struct AmxScratch {  // one thread's: an AMX product's packed operands and row buffer
+    std::vector<uint16_t> u16;
+    std::vector<float> f32;
+    AmxScratch& grow(int64_t M, int64_t N, int64_t K) {  // to amx_matmul_workspace(M, N, K)
+      const cpu::AmxMatmulWorkspace need = cpu::amx_matmul_workspace(M, N, K);
+      if (int64_t(u16.size()) < need.u16) u16.resize(size_t(need.u16));
+      if (int64_t(f32.size()) < need.f32) f32.resize(size_t(need.f32));
+      return *this;
+    }
+  };
+  std::vector<AmxScratch> amx_ws_;  // per thread
   cpu::TileGemm tile_bf16_{cpu::LowPrecision::kBf16}, tile_fp16_{cpu::LowPrecision::kFp16};
   int64_t attention_s_ = 0;
 };
