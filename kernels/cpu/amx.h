@@ -12,6 +12,14 @@
 
 namespace dstrain::kernels::cpu {
 
+// A tile row is 64 bytes: tiles whose rows start on cache lines are read and written a line per
+// row, others two (the AMX products run at about half the rate on misaligned operands). The
+// workspaces below hold 64 bytes of slack for this.
+template <class T>
+T* line_aligned(T* p) {
+  return reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(p) + 63) & ~uintptr_t(63));
+}
+
 // The CPU has AMX-TILE and AMX-BF16 (and AVX-512 BW), and Linux let this process use the tile
 // registers (arch_prctl ARCH_REQ_XCOMP_PERM). Asked once per process.
 bool amx_bf16_usable();
@@ -32,16 +40,16 @@ void amx_gemm(float* C, int64_t ldc, const uint16_t* A, int64_t lda, const uint1
               int64_t M, int64_t N, int64_t K, bool accumulate);
 
 // A whole GEMM on one thread, for the experts' grouped GEMMs (CpuBackend::gemm_grouped, docs/
-// design.md §6.8): C [M, N] (row stride N) = A op(B) (+ C when accumulate), bf16 operands in
-// BLAS's row-major conventions — A [M, K]; op(B) = B [K, N], or B^T of B [N, K] when tb — for
-// any M, N, K >= 0. B is packed into the VNNI layout; A is read in place where K is a multiple
-// of 32, else copied padded; rows past the last whole tile go through a padded tile. (No A^T:
-// the weight gradients' transposing copy cost more than the tile unit saved; they stay on oneDNN.)
+// design.md §6.8): C [M, N] (row stride N) = op(A) op(B) (+ C when accumulate), bf16 operands
+// in BLAS's row-major conventions — op(A) = A [M, K], or A^T of A [K, M] when ta; op(B) = B
+// [K, N], or B^T of B [N, K] when tb — for any M, N, K >= 0. B is packed into the VNNI layout;
+// A is read in place where K is a multiple of 32, else copied padded (A^T: transposed into the
+// workspace with K padded); rows past the last whole tile go through a padded tile.
 struct AmxMatmulWorkspace {
   int64_t u16 = 0, f32 = 0;  // elements
 };
-AmxMatmulWorkspace amx_matmul_workspace(int64_t M, int64_t N, int64_t K);
-void amx_matmul(float* C, const uint16_t* A, const uint16_t* B, int64_t M, int64_t N, int64_t K, bool tb,
+AmxMatmulWorkspace amx_matmul_workspace(int64_t M, int64_t N, int64_t K, bool ta = false);
+void amx_matmul(float* C, const uint16_t* A, const uint16_t* B, int64_t M, int64_t N, int64_t K, bool ta, bool tb,
                 bool accumulate, uint16_t* ws16, float* ws32);
 // amx_matmul in its two parts, for one product split over threads (CpuBackend::gemm): the
 // column blocks [n_begin, n_end) of packed B (n_begin a multiple of 16, n_end at most N rounded

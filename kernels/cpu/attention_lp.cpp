@@ -307,13 +307,6 @@ static_assert(kAmxKeys % kAttnTile == 0 && kAttnTile % 32 == 0);
 // elements a row.
 constexpr int64_t kSkew = 32;
 
-// A tile row is 64 bytes: the blocks start on cache lines (the callers' buffers need not), or
-// every tile load and store touches twice as many lines.
-template <class T>
-T* line_aligned(T* p) {
-  return reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(p) + 63) & ~uintptr_t(63));
-}
-
 // The padded sizes: S to whole query tiles, the head widths to whole 32-element steps of the
 // tile products, Sl the skewed row of the transposed blocks; and the per-thread scratch (enough
 // for either pass).

@@ -124,9 +124,10 @@ class CpuBackend final : public Backend {
   void amx_dense(float* C, const uint16_t* A, const uint16_t* B, int64_t M, int64_t N, int64_t K, bool tb,
                  bool accumulate) {
     const int64_t Np = (N + 15) / 16 * 16;
-    if (int64_t(amx_b_.size()) < cpu::amx_packed_b_elems(N, K)) amx_b_.resize(size_t(cpu::amx_packed_b_elems(N, K)));
+    const int64_t packed = cpu::amx_packed_b_elems(N, K) + 32;  // + line_aligned's slack
+    if (int64_t(amx_b_.size()) < packed) amx_b_.resize(size_t(packed));
     amx_ws_.resize(size_t(threads_));
-    uint16_t* Bv = amx_b_.data();
+    uint16_t* Bv = cpu::line_aligned(amx_b_.data());
 #pragma omp parallel num_threads(threads_)
     {
       const int64_t t = omp_get_thread_num(), T = omp_get_num_threads();
@@ -152,15 +153,14 @@ class CpuBackend final : public Backend {
     if (count >= 2 * threads_ && lowp_.native(low(dtype))) {
       // bf16 on the AMX unit where there is one (unless DSTRAIN_GROUPED_GEMM=onednn): oneDNN 2.6
       // has no AMX kernel for run-time shapes (its gemm:jit runs them at AVX512-BF16's rate).
-      // Not the weight gradients (A transposed): there a transposing copy of A cost more than
-      // the tile unit saved (0.6-0.9x of oneDNN in `dstrain-bench lowp`).
-      if (!ta && (beta == 0.0f || beta == 1.0f) && alpha == 1.0f && own_amx(dtype, "DSTRAIN_GROUPED_GEMM")) {
+      // The weight gradients (A transposed) too, through a transposing copy of A.
+      if ((beta == 0.0f || beta == 1.0f) && alpha == 1.0f && own_amx(dtype, "DSTRAIN_GROUPED_GEMM")) {
         amx_ws_.resize(size_t(threads_));
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads_)
         for (int64_t i = 0; i < count; ++i) {
-          AmxScratch& w = amx_ws_[size_t(omp_get_thread_num())].grow(M[i], N[i], K[i]);
+          AmxScratch& w = amx_ws_[size_t(omp_get_thread_num())].grow(M[i], N[i], K[i], ta);
           cpu::amx_matmul(C[i], static_cast<const uint16_t*>(A[i]), static_cast<const uint16_t*>(B[i]), M[i], N[i],
-                          K[i], tb, beta == 1.0f, w.u16.data(), w.f32.data());
+                          K[i], ta, tb, beta == 1.0f, w.u16.data(), w.f32.data());
         }
         return;
       }
@@ -490,8 +490,8 @@ class CpuBackend final : public Backend {
   struct AmxScratch {  // one thread's: an AMX product's packed operands and row buffer
     std::vector<uint16_t> u16;
     std::vector<float> f32;
-    AmxScratch& grow(int64_t M, int64_t N, int64_t K) {  // to amx_matmul_workspace(M, N, K)
-      const cpu::AmxMatmulWorkspace need = cpu::amx_matmul_workspace(M, N, K);
+    AmxScratch& grow(int64_t M, int64_t N, int64_t K, bool ta = false) {  // to amx_matmul_workspace
+      const cpu::AmxMatmulWorkspace need = cpu::amx_matmul_workspace(M, N, K, ta);
       if (int64_t(u16.size()) < need.u16) u16.resize(size_t(need.u16));
       if (int64_t(f32.size()) < need.f32) f32.resize(size_t(need.f32));
       return *this;

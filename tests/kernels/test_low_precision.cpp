@@ -421,10 +421,11 @@ TEST(Amx, TileProductsMatchADoubleReference) {
   }
 }
 
-// A whole GEMM on the tile unit, B as it is and transposed, sizes off the tiles' multiples in
-// M, N and K (tail rows through the padded tile, N % 16 != 0 through the row buffer, K padded),
-// and on whole tiles (A read in place): against a double-precision product of the same bf16
-// values; the elements past C's end untouched.
+// A whole GEMM on the tile unit, A and B as they are and transposed, sizes off the tiles'
+// multiples in M, N and K (tail rows through the padded tile, N % 16 != 0 through the row
+// buffer, K padded; A^T: columns of A past a 16-column block, K past a 32-row block), on whole
+// tiles (A read in place), and K long enough to go in chunks (1700: 768 + 768 + 164): against a
+// double-precision product of the same bf16 values; the elements past C's end untouched.
 TEST(Amx, MatmulMatchesADoubleReference) {
   if (!amx_bf16_usable()) GTEST_SKIP() << "no AMX-BF16 on this CPU";
   std::mt19937 rng(12);
@@ -433,32 +434,34 @@ TEST(Amx, MatmulMatchesADoubleReference) {
     int64_t M, N, K;
   };
   for (const Shape sh : {Shape{37, 45, 70}, Shape{64, 32, 64}, Shape{50, 48, 96}, Shape{5, 7, 3}, Shape{33, 16, 33},
-                         Shape{0, 16, 32}, Shape{16, 16, 0}})
-    for (const bool tb : {false, true})
-      for (const bool acc : {false, true}) {
-        SCOPED_TRACE(::testing::Message() << sh.M << " x " << sh.N << " x " << sh.K << (tb ? " B^T" : "")
-                                          << (acc ? " +C" : ""));
-        const int64_t M = sh.M, N = sh.N, K = sh.K;
-        std::vector<uint16_t> A(size_t(M * K)), B(size_t(K * N));
-        for (auto& v : A) v = to_bf16(d(rng));
-        for (auto& v : B) v = to_bf16(d(rng));
-        const auto a = [&](int64_t i, int64_t k) { return double(from_bf16(A[size_t(i * K + k)])); };
-        const auto b = [&](int64_t k, int64_t n) { return double(from_bf16(B[size_t(tb ? n * K + k : k * N + n)])); };
-        std::vector<float> C(size_t(M * N + 8));
-        for (auto& v : C) v = d(rng);
-        const std::vector<float> C0 = C;
-        const AmxMatmulWorkspace need = amx_matmul_workspace(M, N, K);
-        std::vector<uint16_t> w16(size_t(need.u16), 0xffff);  // garbage: every padding is written
-        std::vector<float> w32(size_t(need.f32), std::nanf(""));
-        amx_matmul(C.data(), A.data(), B.data(), M, N, K, tb, acc, w16.data(), w32.data());
-        for (int64_t i = 0; i < M; ++i)
-          for (int64_t n = 0; n < N; ++n) {
-            double want = acc ? C0[size_t(i * N + n)] : 0.0, mag = std::fabs(want);
-            for (int64_t k = 0; k < K; ++k) want += a(i, k) * b(k, n), mag += std::fabs(a(i, k) * b(k, n));
-            ASSERT_NEAR(C[size_t(i * N + n)], want, 1e-5 * mag + 1e-30) << i << ", " << n;
-          }
-        for (size_t i = size_t(M * N); i < C.size(); ++i) ASSERT_EQ(C[i], C0[i]) << "past C's end, " << i;
-      }
+                         Shape{0, 16, 32}, Shape{16, 16, 0}, Shape{40, 24, 130},
+                         Shape{48, 40, 1700}})
+    for (const bool ta : {false, true})
+      for (const bool tb : {false, true})
+        for (const bool acc : {false, true}) {
+          SCOPED_TRACE(::testing::Message() << sh.M << " x " << sh.N << " x " << sh.K << (ta ? " A^T" : "")
+                                            << (tb ? " B^T" : "") << (acc ? " +C" : ""));
+          const int64_t M = sh.M, N = sh.N, K = sh.K;
+          std::vector<uint16_t> A(size_t(M * K)), B(size_t(K * N));
+          for (auto& v : A) v = to_bf16(d(rng));
+          for (auto& v : B) v = to_bf16(d(rng));
+          const auto a = [&](int64_t i, int64_t k) { return double(from_bf16(A[size_t(ta ? k * M + i : i * K + k)])); };
+          const auto b = [&](int64_t k, int64_t n) { return double(from_bf16(B[size_t(tb ? n * K + k : k * N + n)])); };
+          std::vector<float> C(size_t(M * N + 8));
+          for (auto& v : C) v = d(rng);
+          const std::vector<float> C0 = C;
+          const AmxMatmulWorkspace need = amx_matmul_workspace(M, N, K, ta);
+          std::vector<uint16_t> w16(size_t(need.u16), 0xffff);  // garbage: every padding is written
+          std::vector<float> w32(size_t(need.f32), std::nanf(""));
+          amx_matmul(C.data(), A.data(), B.data(), M, N, K, ta, tb, acc, w16.data(), w32.data());
+          for (int64_t i = 0; i < M; ++i)
+            for (int64_t n = 0; n < N; ++n) {
+              double want = acc ? C0[size_t(i * N + n)] : 0.0, mag = std::fabs(want);
+              for (int64_t k = 0; k < K; ++k) want += a(i, k) * b(k, n), mag += std::fabs(a(i, k) * b(k, n));
+              ASSERT_NEAR(C[size_t(i * N + n)], want, 1e-5 * mag + 1e-30) << i << ", " << n;
+            }
+          for (size_t i = size_t(M * N); i < C.size(); ++i) ASSERT_EQ(C[i], C0[i]) << "past C's end, " << i;
+        }
 }
 
 // DSTRAIN_GROUPED_GEMM set for one scope (read on every grouped call).
@@ -470,8 +473,7 @@ class GroupedGemmEngine {
 
 // The backend's grouped bf16 GEMM (the experts') on the AMX unit against the same problems on
 // oneDNN: forward-like (B transposed), input-gradient-like and weight-gradient-like (A
-// transposed, the rows summed: oneDNN either way), row counts 0 to 40, beta 0 and 1; a bad
-// engine name refused.
+// transposed, the rows summed), row counts 0 to 40, beta 0 and 1; a bad engine name refused.
 TEST(Amx, GroupedGemmMatchesOneDnn) {
   const LowpGemmChoice choice("native");
   if (!amx_bf16_usable()) GTEST_SKIP() << "no AMX-BF16 on this CPU";
@@ -565,7 +567,9 @@ TEST(Amx, DenseGemmMatchesOneDnn) {
     const auto amx = run("amx"), onednn = run("onednn");
     for (size_t i = 0; i < amx.size(); ++i)
       ASSERT_NEAR(amx[i], onednn[i], 1e-5 * (1 + std::fabs(onednn[i]))) << i;
-    if (c.ta) EXPECT_EQ(amx, onednn);
+    if (c.ta) {
+      EXPECT_EQ(amx, onednn);
+    }
   }
   const DenseGemmEngine bad("tiles");
   std::vector<float> C(64 * 16);

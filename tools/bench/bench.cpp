@@ -512,12 +512,10 @@ int bench_lowp(int threads) {
       Ap[size_t(e)] = dYb.data() + r * N;
       Bp[size_t(e)] = Xb.data() + r * K;
     }
-    // On oneDNN whatever the CPU: with A transposed the backend does not take the AMX path.
-    const double wgrad = time_it([&] {
+    print_engines("expert gate+up weight gradients (bf16, grouped)", per_engine([&] {
       be->gemm_grouped(Cp.data(), Ap.data(), Bp.data(), kernels::DType::kBF16, wM.data(), wN.data(), Ms.data(), E,
                        true, false, 1.0f, 1.0f);
-    }, 5);
-    std::printf("expert gate+up weight gradients (bf16, grouped, oneDNN): %.0f GFLOP/s\n", f / wgrad / 1e9);
+    }), f);
     // Their input gradients, dX[rows, K] = dGU W (W not transposed).
     std::vector<float> dX(size_t(rows * K));
     for (int64_t e = 0, r = 0; e < E; r += Ms[size_t(e)], ++e) {
