@@ -89,6 +89,11 @@ DSTRAIN_AMX void tile_row(float* C, int64_t ldc, const uint16_t* A, int64_t lda,
   if (n < N) tile_block<MT, 1>(C + n, ldc, A, lda, Bv + (n / 16) * block_stride, block_stride, K, accumulate);
 }
 
+// The word order that interleaves two rows of 16 held in one register: (r0[0], r1[0], r0[1],
+// r1[1], ...) from (r0[0..15], r1[0..15]).
+alignas(64) constexpr uint16_t kInterleave[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
+                                                  8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+
 // r[j][i] = r[i][j] for a 16 x 16 matrix of 32-bit words held as 16 rows: 32-bit and 64-bit
 // interleaves within the 128-bit lanes, then two rounds of lane shuffles.
 DSTRAIN_AMX void transpose_16x16_words(__m512i r[16]) {
@@ -121,8 +126,6 @@ DSTRAIN_AMX void transpose_16x16_words(__m512i r[16]) {
 // words transposed.
 DSTRAIN_AMX void transpose_padded(uint16_t* dst, int64_t ldd, const uint16_t* src, int64_t lds, int64_t rows,
                                   int64_t cols, int64_t rows_pad) {
-  alignas(64) static const uint16_t kInterleave[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
-                                                       8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
   const __m512i order = _mm512_load_si512(kInterleave);
   for (int64_t c0 = 0; c0 < cols; c0 += 16) {
     const int64_t width = cols - c0 < 16 ? cols - c0 : 16;
@@ -146,9 +149,6 @@ DSTRAIN_AMX void transpose_padded(uint16_t* dst, int64_t ldd, const uint16_t* sr
 
 DSTRAIN_AMX void vnni_pack(uint16_t* Bv, int64_t block_stride, const uint16_t* src, int64_t ld, int64_t K, int64_t N,
                int64_t Kp, int64_t Np, bool transposed) {
-  // Interleaves two rows of 16: (r0[0], r1[0], r0[1], r1[1], ...) from (r0[0..15], r1[0..15]).
-  alignas(64) static const uint16_t kInterleave[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
-                                                       8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
   const __m512i order = _mm512_load_si512(kInterleave);
   // Transposed with an even row stride: a pair (k, k + 1) of row n is one 32-bit word, so a
   // 64-byte row of the layout is 16 such words gathered from 16 rows.
