@@ -277,6 +277,10 @@ double LowPrecisionGemm::native_speedup(LowPrecision p) {
   return impl_->speedup_[int(p)];
 }
 
+bool LowPrecisionGemm::has_native_matmul(LowPrecision p) {
+  return impl_->entry(768, 768, 768, false, true, p, 1.0f, 0.0f, false).prim.has_value();
+}
+
 int64_t LowPrecisionGemm::cached_shapes() const {
   std::lock_guard<std::mutex> lock(impl_->mu);
   return int64_t(impl_->cache.size());

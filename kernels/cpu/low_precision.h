@@ -64,6 +64,9 @@ class LowPrecisionGemm {
   // widened time / native time of that measurement (0: not measured — no native matmul, or
   // overridden).
   double native_speedup(LowPrecision p);
+  // Whether oneDNN has a 16-bit matmul for `p` on this CPU at all (AVX2-only CPUs have none for
+  // either type): where it has none, run() always widens and native(p) is false.
+  bool has_native_matmul(LowPrecision p);
 
  private:
   struct Impl;
