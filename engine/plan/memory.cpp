@@ -105,7 +105,7 @@ ActivationMemory instance_activation_memory(const config::ModelConfig& m, const 
   const bool full = ac.granularity == config::CheckpointGranularity::kFull;
   const int64_t recomputing = !ac.enabled ? 0 : ac.num_layers ? *ac.num_layers : s.end_layer - s.first_layer;
   const int64_t cb = s.compute_bytes;
-  const bool widen = cb == 2 && !s.native_16bit;
+  const bool widen = cb == 2 && !s.native.attention;  // Q, K, V widened for fp32 attention
   int64_t kept = 0, shared = 0, dyn_kept = 0, scratch = 0, ep_backward = 0;  // kept, shared: bytes
   int64_t dyn_shared_max = 0;
   for (int64_t i = s.first_layer; i < s.end_layer; ++i) {
@@ -153,7 +153,7 @@ ActivationMemory instance_activation_memory(const config::ModelConfig& m, const 
     const bool moe = m.num_routed() > 0;
     // The saved 16-bit inputs — normed latents, SwiGLU outputs, dispatched rows — need no slot,
     // unless the GEMMs take widened inputs (then they are widened in slot 0 forward, 1 backward).
-    const bool wide = !s.native_16bit;
+    const bool wide = !s.native.gemms;
     const int64_t saved16 = !wide ? 0 : std::max({N * rq, N * rkv, N * w, N * ws, moe ? nk * H : 0, moe ? nk * I : 0});
     const int64_t slot0 = std::max({N * nh * dqk, N * nh * (dn + dv), N * H, N * rq, N * rkv + N * m.qk_rope_head_dim,
                                     N * 2 * w, N * 2 * ws, moe ? nk * 2 * I : 0, moe ? nk * H : 0,

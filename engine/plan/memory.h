@@ -44,6 +44,14 @@ struct ActivationMemory {
   ActivationMemory operator*(double f) const { return {kept * f, recomputed * f, workspace * f}; }
 };
 
+// Under bf16 / fp16, what the backend runs on 16-bit inputs (docs/design.md §6.10): the GEMMs
+// (Backend::low_precision_gemm_native), and the attention core (Backend::low_precision_attention,
+// only where the GEMMs take 16-bit operands too). Each that does not takes widened fp32 copies in
+// the model's workspaces. Assumed both where no backend is at hand (the dry run).
+struct Native16 {
+  bool gemms = true, attention = true;
+};
+
 struct InstanceShape {
   int64_t first_layer = 0, end_layer = 0;  // decoder layers [first, end)
   bool has_embedding = true, has_head = true;
@@ -52,7 +60,7 @@ struct InstanceShape {
   bool sequence_parallel = false;  // only with tp > 1
   config::ActivationCheckpointingConfig checkpointing;
   int64_t compute_bytes = 4;  // 2 under bf16 / fp16: the GEMMs' conversion workspaces join the workspace
-  bool native_16bit = true;  // under bf16 / fp16: false where GEMMs and attention take widened fp32 inputs
+  Native16 native;  // under bf16 / fp16: which of GEMMs and attention take 16-bit inputs
 };
 
 ActivationMemory instance_activation_memory(const config::ModelConfig& m, const InstanceShape& s);

@@ -53,7 +53,7 @@ MemoryEstimate ParallelPlan::memory(int stage, int zero_stage, config::Precision
 }
 
 ActivationMemory ParallelPlan::instance_activations(int virtual_stage, int64_t micro_batch,
-                                                   bool native_16bit) const {
+                                                   Native16 native) const {
   const StageRange& r = stages.at(size_t(virtual_stage));
   InstanceShape s;
   s.first_layer = r.first_layer, s.end_layer = r.end_layer;
@@ -63,7 +63,7 @@ ActivationMemory ParallelPlan::instance_activations(int virtual_stage, int64_t m
   s.sequence_parallel = config.parallel.sequence_parallel && degrees.tp > 1;
   s.checkpointing = config.activation_checkpointing;
   s.compute_bytes = config.precision() == config::Precision::kFp32 ? 4 : 2;
-  s.native_16bit = native_16bit;
+  s.native = native;
   return instance_activation_memory(config.model, s);
 }
 
@@ -79,7 +79,7 @@ int ParallelPlan::chunk_in_flight(int pp, int chunk) const {
   return peak;
 }
 
-ActivationMemory ParallelPlan::activations(int pp, int64_t micro_batch, bool native_16bit) const {
+ActivationMemory ParallelPlan::activations(int pp, int64_t micro_batch, Native16 native) const {
   // The runtime builds one instance per chunk up front and more as the schedule holds more
   // micro-batches of that chunk. The recomputed buffers live once per rank, shared by all its
   // instances (sized for the largest chunk's layers).
@@ -87,7 +87,7 @@ ActivationMemory ParallelPlan::activations(int pp, int64_t micro_batch, bool nat
   double recomputed = 0;
   const std::vector<int> vs = virtual_stages_of(pp);
   for (int c = 0; c < int(vs.size()); ++c) {
-    ActivationMemory m = instance_activations(vs[size_t(c)], micro_batch, native_16bit);
+    ActivationMemory m = instance_activations(vs[size_t(c)], micro_batch, native);
     recomputed = std::max(recomputed, m.recomputed);
     m.recomputed = 0;
     out += m * double(chunk_in_flight(pp, c));

@@ -71,11 +71,11 @@ struct ParallelPlan {
   }
   // Activation memory of one model instance of a virtual stage (one micro-batch; 0: the plan's
   // micro-batch), and of pipeline rank `pp` with the schedule's peak in flight.
-  // `native_16bit`: under bf16 / fp16, whether the backend runs its GEMMs and attention natively
-  // in 16 bits (else the model widens their inputs to fp32 in its workspaces, docs/design.md
-  // §6.10); assumed where no backend is at hand.
-  ActivationMemory instance_activations(int virtual_stage, int64_t micro_batch = 0, bool native_16bit = true) const;
-  ActivationMemory activations(int pp, int64_t micro_batch = 0, bool native_16bit = true) const;
+  // `native`: under bf16 / fp16, whether the backend runs its GEMMs and its attention on 16-bit
+  // inputs (else the model widens their inputs to fp32 in its workspaces, docs/design.md §6.10);
+  // both assumed where no backend is at hand.
+  ActivationMemory instance_activations(int virtual_stage, int64_t micro_batch = 0, Native16 native = {}) const;
+  ActivationMemory activations(int pp, int64_t micro_batch = 0, Native16 native = {}) const;
   ShardSpec shard(size_t param_index, int rank) const;
   MemoryEstimate memory(int stage, int zero_stage, config::Precision precision) const;
   // Bytes pipeline rank `pp` needs: state at the configured ZeRO stage and precision, plus its

@@ -36,6 +36,12 @@ std::string clock_text(double s) {
                    : fmt::format("{}:{:02}", t / 60, t % 60);
 }
 
+// What this backend runs on 16-bit inputs under compute type `lp`, for the activation plan.
+plan::Native16 native16(kernels::Backend& be, kernels::DType lp) {
+  if (lp == kernels::DType::kF32) return {};
+  return {be.low_precision_gemm_native(lp), be.low_precision_attention(lp)};
+}
+
 std::atomic<int> g_stop_signal{0};
 std::atomic<bool> g_loop_running{false};
 
@@ -499,8 +505,7 @@ std::vector<double> Trainer::memory_figures() {
   const int pp = groups_.coord().pp;
   const plan::MemoryEstimate m = plan_.memory(pp, int(cfg_.zero_optimization.stage), cfg_.precision());
   const kernels::DType lp = compute_dtype(cfg_.precision());
-  const plan::ActivationMemory a =
-      plan_.activations(pp, 0, lp == kernels::DType::kF32 || engine_.backend->low_precision_attention(lp));
+  const plan::ActivationMemory a = plan_.activations(pp, 0, native16(*engine_.backend, lp));
   // The tensor-parallel staging buffer: host shared memory, for tensors in host memory, and
   // only from 1 MiB (smaller calls go by messages, engine/common/shared_memory.h).
   double staging = plan_.degrees.tp > 1 && engine_.backend->host_addressable()
@@ -745,9 +750,7 @@ TrainSummary Trainer::run() {
       // What the first step allocated against what the plan said (docs/design.md §6.7).
       const double measured = double(engine_.pipeline->activation_bytes_held());
       const kernels::DType lp = compute_dtype(cfg_.precision());
-      const double planned =
-          plan_.activations(0, 0, lp == kernels::DType::kF32 || engine_.backend->low_precision_attention(lp)).total();
-      // (16-bit attention implies native 16-bit GEMMs: docs/design.md §6.10)
+      const double planned = plan_.activations(0, 0, native16(*engine_.backend, lp)).total();
       const int64_t queued = engine_.pipeline->deferred_copy_bytes_peak();
       spdlog::info("activation memory on rank 0 after the first step: {} in {} model instance{}{} (plan {}, {:+.1f}%){}",
                    human_bytes(measured), engine_.pipeline->instances(), engine_.pipeline->instances() == 1 ? "" : "s",

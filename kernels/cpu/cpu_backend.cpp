@@ -174,7 +174,9 @@ class CpuBackend final : public Backend {
       lowp_.run(C[i], static_cast<const uint16_t*>(A[i]), static_cast<const uint16_t*>(B[i]), M[i], N[i], K[i], ta,
                 tb, alpha, beta, low(dtype), true);
   }
-  bool low_precision_gemm_native(DType dtype) override { return dtype != DType::kF32 && lowp_.native(low(dtype)); }
+  bool low_precision_gemm_native(DType dtype) override {
+    return dtype != DType::kF32 && lowp_.operands_16bit(low(dtype));
+  }
   std::string lowp_gemm_implementation(DType dtype) override {
     if (dtype == DType::kF32) return to_string(gemm_);
     return lowp_.implementation(256, 256, 256, false, true, low(dtype)) + " (isa " + cpu::onednn_isa() + ")";

@@ -125,6 +125,7 @@ struct LowPrecisionGemm::Impl {
   std::vector<float> wide;  // the fallback's fp32 copies of A and B
   std::mutex choice_mu;
   std::optional<bool> native_[2];
+  std::optional<std::string> forced;  // DSTRAIN_LOWP_GEMM as operands_16bit() first read it
   double speedup_[2] = {0, 0};
 
   Entry& entry(int64_t M, int64_t N, int64_t K, bool ta, bool tb, LowPrecision p, float alpha, float beta,
@@ -227,11 +228,32 @@ void LowPrecisionGemm::run_on_this_thread(float* C, const uint16_t* A, const uin
 std::string LowPrecisionGemm::implementation(int64_t M, int64_t N, int64_t K, bool ta, bool tb, LowPrecision p,
                                              bool varying) {
   const Impl::Entry& e = impl_->entry(M, N, K, ta, tb, p, 1.0f, 0.0f, varying);
+  if (!e.prim && operands_16bit(p))
+    return std::string(to_string(p)) + " on 16-bit operands, each GEMM widening them to fp32 for sgemm (DSTRAIN_LOWP_GEMM=native; oneDNN has no " +
+           to_string(p) + " matmul for this CPU)";
   if (!e.prim || native(p)) return e.impl;
   const double s = native_speedup(p);
   char ratio[32] = "";
   if (s > 0) std::snprintf(ratio, sizeof ratio, " measured %.2fx as fast", s);
   return std::string(to_string(p)) + " widened to fp32, sgemm (native " + e.impl + ratio + ")";
+}
+
+namespace {
+// DSTRAIN_LOWP_GEMM: "native", "widened" or "" (unset: measured); anything else is refused.
+std::string lowp_gemm_override() {
+  const char* o = std::getenv("DSTRAIN_LOWP_GEMM");
+  if (!o) return "";
+  const std::string v = o;
+  if (v != "native" && v != "widened") throw std::invalid_argument("DSTRAIN_LOWP_GEMM=" + v + ": valid: native, widened");
+  return v;
+}
+}  // namespace
+
+bool LowPrecisionGemm::operands_16bit(LowPrecision p) {
+  if (native(p)) return true;
+  std::lock_guard<std::mutex> lock(impl_->choice_mu);
+  if (!impl_->forced) impl_->forced = lowp_gemm_override();  // decided once, like native()
+  return *impl_->forced == "native";
 }
 
 bool LowPrecisionGemm::native(LowPrecision p) {
@@ -240,13 +262,9 @@ bool LowPrecisionGemm::native(LowPrecision p) {
   if (choice) return *choice;
   constexpr int64_t n = 768;
   const Impl::Entry& e = impl_->entry(n, n, n, false, true, p, 1.0f, 0.0f, false);
+  const std::string forced = lowp_gemm_override();
   if (!e.prim) return *(choice = false);
-  if (const char* o = std::getenv("DSTRAIN_LOWP_GEMM")) {
-    const std::string v = o;
-    if (v != "native" && v != "widened")
-      throw std::invalid_argument("DSTRAIN_LOWP_GEMM=" + v + ": valid: native, widened");
-    return *(choice = v == "native");
-  }
+  if (!forced.empty()) return *(choice = forced == "native");
   std::vector<uint16_t> a(size_t(n * n)), b(size_t(n * n));
   std::vector<float> c(size_t(n * n));
   for (size_t i = 0; i < a.size(); ++i) {

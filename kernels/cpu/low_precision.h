@@ -59,8 +59,14 @@ class LowPrecisionGemm {
   // AVX512-BF16 without AMX ran 1.85x fp32's rate on Zen 4 but 0.5-0.7x of it on an Intel
   // Xeon with two 512-bit FMA units, margins wide enough for the choice not to flip from run
   // to run. DSTRAIN_LOWP_GEMM=native | widened overrides the measurement (native only where
-  // oneDNN has the matmul).
+  // oneDNN has the matmul; any other value is refused, on every CPU).
   bool native(LowPrecision p);
+  // Whether callers should hand this type's GEMMs 16-bit operands: where native(p) holds, and
+  // also where DSTRAIN_LOWP_GEMM=native asks for them on a CPU whose oneDNN has no matmul for
+  // `p` — run() then widens the operands inside every call (the same products; slower than
+  // passing fp32 copies, but it runs the callers' 16-bit-operand paths on any CPU: fp16 on
+  // every CPU seen here, bf16 on AVX2-only ones).
+  bool operands_16bit(LowPrecision p);
   // widened time / native time of that measurement (0: not measured — no native matmul, or
   // overridden).
   double native_speedup(LowPrecision p);

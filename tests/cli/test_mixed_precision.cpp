@@ -9,6 +9,7 @@
 #include <filesystem>
 #include <iostream>
 #include <regex>
+#include <tuple>
 
 #include "tests/cli/cli_util.h"
 
@@ -61,9 +62,13 @@ TEST(MixedPrecision, SmallReachesTheValidationLossOfFp32) {
 TEST(MixedPrecision, LayoutsReproduceTheSingleRankRun) {
   const std::string dir = fresh_dir("mp_layouts");
   const std::string batch = "--resume none --set train_batch_size=8 --set train_micro_batch_size_per_gpu=2";
-  for (const std::string& precision : {kBf16, kFp16}) {
-    const std::string tag = precision == kBf16 ? "bf16" : "fp16";
-    ASSERT_EQ(run(train_cmd(dir, tag + "_one", 6, batch + precision)).rc, 0);
+  // bf16 and fp16 as the backend measured them, and fp16 again on 16-bit GEMM operands
+  // (DSTRAIN_LOWP_GEMM=native: fp16 has no native matmul on the CPUs seen so far, so without it
+  // no layout would run the model's 16-bit-operand paths in fp16).
+  const std::vector<std::tuple<std::string, std::string, std::string>> runs = {
+      {"bf16", kBf16, ""}, {"fp16", kFp16, ""}, {"fp16_operands", kFp16, "DSTRAIN_LOWP_GEMM=native "}};
+  for (const auto& [tag, precision, env] : runs) {
+    ASSERT_EQ(run(env + train_cmd(dir, tag + "_one", 6, batch + precision)).rc, 0);
     const auto ref = losses(dir + "/" + tag + "_one.jsonl");
     ASSERT_EQ(ref.size(), 6u);
     const std::vector<std::pair<std::string, std::string>> layouts = {
@@ -74,7 +79,7 @@ TEST(MixedPrecision, LayoutsReproduceTheSingleRankRun) {
         {"ep2", " --set parallel.expert=2"}};
     for (const auto& [name, layout] : layouts) {
       const std::string run_name = tag + "_" + name;
-      const Result r = run(mpirun(2) + train_cmd(dir, run_name, 6, batch + precision + layout));
+      const Result r = run(env + mpirun(2) + train_cmd(dir, run_name, 6, batch + precision + layout));
       ASSERT_EQ(r.rc, 0) << run_name << r.err;
       const auto got = losses(dir + "/" + run_name + ".jsonl");
       ASSERT_EQ(got.size(), 6u) << run_name;
@@ -83,29 +88,35 @@ TEST(MixedPrecision, LayoutsReproduceTheSingleRankRun) {
   }
 }
 
-// The two ways the CPU backend runs a 16-bit GEMM (docs/design.md §6.10) — oneDNN's native
-// matmul, or the rounded inputs widened to fp32 for sgemm, whichever it measured faster — train
+// The two ways the CPU backend runs a 16-bit GEMM (docs/design.md §6.10) — on 16-bit operands
+// (oneDNN's native matmul, or where this CPU has none for the type, DSTRAIN_LOWP_GEMM=native
+// widening them inside each GEMM), or on the fp32 copies of the rounded values for sgemm — train
 // alike (the same products, summed in another order), each stating its path, and the plan's
-// activation figure follows each (the widened path's fp32 slots, the widened Q, K, V).
+// activation figure follows each (the widened path's fp32 slots, the widened Q, K, V). Both
+// types on every CPU: the model's 16-bit-operand paths run here even where oneDNN has no matmul
+// for the type (fp16 on every CPU seen so far, bf16 on AVX2-only ones).
 TEST(MixedPrecision, NativeAndWidenedGemmsTrainAlike) {
   const std::string dir = fresh_dir("mp_paths");
-  const std::string batch = "--resume none --set train_batch_size=8 --set train_micro_batch_size_per_gpu=2" + kBf16;
-  std::map<std::string, std::map<int, double>> curve;
-  for (const std::string path : {"native", "widened"}) {
-    const Result r = run("DSTRAIN_LOWP_GEMM=" + path + " " + train_cmd(dir, path, 6, batch));
-    ASSERT_EQ(r.rc, 0) << path << r.err;
-    const std::string log = r.out + r.err;
-    const bool widened = log.find("GEMMs bf16 widened to fp32") != std::string::npos;
-    if (path == "native" && widened) GTEST_SKIP() << "oneDNN has no bf16 matmul on this CPU";
-    EXPECT_EQ(widened, path == "widened") << log;
-    std::smatch m;
-    ASSERT_TRUE(std::regex_search(log, m, std::regex(R"(\(plan [0-9.]+ [KMG]iB, ([+-][0-9.]+)%\))"))) << log;
-    EXPECT_LE(std::fabs(std::stod(m[1].str())), 10.0) << path << ": " << m[0];
-    curve[path] = losses(dir + "/" + path + ".jsonl");
-    ASSERT_EQ(curve[path].size(), 6u) << path;
+  for (const std::string type : {"bf16", "fp16"}) {
+    const std::string batch = "--resume none --set train_batch_size=8 --set train_micro_batch_size_per_gpu=2 --set " +
+                              type + ".enabled=true";
+    std::map<std::string, std::map<int, double>> curve;
+    for (const std::string path : {"native", "widened"}) {
+      const std::string name = type + "_" + path;
+      const Result r = run("DSTRAIN_LOWP_GEMM=" + path + " " + train_cmd(dir, name, 6, batch));
+      ASSERT_EQ(r.rc, 0) << name << r.err;
+      const std::string log = r.out + r.err;
+      const bool widened = log.find("GEMMs " + type + " widened to fp32") != std::string::npos;
+      EXPECT_EQ(widened, path == "widened") << name << ": " << log;
+      std::smatch m;
+      ASSERT_TRUE(std::regex_search(log, m, std::regex(R"(\(plan [0-9.]+ [KMG]iB, ([+-][0-9.]+)%\))"))) << log;
+      EXPECT_LE(std::fabs(std::stod(m[1].str())), 10.0) << name << ": " << m[0];
+      curve[path] = losses(dir + "/" + name + ".jsonl");
+      ASSERT_EQ(curve[path].size(), 6u) << name;
+    }
+    for (const auto& [step, loss] : curve["native"])
+      EXPECT_NEAR(curve["widened"].at(step), loss, 2e-3 * loss) << type << " step " << step;
   }
-  for (const auto& [step, loss] : curve["native"])
-    EXPECT_NEAR(curve["widened"].at(step), loss, 2e-3 * loss) << "step " << step;
 }
 
 // communication_data_type rounds the reduced gradients: the curve moves, but only a little.

@@ -175,22 +175,45 @@ TEST(LowPrecision, TheGemmPathIsMeasuredOrForcedAndNonsenseIsRefused) {
     const bool has_native = probe.implementation(64, 64, 64, false, true, p).find("widened") == std::string::npos ||
                             probe.native_speedup(p) > 0;  // measured: oneDNN has the matmul
     EXPECT_EQ(LowPrecisionGemm().has_native_matmul(p), has_native) << to_string(p);
-    if (onednn_isa() == "avx2" || onednn_isa() == "avx2_vnni") EXPECT_FALSE(has_native) << to_string(p);
+    if (onednn_isa() == "avx2" || onednn_isa() == "avx2_vnni") {
+      EXPECT_FALSE(has_native) << to_string(p);
+    }
     {
       const LowpGemmChoice choice("widened");
       LowPrecisionGemm g;
       EXPECT_FALSE(g.native(p));
+      EXPECT_FALSE(g.operands_16bit(p));
       EXPECT_NE(g.implementation(64, 64, 64, false, true, p).find("widened to fp32"), std::string::npos);
     }
     {
       const LowpGemmChoice choice("native");
       LowPrecisionGemm g;
       EXPECT_EQ(g.native(p), has_native) << to_string(p);  // native only where oneDNN has it
+      EXPECT_TRUE(g.operands_16bit(p)) << to_string(p);    // but 16-bit operands on every CPU
+      const std::string impl = g.implementation(64, 64, 64, false, true, p);
+      EXPECT_EQ(impl.find("on 16-bit operands") != std::string::npos, !has_native) << impl;
+      // and the same products either way (K = 96: exact in fp32 for these small integers)
+      const int64_t n = 16, k = 96;
+      std::vector<uint16_t> a(size_t(n * k)), b(size_t(n * k));
+      for (int64_t i = 0; i < n * k; ++i) {
+        const float x = float(i % 5 - 2), y = float(i % 3 - 1);
+        a[size_t(i)] = p == LowPrecision::kBf16 ? to_bf16(x) : to_fp16(x);
+        b[size_t(i)] = p == LowPrecision::kBf16 ? to_bf16(y) : to_fp16(y);
+      }
+      std::vector<float> c(size_t(n * n));
+      g.run(c.data(), a.data(), b.data(), n, n, k, false, true, 1.0f, 0.0f, p);
+      for (int64_t i = 0; i < n; ++i)
+        for (int64_t j = 0; j < n; ++j) {
+          double want = 0;
+          for (int64_t q = 0; q < k; ++q) want += double((i * k + q) % 5 - 2) * double((j * k + q) % 3 - 1);
+          ASSERT_EQ(c[size_t(i * n + j)], float(want)) << to_string(p) << " " << i << "," << j;
+        }
     }
     {
       const LowpGemmChoice choice(nullptr);  // measured: the faster of the two, stated in the implementation
       LowPrecisionGemm g;
       const std::string impl = g.implementation(64, 64, 64, false, true, p);
+      EXPECT_EQ(g.operands_16bit(p), g.native(p)) << to_string(p);
       if (g.native(p)) {
         EXPECT_EQ(impl.find("widened"), std::string::npos) << impl;
       } else if (has_native) {
@@ -198,14 +221,16 @@ TEST(LowPrecision, TheGemmPathIsMeasuredOrForcedAndNonsenseIsRefused) {
       }
     }
   }
-  const LowpGemmChoice choice("fastest");
-  LowPrecisionGemm g;
-  try {
-    g.native(LowPrecision::kBf16);
-    if (g.implementation(8, 8, 8, false, true, LowPrecision::kBf16).find("no bf16") == std::string::npos)
-      ADD_FAILURE() << "DSTRAIN_LOWP_GEMM=fastest accepted";
-  } catch (const std::invalid_argument& e) {
-    EXPECT_NE(std::string(e.what()).find("valid: native, widened"), std::string::npos) << e.what();
+  const LowpGemmChoice choice("fastest");  // refused on every CPU, oneDNN's matmul or not
+  for (const LowPrecision p : {LowPrecision::kBf16, LowPrecision::kFp16}) {
+    LowPrecisionGemm g;
+    try {
+      g.native(p);
+      ADD_FAILURE() << "DSTRAIN_LOWP_GEMM=fastest accepted for " << to_string(p);
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find("valid: native, widened"), std::string::npos) << e.what();
+    }
+    EXPECT_THROW(g.operands_16bit(p), std::invalid_argument);
   }
 }
 

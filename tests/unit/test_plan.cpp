@@ -341,5 +341,24 @@ TEST(Plan, ChunkInFlightFollowsTheSchedule) {
   EXPECT_DOUBLE_EQ(inter.activations(0).total(), want.total());
 }
 
+// What the backend runs on 16-bit inputs moves the plan's workspace, and only that: widened
+// GEMM operands add the fp32 copies of the conversion slots, fp32 attention the widened Q, K, V
+// in scratch; the kept activations do not change, and fp32 ignores both.
+TEST(Plan, SixteenBitGemmsAndAttentionAreCountedApart) {
+  const ParallelPlan bf16 = make_plan(load(testing::base_yaml(), {"bf16.enabled=true"}), 1);
+  const ActivationMemory both = bf16.activations(0, 0, {true, true}), no_attention = bf16.activations(0, 0, {true, false}),
+                         neither = bf16.activations(0, 0, {false, false});
+  EXPECT_DOUBLE_EQ(bf16.activations(0).total(), both.total());  // both assumed without a backend
+  EXPECT_LT(both.workspace, no_attention.workspace);
+  EXPECT_LT(no_attention.workspace, neither.workspace);
+  EXPECT_EQ(both.kept, no_attention.kept);
+  EXPECT_EQ(both.kept, neither.kept);
+  // The widened Q, K, V alone: the same difference whether the GEMMs widen or not.
+  const ActivationMemory gemms_only = bf16.activations(0, 0, {false, true});
+  EXPECT_DOUBLE_EQ(no_attention.workspace - both.workspace, neither.workspace - gemms_only.workspace);
+  const ParallelPlan fp32 = make_plan(load(testing::base_yaml(), {}), 1);
+  EXPECT_DOUBLE_EQ(fp32.activations(0, 0, {false, false}).total(), fp32.activations(0).total());
+}
+
 }  // namespace
 }  // namespace dstrain::plan

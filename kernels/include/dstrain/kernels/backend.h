@@ -127,7 +127,9 @@ class Backend {
   // Whether 16-bit GEMMs run natively in that type here. false: they widen their inputs to fp32
   // and multiply in fp32 (the same exact products, fp32 accumulation) because that is as fast
   // or faster on this device — a caller holding fp32 copies of the rounded values (the model's
-  // fp32 weight buffer) then does better passing those (docs/design.md §6.10).
+  // fp32 weight buffer) then does better passing those (docs/design.md §6.10). true: callers
+  // hand the GEMMs 16-bit operands — on the CPU also where DSTRAIN_LOWP_GEMM=native asks for that
+  // without a native matmul (each GEMM then widens inside; a test mode for the 16-bit paths).
   virtual bool low_precision_gemm_native(DType dtype) = 0;
 
   // y = w * x * rstd, rstd = 1/sqrt(mean(x^2) + eps); x, y [rows, C]; rstd [rows] saved.
