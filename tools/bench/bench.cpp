@@ -432,8 +432,15 @@ int bench_lowp(int threads) {
   const double f32 = time_it([&] { be->attention_forward(O.data(), lse.data(), Q.data(), K.data(), V.data(), B, S, nh, dqk, dv, scale); }, 3);
   const double b32 = time_it([&] { be->attention_backward(dQ.data(), dK.data(), dV.data(), dO.data(), Q.data(), K.data(), V.data(), O.data(), lse.data(), B, S, nh, dqk, dv, scale); }, 3);
   const double flops = 2.0 * B * nh * (dqk + dv) * S * S / 2;  // causal: half the score matrix
-  // The bf16 kernel on each tile engine this CPU has (DSTRAIN_ATTENTION_TILES; AMX by default).
+  // The bf16 kernel on each tile engine this CPU has (DSTRAIN_ATTENTION_TILES; AMX by default);
+  // none where oneDNN has no bf16 matmul (AVX2-only CPUs), where training runs the fp32 kernel on
+  // widened Q, K, V.
+  if (!be->low_precision_attention(kernels::DType::kBF16))
+    std::printf("attention (medium, S=%ld, %ld heads, causal): forward fp32 %.1f ms (%.0f GFLOP/s), backward fp32 "
+                "%.1f ms; no bf16 attention on this CPU (bf16 runs these fp32 kernels on widened Q, K, V)\n",
+                long(S), long(nh), f32 * 1e3, flops / f32 / 1e9, b32 * 1e3);
   for (const char* tiles : {"amx", "onednn"}) {
+    if (!be->low_precision_attention(kernels::DType::kBF16)) break;
     if (std::string(tiles) == "amx" && !kernels::cpu::amx_bf16_usable()) continue;
     setenv("DSTRAIN_ATTENTION_TILES", tiles, 1);
     const double f16 = time_it([&] { be->attention_forward(O.data(), lse.data(), q16, k16, v16, B, S, nh, dqk, dv, scale); }, 3);
