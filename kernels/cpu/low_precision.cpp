@@ -70,6 +70,8 @@ void convert_to(uint16_t* out, const float* in, int64_t n, LowPrecision p) {
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), (__m256i)_mm512_cvtneps_pbh(x));
     }
 #endif
+    // Without AVX512-BF16 the compiler vectorises this loop (to_bf16 is integer arithmetic and a
+    // select): an explicit AVX2 version measured no faster on Zen 3 (2026-12-03, bench lowp).
     for (; i < n; ++i) out[i] = to_bf16(in[i]);
     return;
   }

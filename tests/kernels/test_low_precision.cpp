@@ -5,6 +5,7 @@
 // and against the fp32 product (the inputs' rounding: 2^-8 for bf16, 2^-11 for fp16).
 #include <gtest/gtest.h>
 
+#include <bit>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -74,6 +75,39 @@ TEST(LowPrecision, Fp16EveryValueRoundTripsAndTiesGoToEven) {
   EXPECT_EQ(to_fp16(5.9604645e-8f), 0x0001);  // 2^-24, the smallest subnormal
   EXPECT_EQ(to_fp16(2.9802322e-8f), 0x0000);  // 2^-25: the tie rounds to even zero
   EXPECT_EQ(to_fp16(1.0f), 0x3c00);
+}
+
+// The array path (AVX512-BF16, or the integer AVX2 rounding) gives the scalar rounding's bits
+// exactly, NaN payloads included, on random 32-bit patterns of every class and on ties, at
+// every offset inside a vector block (odd array lengths, unaligned starts).
+TEST(LowPrecision, Bf16ArrayRoundingEqualsTheScalarBitForBit) {
+  std::mt19937 rng(17);
+  std::vector<uint32_t> u(200003);
+  for (auto& v : u) v = uint32_t(rng());
+  for (size_t i = 0; i < 4096; ++i) u[i] = (u[i] & 0xffff0000u) | 0x8000u;  // ties: even or odd kept bit
+  for (size_t i = 4096; i < 4160; ++i) u[i] = 0x7f7f8000u + uint32_t(i % 2) * 0x10000u;  // ties at the top binade
+  const uint32_t specials[] = {0x00000000u, 0x80000000u, 0x7f800000u, 0xff800000u, 0x7f7fffffu, 0xff7fffffu,
+                               0x7fc00000u, 0xffc00001u, 0x7f800001u, 0xff80ffffu, 0x00000001u, 0x807fffffu,
+                               0x3f807fffu, 0x3f808000u, 0x3f818000u, 0x3f80ffffu};
+  for (size_t i = 0; i < std::size(specials); ++i) u[5000 + 3 * i] = specials[i];
+  std::vector<float> x(u.size());
+  std::memcpy(x.data(), u.data(), u.size() * 4);
+  for (const int64_t start : {0, 1, 7, 15}) {
+    const int64_t n = int64_t(x.size()) - start;
+    std::vector<uint16_t> h(static_cast<size_t>(n));
+    convert_to(h.data(), x.data() + start, n, LowPrecision::kBf16);
+    int64_t wrong = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      const float v = x[size_t(start + i)];
+      uint32_t b;
+      std::memcpy(&b, &v, 4);
+      if (h[size_t(i)] != to_bf16(v) && wrong++ < 5) ADD_FAILURE() << std::hex << b << " -> " << h[size_t(i)] << " not " << to_bf16(v);
+    }
+    EXPECT_EQ(wrong, 0) << "start " << start;
+  }
+  EXPECT_EQ(to_bf16(std::bit_cast<float>(0x3f808000u)), 0x3f80);  // tie, kept bit even: down
+  EXPECT_EQ(to_bf16(std::bit_cast<float>(0x3f818000u)), 0x3f82);  // tie, kept bit odd: up
+  EXPECT_EQ(to_bf16(std::bit_cast<float>(0xffc00001u)), 0xffc0);  // a NaN keeps its sign and stays quiet
 }
 
 TEST(LowPrecision, ArrayConversionsEqualTheScalarOnes) {

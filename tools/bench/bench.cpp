@@ -368,6 +368,16 @@ int bench_lowp(int threads) {
   using kernels::cpu::LowPrecision;
   kernels::cpu::LowPrecisionGemm lp;
   std::printf("oneDNN instruction set here: %s; %d thread(s)\n", kernels::cpu::onednn_isa().c_str(), threads);
+  {
+    // The conversions to and from bf16 on one thread, 4M elements (16 MiB of fp32: past L2).
+    const int64_t n = int64_t(1) << 22;
+    auto x = randn(n, 12);
+    std::vector<uint16_t> h(static_cast<size_t>(n));
+    const double to = time_it([&] { kernels::cpu::convert_to(h.data(), x.data(), n, LowPrecision::kBf16); }, 7);
+    const double from = time_it([&] { kernels::cpu::convert_from(x.data(), h.data(), n, LowPrecision::kBf16); }, 7);
+    std::printf("bf16 conversions, one thread, %ld elements: fp32 -> bf16 %.2f ms (%.1f GB/s), bf16 -> fp32 %.2f ms "
+                "(%.1f GB/s)\n", long(n), to * 1e3, 6.0 * double(n) / to / 1e9, from * 1e3, 6.0 * double(n) / from / 1e9);
+  }
   struct Shape {
     const char* what;
     int64_t M, N, K;
