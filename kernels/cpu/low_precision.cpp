@@ -116,6 +116,17 @@ dnnl::primitive_attr gemm_attributes(float alpha, float beta) {
 }
 }  // namespace
 
+namespace {
+// DSTRAIN_LOWP_GEMM: "native", "widened" or "" (unset: measured); anything else is refused.
+std::string lowp_gemm_override() {
+  const char* o = std::getenv("DSTRAIN_LOWP_GEMM");
+  if (!o) return "";
+  const std::string v = o;
+  if (v != "native" && v != "widened") throw std::invalid_argument("DSTRAIN_LOWP_GEMM=" + v + ": valid: native, widened");
+  return v;
+}
+}  // namespace
+
 struct LowPrecisionGemm::Impl {
   dnnl::engine engine{dnnl::engine::kind::cpu, 0};
   dnnl::stream stream{engine};
@@ -127,7 +138,13 @@ struct LowPrecisionGemm::Impl {
   std::vector<float> wide;  // the fallback's fp32 copies of A and B
   std::mutex choice_mu;
   std::optional<bool> native_[2];
-  std::optional<std::string> forced;  // DSTRAIN_LOWP_GEMM as operands_16bit() first read it
+  std::optional<std::string> forced;  // DSTRAIN_LOWP_GEMM as first read (under choice_mu)
+  const std::string& override_choice() {
+    if (!forced) forced = lowp_gemm_override();
+    return *forced;
+  }
+  // The 768^3 shape the choice between native and widened is measured on.
+  Entry& probe(LowPrecision p) { return entry(768, 768, 768, false, true, p, 1.0f, 0.0f, false); }
   double speedup_[2] = {0, 0};
 
   Entry& entry(int64_t M, int64_t N, int64_t K, bool ta, bool tb, LowPrecision p, float alpha, float beta,
@@ -240,22 +257,10 @@ std::string LowPrecisionGemm::implementation(int64_t M, int64_t N, int64_t K, bo
   return std::string(to_string(p)) + " widened to fp32, sgemm (native " + e.impl + ratio + ")";
 }
 
-namespace {
-// DSTRAIN_LOWP_GEMM: "native", "widened" or "" (unset: measured); anything else is refused.
-std::string lowp_gemm_override() {
-  const char* o = std::getenv("DSTRAIN_LOWP_GEMM");
-  if (!o) return "";
-  const std::string v = o;
-  if (v != "native" && v != "widened") throw std::invalid_argument("DSTRAIN_LOWP_GEMM=" + v + ": valid: native, widened");
-  return v;
-}
-}  // namespace
-
 bool LowPrecisionGemm::operands_16bit(LowPrecision p) {
   if (native(p)) return true;
   std::lock_guard<std::mutex> lock(impl_->choice_mu);
-  if (!impl_->forced) impl_->forced = lowp_gemm_override();  // decided once, like native()
-  return *impl_->forced == "native";
+  return impl_->override_choice() == "native";
 }
 
 bool LowPrecisionGemm::native(LowPrecision p) {
@@ -263,8 +268,8 @@ bool LowPrecisionGemm::native(LowPrecision p) {
   std::optional<bool>& choice = impl_->native_[int(p)];
   if (choice) return *choice;
   constexpr int64_t n = 768;
-  const Impl::Entry& e = impl_->entry(n, n, n, false, true, p, 1.0f, 0.0f, false);
-  const std::string forced = lowp_gemm_override();
+  const Impl::Entry& e = impl_->probe(p);
+  const std::string& forced = impl_->override_choice();
   if (!e.prim) return *(choice = false);
   if (!forced.empty()) return *(choice = forced == "native");
   std::vector<uint16_t> a(size_t(n * n)), b(size_t(n * n));
@@ -298,7 +303,7 @@ double LowPrecisionGemm::native_speedup(LowPrecision p) {
 }
 
 bool LowPrecisionGemm::has_native_matmul(LowPrecision p) {
-  return impl_->entry(768, 768, 768, false, true, p, 1.0f, 0.0f, false).prim.has_value();
+  return impl_->probe(p).prim.has_value();
 }
 
 int64_t LowPrecisionGemm::cached_shapes() const {
