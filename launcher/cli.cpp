@@ -18,6 +18,7 @@ options:
   --resume auto|none|PATH  continue from a checkpoint (same as --set checkpoint.resume=...)
   --dump-grads FILE.h5  one forward and backward on the first global batch on any layout; write
                         the full weights, gradients, tokens and losses to FILE.h5 and exit
+                        (the model --resume loads: with auto, a checkpoint in checkpoint.dir)
   --memory-breakdown    run one step (not saved) and print every rank's memory by kind
                         (weights, gradients, optimizer, activations, workspace,
                         communication buffers), planned and measured, then exit

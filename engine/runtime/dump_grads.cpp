@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <optional>
+#include <spdlog/spdlog.h>
 
 #include "engine/common/error.h"
 #include "engine/config/load_config.h"
@@ -43,7 +44,7 @@ void dump_grads(const plan::ParallelPlan& plan, const RankGroups& groups, const 
   const RankEngine engine = build_rank_engine(plan, groups, EngineOptions{threads, false, micro, true, micros});
   model::ParamStore& params = *engine.params;
   Checkpointer checkpoints(plan, groups.world());  // checkpoint.resume: the model to dump
-  checkpoints.resume(params, nullptr);
+  const std::optional<Checkpointer::Resumed> resumed = checkpoints.resume(params, nullptr);
   const std::vector<int32_t> tokens = first_batch_tokens(cfg, B);
   const plan::Coord& me = groups.coord();
   const model::Losses local =
@@ -59,6 +60,11 @@ void dump_grads(const plan::ParallelPlan& plan, const RankGroups& groups, const 
 
   const auto world = groups.world().communicator("dump", {cfg.parallel.comm_timeout_s});
   const int rank = world->rank();
+  // Said aloud: with checkpoint.resume auto a checkpoint left in checkpoint.dir is what is dumped,
+  // and two dumps compared across machines then differ by that checkpoint, not by the code.
+  if (rank == 0 && resumed)
+    spdlog::info("--dump-grads: the weights of {} (step {}; --resume none for the initial weights)", resumed->path,
+                 resumed->state.step);
   // The losses are complete on every tensor-parallel rank: sum the data-parallel shares of tp 0.
   std::vector<double> losses = {local.ce, local.aux, local.mtp};
   if (me.tp != 0) losses.assign(3, 0.0);

@@ -1,5 +1,6 @@
 // The dstrain executable as a user runs it: exit codes, one-line errors on every rank count,
 // --dry-run / --print-config / --check-comm, and the dsrun wrapper. Runs in the source tree.
+#include <algorithm>
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
@@ -133,8 +134,9 @@ TEST(Cli, TrainsTheTinyPreset) {
 // docs/model.md §12's exchange format, from the shipped small preset on its first global batch.
 TEST(Cli, DumpGradsWritesWeightsGradientsTokensAndLosses) {
   const std::string path = ::testing::TempDir() + "/grads.h5";
-  const Result r = run(kDstrain + " configs/small.yaml --dump-grads " + path);
+  const Result r = run(kDstrain + " configs/small.yaml --resume none --dump-grads " + path);
   ASSERT_EQ(r.rc, 0) << r.err;
+  EXPECT_EQ(r.out.find("--dump-grads: the weights of"), std::string::npos) << r.out;  // the initial weights
   dstrain::io::H5File f(path, dstrain::io::H5File::Mode::kRead);
   EXPECT_EQ(f.shape("tokens"), (std::vector<int64_t>{8, 257}));
   EXPECT_EQ(f.shape("weights/model.layers.3.self_attn.kv_a_proj_with_mqa.weight"),
@@ -156,6 +158,31 @@ TEST(Cli, DumpGradsWritesWeightsGradientsTokensAndLosses) {
     for (int t = 0; t < 257; ++t) row.push_back(char(tokens[b * 257 + t]));
     EXPECT_NE(corpus.find(row), std::string::npos) << "row " << b;
   }
+}
+
+// With checkpoint.resume auto, --dump-grads dumps the checkpoint left in checkpoint.dir — and says
+// so, naming it: a GPU check's expected dump once came from a stale local checkpoint, silently.
+TEST(Cli, DumpGradsSaysWhichCheckpointItDumps) {
+  const std::string dir = ::testing::TempDir() + "/dump_resumed";
+  std::filesystem::remove_all(dir);
+  const std::string tiny = kDstrain + " configs/tiny.yaml --set checkpoint.dir=" + dir;
+  ASSERT_EQ(run(tiny + " --resume none --set train_steps=2").rc, 0);
+  const Result resumed = run(tiny + " --dump-grads " + dir + "/resumed.h5");
+  ASSERT_EQ(resumed.rc, 0) << resumed.err;
+  EXPECT_NE(resumed.out.find("--dump-grads: the weights of " + dir + "/step_00000002.h5 (step 2; --resume none for "
+                             "the initial weights)"),
+            std::string::npos)
+      << resumed.out;
+  const Result fresh = run(tiny + " --resume none --dump-grads " + dir + "/fresh.h5");
+  ASSERT_EQ(fresh.rc, 0) << fresh.err;
+  EXPECT_EQ(fresh.out.find("--dump-grads: the weights of"), std::string::npos) << fresh.out;
+  dstrain::io::H5File a(dir + "/resumed.h5", dstrain::io::H5File::Mode::kRead);
+  dstrain::io::H5File b(dir + "/fresh.h5", dstrain::io::H5File::Mode::kRead);
+  const std::string norm = "weights/model.layers.0.input_layernorm.weight";
+  const std::vector<float> trained = a.read_floats(norm), initial = b.read_floats(norm);
+  ASSERT_EQ(trained.size(), initial.size());
+  EXPECT_EQ(std::count(initial.begin(), initial.end(), 1.0f), int64_t(initial.size()));  // RMSNorm weights start at 1
+  EXPECT_LT(std::count(trained.begin(), trained.end(), 1.0f), int64_t(trained.size()));
 }
 
 // A checkpoint saved on one layout continues the same loss curve on another: 1 -> 2 ranks and

@@ -21,6 +21,8 @@
 #            8 x 2048), and Hugging Face transformers on the same model and batch
 #            (tools/gpu/hf_baseline.py)
 #   h200     the same for configs/h200.yaml (4 x 2048), with the time that is left
+#   sdpa     cuDNN's fused attention and PyTorch's other SDPA kernels at MLA's shapes, fwd + bwd,
+#            beside the kernels step's timing of dstrain's own (tools/gpu/sdpa_baseline.py)
 # Exit status 0 when every step passed. The figures are the last lines of each log.
 # DSTRAIN_GPU_REHEARSAL=1 (tools/gpu-rehearse.sh, in a clean root without a GPU) runs the same
 # steps on the CPU backend — the checker against a second CPU backend, the benchmark as a dry
@@ -94,12 +96,12 @@ fi
 
 step dump 60 '
   set -e
-  dstrain configs/tiny.yaml --set device=$dev --dump-grads '"$out"'/tiny_fp32_cuda.h5 | tail -2
+  dstrain configs/tiny.yaml --resume none --set device=$dev --dump-grads '"$out"'/tiny_fp32_cuda.h5 | tail -2
   dstrain-ckpt compare-dumps '"$B"'/expected/tiny_fp32.h5 '"$out"'/tiny_fp32_cuda.h5 1e-4
   # the LM head in chunks of 7 rows (offset rows in the cross-entropy kernels) against the same
-  DSTRAIN_LOSS_CHUNK_TOKENS=7 dstrain configs/tiny.yaml --set device=$dev --dump-grads '"$out"'/tiny_fp32_chunks.h5 | tail -1
+  DSTRAIN_LOSS_CHUNK_TOKENS=7 dstrain configs/tiny.yaml --resume none --set device=$dev --dump-grads '"$out"'/tiny_fp32_chunks.h5 | tail -1
   dstrain-ckpt compare-dumps '"$B"'/expected/tiny_fp32.h5 '"$out"'/tiny_fp32_chunks.h5 1e-4
-  dstrain configs/tiny.yaml --set device=$dev --set bf16.enabled=true --dump-grads '"$out"'/tiny_bf16_cuda.h5 | tail -2
+  dstrain configs/tiny.yaml --resume none --set device=$dev --set bf16.enabled=true --dump-grads '"$out"'/tiny_bf16_cuda.h5 | tail -2
   dstrain-ckpt compare-dumps '"$B"'/expected/tiny_bf16.h5 '"$out"'/tiny_bf16_cuda.h5 5e-2'
 
 step train 90 '
@@ -134,6 +136,12 @@ step h200 110 '
   dstrain configs/h200.yaml '"$dry"' --set device=$dev --resume none --set train_steps=4 --set steps_per_print=1 \
     --set data.eval_interval=0 --set checkpoint.dir=/tmp/dstrain-gpu-h200 --set monitor.peak_tflops=989 \
     --set monitor.tensorboard=null | grep -E "step [0-9]+/|memory|backend|peak|tokens" | tail -10'
+
+# cuDNN's fused attention (and PyTorch's other SDPA kernels) at the shapes the kernels step timed
+# dstrain's own attention on (tools/gpu/sdpa_baseline.py), if time is left.
+if [ $dev = cuda ] && python3 -c "import torch" 2>/dev/null; then
+  step sdpa 45 'python3 tools/gpu/sdpa_baseline.py'
+fi
 
 if [ -n "$failed" ]; then echo "GPU check: failed:$failed; logs in $out"; else echo "GPU check: every step passed; logs in $out"; fi
 exit $status
