@@ -119,7 +119,7 @@ def causal_mask(B, n):
 def golden(dstrain, name, sets, out_dir):
     with tempfile.TemporaryDirectory() as tmp:
         dump = os.path.join(tmp, "dump.h5")
-        subprocess.run([dstrain, "configs/tiny.yaml", "--dump-grads", dump, "--threads", "1", *sets], check=True)
+        subprocess.run([dstrain, "configs/tiny.yaml", "--resume", "none", "--dump-grads", dump, "--threads", "1", *sets], check=True)
         with h5py.File(dump) as f:
             weights = {k: torch.tensor(np.array(v), dtype=torch.float64) for k, v in f["weights"].items()}
             tokens = np.array(f["tokens"])

@@ -23,7 +23,6 @@ ncclRedOp_t nccl_op(ReduceOp op) { return op == ReduceOp::kSum ? ncclSum : ncclM
 // is open while the depth is above 0. The completion events of a group's operations are recorded
 // on their streams only after ncclGroupEnd has launched them.
 thread_local int g_group_depth = 0;
-thread_local uint64_t g_group_id = 0;
 thread_local std::vector<std::pair<cudaEvent_t, cudaStream_t>> g_group_events;
 
 class NcclCommunicator;
@@ -145,10 +144,7 @@ class NcclCommunicator final : public Communicator {
   }
   void progress() override {}  // NCCL progresses on the device
   void group_start() override {
-    if (g_group_depth++ == 0) {
-      ++g_group_id;
-      check(ncclGroupStart(), "ncclGroupStart");
-    }
+    if (g_group_depth++ == 0) check(ncclGroupStart(), "ncclGroupStart");
   }
   void group_end() override {
     if (g_group_depth == 0) throw CommError(fmt::format("group {}: group_end without group_start", name_));
@@ -180,11 +176,11 @@ class NcclCommunicator final : public Communicator {
     if (!comm_) throw CommError(fmt::format("group {}: the NCCL communicator was aborted", name_));
     const std::string what = fmt::format("group {} {} #{} (rank {} of {})", name_, op, seq_++, rank_, size_);
     const bool grouped = g_group_depth > 0;
-    if (!grouped || ordered_in_group_ != g_group_id) {  // once per group: after what the compute stream has
-      cuda_check(cudaEventRecord(issued_, compute_), what);
-      cuda_check(cudaStreamWaitEvent(stream_, issued_, 0), what);
-      ordered_in_group_ = grouped ? g_group_id : 0;
-    }
+    // After what the compute stream has queued by now — at every operation, also inside a group
+    // (where the wait is taken at this call, and the group launches after all of its waits): work
+    // queued between a group's operations is then covered too.
+    cuda_check(cudaEventRecord(issued_, compute_), what);
+    cuda_check(cudaStreamWaitEvent(stream_, issued_, 0), what);
     const ncclResult_t r = call();
     if (r != ncclSuccess && r != ncclInProgress) abort_with(what + ": " + ncclGetErrorString(r));
     cudaEvent_t done = nullptr;
@@ -216,7 +212,6 @@ class NcclCommunicator final : public Communicator {
   cudaEvent_t issued_ = nullptr;
   ncclComm_t comm_ = nullptr;
   void* scratch_ = nullptr;
-  uint64_t ordered_in_group_ = 0;  // the group whose first operation ordered the stream
   int rank_ = 0, size_ = 1;
   uint64_t seq_ = 0;
 };

@@ -161,13 +161,34 @@ __global__ void rmsnorm_backward_dx_kernel(float* dx, const float* dy, const flo
   dot = block_reduce<false>(dot) / float(C);
   for (int64_t c = threadIdx.x; c < C; c += blockDim.x) dx[r * C + c] = rs * (dyr[c] * w[c] - xr[c] * rs * dot);
 }
-__global__ void rmsnorm_backward_dw_kernel(float* dw, const float* dy, const float* x, const float* rstd,
-                                           int64_t rows, int64_t C) {
-  const int64_t c = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (c >= C) return;
+// dw in two passes, in a fixed order (deterministic, independent of the launch): blocks of
+// kDwCols columns x kDwLanes row lanes over chunks of kDwChunk rows write one partial per chunk
+// and column; then each column adds its chunks' partials in order. (A thread per column walking
+// every row, as before, left all but a few dozen warps of the GPU idle: 8 ms a call at 16k rows.)
+constexpr int kDwCols = 32, kDwLanes = 8;
+constexpr int64_t kDwChunk = 256;
+__global__ void rmsnorm_dw_partial_kernel(float* partial, const float* dy, const float* x, const float* rstd,
+                                          int64_t rows, int64_t C) {
+  __shared__ float lane_sum[kDwLanes][kDwCols];
+  const int64_t c = int64_t(blockIdx.x) * kDwCols + threadIdx.x;
+  const int64_t r0 = int64_t(blockIdx.y) * kDwChunk, r1 = r0 + kDwChunk < rows ? r0 + kDwChunk : rows;
   float acc = 0;
-  for (int64_t r = 0; r < rows; ++r) acc += dy[r * C + c] * x[r * C + c] * rstd[r];
-  dw[c] += acc;
+  if (c < C)
+    for (int64_t r = r0 + threadIdx.y; r < r1; r += kDwLanes) acc += dy[r * C + c] * x[r * C + c] * rstd[r];
+  lane_sum[threadIdx.y][threadIdx.x] = acc;
+  __syncthreads();
+  if (threadIdx.y == 0 && c < C) {
+    float sum = 0;
+    for (int l = 0; l < kDwLanes; ++l) sum += lane_sum[l][threadIdx.x];
+    partial[int64_t(blockIdx.y) * C + c] = sum;
+  }
+}
+__global__ void column_sums_add_kernel(float* dw, const float* partial, int64_t chunks, int64_t C) {
+  GRID_STRIDE(c, C) {
+    float sum = 0;
+    for (int64_t k = 0; k < chunks; ++k) sum += partial[k * C + c];
+    dw[c] += sum;
+  }
 }
 
 // ---- RoPE --------------------------------------------------------------------------------------
@@ -200,6 +221,29 @@ __global__ void rope_backward_kernel(float* din, int64_t in_ts, int64_t in_hs, c
     float& xb = dx[dev::rope_second(j, dr, interleave)];
     xa = accumulate ? xa + da : da;
     xb = accumulate ? xb + db : db;
+  }
+}
+// The same when every head's gradient goes to one shared row (in_hs = 0: MLA's rope key, one per
+// token for all heads): a thread per (t, j) adds the heads in order, as the CPU loop does — a
+// thread per head would race on the row.
+__global__ void rope_backward_shared_kernel(float* din, int64_t in_ts, const float* dout, int64_t out_ts,
+                                            int64_t out_hs, const float* cos, const float* sin, int64_t N,
+                                            int64_t S, int64_t heads, int64_t dr, bool interleave, bool accumulate) {
+  const int64_t half = dr / 2;
+  GRID_STRIDE(i, N * half) {
+    const int64_t j = i % half, t = i / half;
+    const float c = cos[(t % S) * half + j], s = sin[(t % S) * half + j];
+    float& xa = din[t * in_ts + dev::rope_first(j, dr, interleave)];
+    float& xb = din[t * in_ts + dev::rope_second(j, dr, interleave)];
+    float a = xa, b = xb;
+    for (int64_t h = 0; h < heads; ++h) {
+      const float* g = dout + t * out_ts + h * out_hs;
+      float da, db;
+      dev::rope_rotate_back(g[j], g[j + half], c, s, &da, &db);
+      a = accumulate ? a + da : da;
+      b = accumulate ? b + db : db;
+    }
+    xa = a, xb = b;
   }
 }
 
@@ -780,12 +824,20 @@ __global__ void embedding_forward_kernel(float* out, const float* table, const i
   }
 }
 // One thread per column, tokens in order: repeated ids add up in a fixed order, without atomics.
-__global__ void embedding_backward_kernel(float* dtable, const float* dout, const int32_t* ids, int64_t N, int64_t H) {
-  const int64_t c = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (c >= H) return;
-  for (int64_t t = 0; t < N; ++t) {
-    const int32_t id = ids[t];
-    if (id >= 0) dtable[int64_t(id) * H + c] += dout[t * H + c];
+// Over the tokens sorted by id (a stable sort: equal ids keep token order): a thread per (sorted
+// position, column); the one at the start of a run of equal ids adds the run's rows into the
+// table row in token order, as the CPU loop does. (A thread per column walking every token, as
+// before, used H threads of the GPU for a whole step's tokens.)
+__global__ void embedding_backward_runs_kernel(float* dtable, const float* dout, const int32_t* sorted_ids,
+                                               const int32_t* sorted_tokens, int64_t N, int64_t H) {
+  GRID_STRIDE(i, N * H) {
+    const int64_t c = i % H, p = i / H;
+    const int32_t id = sorted_ids[p];
+    if (id < 0 || (p > 0 && sorted_ids[p - 1] == id)) continue;  // another shard's row, or not a run's start
+    float* d = dtable + int64_t(id) * H + c;
+    float acc = *d;
+    for (int64_t q = p; q < N && sorted_ids[q] == id; ++q) acc += dout[int64_t(sorted_tokens[q]) * H + c];
+    *d = acc;
   }
 }
 
@@ -1147,7 +1199,14 @@ class CudaBackend final : public Backend {
                         int64_t rows, int64_t C) override {
     if (rows <= 0) return;
     rmsnorm_backward_dx_kernel<<<unsigned(rows), kThreads, 0, stream_>>>(dx, dy, x, w, rstd, C);
-    rmsnorm_backward_dw_kernel<<<blocks_for(C), kThreads, 0, stream_>>>(dw, dy, x, rstd, rows, C);
+    DS_LAUNCHED();
+    const int64_t chunks = (rows + kDwChunk - 1) / kDwChunk;
+    if (chunks > 65535) throw std::invalid_argument("rmsnorm_backward: more than 65535 x 256 rows");
+    float* partial = scratch(chunks * C);
+    const dim3 grid(unsigned((C + kDwCols - 1) / kDwCols), unsigned(chunks)), block(kDwCols, kDwLanes);
+    rmsnorm_dw_partial_kernel<<<grid, block, 0, stream_>>>(partial, dy, x, rstd, rows, C);
+    DS_LAUNCHED();
+    column_sums_add_kernel<<<blocks_for(C), kThreads, 0, stream_>>>(dw, partial, chunks, C);
     DS_LAUNCHED();
   }
 
@@ -1165,6 +1224,14 @@ class CudaBackend final : public Backend {
                      bool interleave, bool accumulate) override {
     const int64_t n = N * heads * (dr / 2);
     if (n <= 0) return;
+    if (in_hs == 0) {  // one row for all heads
+      rope_backward_shared_kernel<<<blocks_for(N * (dr / 2)), kThreads, 0, stream_>>>(
+          din, in_ts, dout, out_ts, out_hs, cos, sin, N, S, heads, dr, interleave, accumulate);
+      DS_LAUNCHED();
+      return;
+    }
+    if (heads > 1 && (in_hs < 0 ? -in_hs : in_hs) < dr)
+      throw std::invalid_argument("rope_backward: heads' rows overlap (0 < |in_hs| < dr)");
     rope_backward_kernel<<<blocks_for(n), kThreads, 0, stream_>>>(din, in_ts, in_hs, dout, out_ts, out_hs, cos, sin,
                                                                    N, S, heads, dr, interleave, accumulate);
     DS_LAUNCHED();
@@ -1399,7 +1466,26 @@ class CudaBackend final : public Backend {
   void embedding_backward(float* dtable, const float* dout, const int32_t* ids, int64_t N, int64_t H,
                           int64_t) override {
     if (N * H <= 0) return;
-    embedding_backward_kernel<<<blocks_for(H), kThreads, 0, stream_>>>(dtable, dout, ids, N, H);
+    if (N > int64_t(INT32_MAX)) throw std::invalid_argument("embedding_backward: more than 2^31 tokens");
+    size_t temp = 0;  // the ids radix-sorted (all 32 bits: negative ids sort first) with token numbers as values
+    DS_CUDA(cub::DeviceRadixSort::SortPairs(nullptr, temp, ids, static_cast<int32_t*>(nullptr),
+                                            static_cast<int32_t*>(nullptr), static_cast<int32_t*>(nullptr), int(N), 0,
+                                            32, stream_));
+    const int64_t bytes = 3 * N * 4 + int64_t(temp) + 256;
+    if (bytes > plan_bytes_) {  // (moe_plan's scratch: both use it within one call, on one stream)
+      if (plan_buf_) deallocate(plan_buf_);
+      plan_buf_ = allocate(bytes);
+      plan_bytes_ = bytes;
+    }
+    int32_t* tokens = static_cast<int32_t*>(plan_buf_);
+    int32_t* sorted_ids = tokens + N;
+    int32_t* sorted_tokens = sorted_ids + N;
+    void* tmp = reinterpret_cast<void*>((reinterpret_cast<uintptr_t>(sorted_tokens + N) + 255) / 256 * 256);
+    iota_kernel<<<blocks_for(N), kThreads, 0, stream_>>>(tokens, N);
+    DS_LAUNCHED();
+    DS_CUDA(cub::DeviceRadixSort::SortPairs(tmp, temp, ids, sorted_ids, tokens, sorted_tokens, int(N), 0, 32, stream_));
+    embedding_backward_runs_kernel<<<blocks_for(N * H), kThreads, 0, stream_>>>(dtable, dout, sorted_ids,
+                                                                               sorted_tokens, N, H);
     DS_LAUNCHED();
   }
 

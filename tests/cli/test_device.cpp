@@ -63,8 +63,8 @@ TEST(DeviceMemory, ResumeAndDumpGradsBehindDeviceMemory) {
   ASSERT_EQ(want.size(), 6u);
   for (const auto& [step, loss] : want) EXPECT_EQ(got.at(step), loss) << "step " << step;
   // --dump-grads: the gathered weights and gradients, bit for bit.
-  ASSERT_EQ(run(kDstrain + " configs/tiny.yaml --dump-grads " + dir + "/cpu.h5").rc, 0);
-  const Result d = run(kCheck + kDstrain + " configs/tiny.yaml --dump-grads " + dir + "/dev.h5");
+  ASSERT_EQ(run(kDstrain + " configs/tiny.yaml --resume none --dump-grads " + dir + "/cpu.h5").rc, 0);
+  const Result d = run(kCheck + kDstrain + " configs/tiny.yaml --resume none --dump-grads " + dir + "/dev.h5");
   ASSERT_EQ(d.rc, 0) << d.err;
   io::H5File a(dir + "/cpu.h5", io::H5File::Mode::kRead), b(dir + "/dev.h5", io::H5File::Mode::kRead);
   int tensors = 0;
@@ -81,7 +81,7 @@ TEST(DeviceMemory, ResumeAndDumpGradsBehindDeviceMemory) {
   Result c = run(ckpt + dir + "/cpu.h5 " + dir + "/dev.h5 0");
   EXPECT_EQ(c.rc, 0) << c.out << c.err;
   EXPECT_NE(c.out.find("0 over 0"), std::string::npos) << c.out;
-  ASSERT_EQ(run(kDstrain + " configs/tiny.yaml --set bf16.enabled=true --dump-grads " + dir + "/bf16.h5").rc, 0);
+  ASSERT_EQ(run(kDstrain + " configs/tiny.yaml --resume none --set bf16.enabled=true --dump-grads " + dir + "/bf16.h5").rc, 0);
   c = run(ckpt + dir + "/cpu.h5 " + dir + "/bf16.h5 1e-6");
   EXPECT_EQ(c.rc, 1);
   EXPECT_NE(c.out.find("grads/model.layers.0.self_attn"), std::string::npos) << c.out;

@@ -249,7 +249,7 @@ void check_conversions(Backend& cpu, Backend& cuda) {
 }
 
 void check_norm_rope_swiglu(Backend& cpu, Backend& cuda) {
-  const int64_t rows = 45, C = 300;
+  const int64_t rows = 600, C = 300;  // dw: three chunks of rows (256, 256, 88), a partial column block
   const FVec x = randn(size_t(rows * C), 6), w = randn(size_t(C), 7), dy = randn(size_t(rows * C), 8),
              dw0 = randn(size_t(C), 9);
   FVec y(x.size()), rstd(static_cast<size_t>(rows)), dx(x.size()), dw = dw0;
@@ -281,6 +281,14 @@ void check_norm_rope_swiglu(Backend& cpu, Backend& cuda) {
     cuda.rope_backward(gdin, in_ts, in_hs, go, out_ts, dr, gc, gs, N, S, heads, dr, il, true);
     check(std::string("rope backward (accumulated)") + (il ? " interleaved" : ""), h.get(gdin, din.size()), din,
           1e-5);
+    // in_hs = 0: every head's gradient into one row per token (MLA's rope key, mla.cpp), in order
+    FVec shared = randn(size_t(N * in_ts), 14);
+    float* gsh = h.put(shared);
+    cpu.rope_backward(shared.data(), in_ts, 0, out.data(), out_ts, dr, cs.data(), sn.data(), N, S, heads, dr, il,
+                      true);
+    cuda.rope_backward(gsh, in_ts, 0, go, out_ts, dr, gc, gs, N, S, heads, dr, il, true);
+    check(std::string("rope backward shared row") + (il ? " interleaved" : ""),
+          h.get(gsh, shared.size()), shared, 1e-5);
   }
 
   const int64_t T = 33, I = 70;
@@ -476,7 +484,7 @@ void check_loss_embedding_optimizer(Backend& cpu, Backend& cuda) {
     cuda.embedding_forward(gout, g.put(table), gids, N, H);
     cuda.embedding_backward(gdt, g.put(dout), gids, N, H, Vt);
     check("embedding forward (foreign ids zero)", g.get(gout, out.size()), out, 0);
-    check("embedding backward (repeated ids add up)", g.get(gdt, dtable.size()), dtable, 1e-5);
+    check_equal("embedding backward (repeated ids, in token order)", g.get(gdt, dtable.size()), dtable);
   }
   {  // AdamW and the element-wise helpers
     const int64_t n = 10001;

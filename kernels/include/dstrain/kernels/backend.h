@@ -145,7 +145,9 @@ class Backend {
   virtual void rope_forward(float* out, int64_t out_ts, int64_t out_hs, const float* in,
                             int64_t in_ts, int64_t in_hs, const float* cos, const float* sin,
                             int64_t N, int64_t S, int64_t heads, int64_t dr, bool interleave) = 0;
-  // Inverse rotation; `accumulate` adds into din instead of overwriting.
+  // Inverse rotation; `accumulate` adds into din instead of overwriting. in_hs = 0 sends every
+  // head's gradient to one row per token (MLA's shared rope key), added in head order; other
+  // strides must not make heads' rows overlap.
   virtual void rope_backward(float* din, int64_t in_ts, int64_t in_hs, const float* dout,
                              int64_t out_ts, int64_t out_hs, const float* cos, const float* sin,
                              int64_t N, int64_t S, int64_t heads, int64_t dr, bool interleave,
