@@ -229,6 +229,8 @@ const std::string& key_meaning(const std::string& path) {
        "where checkpoints are written"},
       {"checkpoint.interval",
        "steps between saves; 0 saves only at the end and on SIGTERM/SIGINT/SIGUSR1/SIGUSR2"},
+      {"checkpoint.save_at_end",
+       "save after the last step; false for runs whose state is not wanted (benchmarks): interval and signal saves still happen"},
       {"checkpoint.keep_last",
        "checkpoints kept"},
       {"checkpoint.resume",

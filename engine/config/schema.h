@@ -213,6 +213,7 @@ template <class V>
 void describe(V& v, CheckpointConfig& c) {
   v.field("dir", c.dir, non_empty());
   v.field("interval", c.interval, at_least(0));
+  v.field("save_at_end", c.save_at_end);
   v.field("keep_last", c.keep_last, at_least(1));
   v.field("resume", c.resume, non_empty());
   v.field("async", c.async);

@@ -175,6 +175,7 @@ struct DataConfig {
 struct CheckpointConfig {
   std::string dir = "checkpoints";
   int64_t interval = 0;     // steps between saves; 0: only at the end and on SIGTERM/SIGINT
+  bool save_at_end = true;  // false: no save after the last step (benchmarks); interval and signal saves stay
   int64_t keep_last = 3;
   std::string resume = "auto";  // auto | none | a checkpoint path
   bool async = false;

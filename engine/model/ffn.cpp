@@ -18,12 +18,9 @@ SwiGluMlp::SwiGluMlp(const LayerEnv& env, const std::string& prefix, int64_t wid
   M_ = env.acts->take(max_tokens * w_, true, gemm_input_dtype(env));  // read by down_proj's GEMMs only
 }
 
-// M = swiglu(GU) on N rows into the saved M (staged in scratch when M is 16-bit).
-void SwiGluMlp::activate(int64_t N) {
-  float* m = f32_staging(env_, M_.view(), N * w_);
-  env_.be->swiglu_forward(m, GU_.data(), N, w_);
-  store_activation(env_, M_.view(), m, N * w_);
-}
+// M = swiglu(GU) on N rows into the saved M, in its type (a 16-bit M written rounded, as
+// store_activation would round it, without an fp32 pass).
+void SwiGluMlp::activate(int64_t N) { env_.be->swiglu_forward(M_.view(), GU_.data(), N, w_); }
 
 void SwiGluMlp::recompute_selective(int64_t N) { activate(N); }
 
@@ -110,16 +107,14 @@ int64_t MoeLayer::ep_backward_bytes() const {
   return dYr_.bytes() + dYe_.bytes() + dXe_.bytes() + dXr_.bytes() + dMe_.bytes() + dGUe_.bytes();
 }
 
+// The routed rows and the experts' activations straight into their saved type (16-bit: rounded
+// by the producing op, as store_activation would round them).
 void MoeLayer::dispatch_rows(const float* u_part, int64_t rows) {
-  float* x = f32_staging(env_, Xp_.view(), rows * H_);
-  env_.be->gather_rows(x, u_part, src_dev_.data(), rows, H_);
-  store_activation(env_, Xp_.view(), x, rows * H_);
+  env_.be->gather_rows(Xp_.view(), u_part, src_dev_.data(), rows, H_);
 }
 
 void MoeLayer::swiglu_into(kernels::View M, const float* GU, int64_t rows) {
-  float* m = f32_staging(env_, M, rows * I_);
-  env_.be->swiglu_forward(m, GU, rows, I_);
-  store_activation(env_, M, m, rows * I_);
+  env_.be->swiglu_forward(M, GU, rows, I_);
 }
 
 void MoeLayer::recompute_selective(const float* u_part, int64_t N) {

@@ -789,7 +789,7 @@ TrainSummary Trainer::run() {
     int stop = g_stop_signal.load();
     stop = int(comm::all_reduce_value(*world_, int64_t(stop), comm::ReduceOp::kMax));  // stop together
     const bool interval = cfg_.checkpoint.interval > 0 && (step + 1) % cfg_.checkpoint.interval == 0;
-    if (interval || last_step || stop) {
+    if (interval || (last_step && cfg_.checkpoint.save_at_end) || stop) {
       const auto t = Clock::now();
       save_checkpoint(step + 1);
       excluded += seconds_since(t);

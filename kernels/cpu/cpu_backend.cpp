@@ -328,6 +328,22 @@ class CpuBackend final : public Backend {
   void swiglu_forward(float* M, const float* GU, int64_t N, int64_t I) override {
     cpu::swiglu_forward(M, GU, N, I);
   }
+  // 16 bits: each row computed into a per-thread fp32 row (the fp32 op's code, row by row), then
+  // rounded — the fp32 array the separate pass wrote and read again stays in L1 / L2.
+  void swiglu_forward(View M, const float* GU, int64_t N, int64_t I) override {
+    if (M.dtype == DType::kF32) return cpu::swiglu_forward(static_cast<float*>(M.data), GU, N, I);
+    const cpu::LowPrecision lp = low(M.dtype);
+    uint16_t* out = static_cast<uint16_t*>(M.data);
+#pragma omp parallel
+    {
+      std::vector<float> row(size_t(std::max<int64_t>(I, 0)));
+#pragma omp for schedule(static)
+      for (int64_t t = 0; t < N; ++t) {
+        cpu::swiglu_row(row.data(), GU + t * 2 * I, I);
+        cpu::convert_to(out + t * I, row.data(), I, lp);
+      }
+    }
+  }
   void swiglu_backward(float* dGU, const float* dM, const float* GU, int64_t N, int64_t I) override {
     cpu::swiglu_backward(dGU, dM, GU, N, I);
   }
@@ -405,6 +421,13 @@ class CpuBackend final : public Backend {
   }
   void gather_rows(float* out, const float* in, const int32_t* src, int64_t n, int64_t H) override {
     cpu::gather_rows(out, in, src, n, H);
+  }
+  void gather_rows(View out, const float* in, const int32_t* src, int64_t n, int64_t H) override {
+    if (out.dtype == DType::kF32) return cpu::gather_rows(static_cast<float*>(out.data), in, src, n, H);
+    const cpu::LowPrecision lp = low(out.dtype);
+    uint16_t* o = static_cast<uint16_t*>(out.data);
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < n; ++i) cpu::convert_to(o + i * H, in + int64_t(src[i]) * H, H, lp);
   }
   void moe_combine(float* out, const float* Y, const float* w, const int32_t* pos, int64_t N,
                    int64_t k, int64_t H) override {

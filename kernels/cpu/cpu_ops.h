@@ -276,16 +276,19 @@ inline T sigmoid(T x) {
   return T(1) / (T(1) + vexp(-x));
 }
 
+// One row: m [I] from gu [2I] = [g | u] (the 16-bit-output op reuses it, so its values are
+// these bit for bit).
+template <class T>
+inline void swiglu_row(T* m, const T* gu, int64_t I) {
+  const T* g = gu;
+  const T* u = gu + I;
+#pragma omp simd
+  for (int64_t i = 0; i < I; ++i) m[i] = g[i] * sigmoid(g[i]) * u[i];
+}
 template <class T>
 void swiglu_forward(T* M, const T* GU, int64_t N, int64_t I) {
 #pragma omp parallel for schedule(static)
-  for (int64_t t = 0; t < N; ++t) {
-    const T* g = GU + t * 2 * I;
-    const T* u = g + I;
-    T* m = M + t * I;
-#pragma omp simd
-    for (int64_t i = 0; i < I; ++i) m[i] = g[i] * sigmoid(g[i]) * u[i];
-  }
+  for (int64_t t = 0; t < N; ++t) swiglu_row(M + t * I, GU + t * 2 * I, I);
 }
 
 template <class T>

@@ -146,6 +146,9 @@ class DeviceCheckBackend final : public Backend {
     in_->attention_backward(h(dQ, op), h(dK, op), h(dV, op), h(dO, op), v(dO_lp, op), v(Q, op), v(K, op), v(V, op),
                             h(O, op), h(lse, op), B, S, nh, dqk, dv, scale);
   }
+  void swiglu_forward(View M, const float* GU, int64_t N, int64_t I) override {
+    if (N * I > 0) in_->swiglu_forward(View{h(M.data, "swiglu_forward"), M.dtype}, h(GU, "swiglu_forward"), N, I);
+  }
   void swiglu_forward(float* M, const float* GU, int64_t N, int64_t I) override {
     if (N * I > 0) in_->swiglu_forward(h(M, "swiglu_forward"), h(GU, "swiglu_forward"), N, I);
   }
@@ -179,6 +182,10 @@ class DeviceCheckBackend final : public Backend {
     const char* op = "moe_balance_grad";
     in_->moe_balance_grad(b.n ? h(dscores, op) : dscores, opt(aux, op), h(stats, op), b.n ? h(scores, op) : scores, b,
                           weight, grad_scale);
+  }
+  void gather_rows(View out, const float* in, const int32_t* src, int64_t n, int64_t H) override {
+    const char* op = "gather_rows";
+    if (n * H > 0) in_->gather_rows(View{h(out.data, op), out.dtype}, h(in, op), h(src, op), n, H);
   }
   void gather_rows(float* out, const float* in, const int32_t* src, int64_t n, int64_t H) override {
     const char* op = "gather_rows";

@@ -632,10 +632,12 @@ __global__ void __launch_bounds__(kFlashThreads)
 
 // ---- SwiGLU, router, MoE data movement ---------------------------------------------------------
 
-__global__ void swiglu_forward_kernel(float* M, const float* GU, int64_t N, int64_t I) {
+// KIND 0 / 1 / 2: M in fp32 / bf16 / fp16 (rounded as convert() rounds).
+template <int KIND>
+__global__ void swiglu_forward_kernel(dev::Storage<KIND>* M, const float* GU, int64_t N, int64_t I) {
   GRID_STRIDE(x, N * I) {
     const int64_t t = x / I, i = x % I;
-    M[x] = dev::swiglu(GU[t * 2 * I + i], GU[t * 2 * I + I + i]);
+    M[x] = dev::store_as<KIND>(dev::swiglu(GU[t * 2 * I + i], GU[t * 2 * I + I + i]));
   }
 }
 __global__ void swiglu_backward_kernel(float* dGU, const float* dM, const float* GU, int64_t N, int64_t I) {
@@ -716,8 +718,9 @@ __global__ void balance_aux_kernel(float* aux, const float* stats, Backend::Bala
   aux[0] = float(double(aux[0]) + dev::balance_aux_total(stats, b, weight));
 }
 
-__global__ void gather_rows_kernel(float* out, const float* in, const int32_t* src, int64_t n, int64_t H) {
-  GRID_STRIDE(x, n * H) out[x] = in[int64_t(src[x / H]) * H + x % H];
+template <int KIND>
+__global__ void gather_rows_kernel(dev::Storage<KIND>* out, const float* in, const int32_t* src, int64_t n, int64_t H) {
+  GRID_STRIDE(x, n * H) out[x] = dev::store_as<KIND>(in[int64_t(src[x / H]) * H + x % H]);
 }
 __global__ void moe_combine_kernel(float* out, const float* Y, const float* w, const int32_t* pos, int64_t N,
                                    int64_t k, int64_t H) {
@@ -843,7 +846,11 @@ __global__ void embedding_backward_runs_kernel(float* dtable, const float* dout,
 
 // ---- Sum of squares in double: fixed grid, fixed order -----------------------------------------
 
-constexpr int kSumBlocks = 264;  // 2 per H200 multiprocessor; part of the result's definition
+// The grid is part of the result's definition: the same n (and alignment) gives the same bits.
+// 8 blocks per H200 multiprocessor, each thread reading 16 bytes at a time: enough loads in
+// flight to stream at HBM bandwidth (264 blocks of scalar loads, the first version, kept about a
+// tenth of that in flight by Little's law: some 20-50 ms for the 4.6G gradients of the h200 preset).
+constexpr int kSumBlocks = 1056;
 
 __device__ double block_sum_double(double x) {
   __shared__ double part[kThreads / 32];
@@ -856,9 +863,19 @@ __device__ double block_sum_double(double x) {
   return t;
 }
 __global__ void sum_squares_partial_kernel(double* partials, const float* x, int64_t n) {
-  double s = 0;
-  GRID_STRIDE(i, n) s += double(x[i]) * double(x[i]);
-  s = block_sum_double(s);
+  double s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+  int64_t done = 0;
+  if (reinterpret_cast<uintptr_t>(x) % 16 == 0) {  // the body as float4, the tail below
+    const float4* x4 = reinterpret_cast<const float4*>(x);
+    GRID_STRIDE(i, n / 4) {
+      const float4 v = x4[i];
+      s0 += double(v.x) * double(v.x), s1 += double(v.y) * double(v.y);
+      s2 += double(v.z) * double(v.z), s3 += double(v.w) * double(v.w);
+    }
+    done = n / 4 * 4;
+  }
+  GRID_STRIDE(i, n - done) s0 += double(x[done + i]) * double(x[done + i]);
+  double s = block_sum_double((s0 + s1) + (s2 + s3));
   if (threadIdx.x == 0) partials[blockIdx.x] = s;
 }
 __global__ void sum_squares_final_kernel(double* out, const double* partials, bool accumulate) {
@@ -1330,8 +1347,15 @@ class CudaBackend final : public Backend {
   }
 
   void swiglu_forward(float* M, const float* GU, int64_t N, int64_t I) override {
+    swiglu_forward(View{M, DType::kF32}, GU, N, I);
+  }
+  void swiglu_forward(View M, const float* GU, int64_t N, int64_t I) override {
     if (N * I <= 0) return;
-    swiglu_forward_kernel<<<blocks_for(N * I), kThreads, 0, stream_>>>(M, GU, N, I);
+    const int blocks = blocks_for(N * I);
+    if (M.dtype == DType::kF32) swiglu_forward_kernel<0><<<blocks, kThreads, 0, stream_>>>(fm(M.data), GU, N, I);
+    else if (M.dtype == DType::kBF16)
+      swiglu_forward_kernel<1><<<blocks, kThreads, 0, stream_>>>(static_cast<uint16_t*>(M.data), GU, N, I);
+    else swiglu_forward_kernel<2><<<blocks, kThreads, 0, stream_>>>(static_cast<uint16_t*>(M.data), GU, N, I);
     DS_LAUNCHED();
   }
   void swiglu_backward(float* dGU, const float* dM, const float* GU, int64_t N, int64_t I) override {
@@ -1411,8 +1435,15 @@ class CudaBackend final : public Backend {
   }
 
   void gather_rows(float* out, const float* in, const int32_t* src, int64_t n, int64_t H) override {
+    gather_rows(View{out, DType::kF32}, in, src, n, H);
+  }
+  void gather_rows(View out, const float* in, const int32_t* src, int64_t n, int64_t H) override {
     if (n * H <= 0) return;
-    gather_rows_kernel<<<blocks_for(n * H), kThreads, 0, stream_>>>(out, in, src, n, H);
+    const int blocks = blocks_for(n * H);
+    if (out.dtype == DType::kF32) gather_rows_kernel<0><<<blocks, kThreads, 0, stream_>>>(fm(out.data), in, src, n, H);
+    else if (out.dtype == DType::kBF16)
+      gather_rows_kernel<1><<<blocks, kThreads, 0, stream_>>>(static_cast<uint16_t*>(out.data), in, src, n, H);
+    else gather_rows_kernel<2><<<blocks, kThreads, 0, stream_>>>(static_cast<uint16_t*>(out.data), in, src, n, H);
     DS_LAUNCHED();
   }
   void moe_combine(float* out, const float* Y, const float* w, const int32_t* pos, int64_t N, int64_t k,

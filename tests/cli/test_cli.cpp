@@ -131,6 +131,25 @@ TEST(Cli, TrainsTheTinyPreset) {
   EXPECT_NE(r.out.find("done: trained 4 steps (0 -> 4) in"), std::string::npos) << r.out;
 }
 
+// checkpoint.save_at_end: false leaves no checkpoint after the last step, while interval saves
+// still happen; the default saves at the end.
+TEST(Cli, SaveAtEndFalseSkipsOnlyTheFinalSave) {
+  const std::string dir = ::testing::TempDir() + "/save_at_end";
+  std::filesystem::remove_all(dir);
+  const std::string tiny = kDstrain + " configs/tiny.yaml --resume none --set data.eval_interval=0 --set checkpoint.dir=";
+  Result r = run(tiny + dir + "/none --set train_steps=3 --set checkpoint.save_at_end=false");
+  ASSERT_EQ(r.rc, 0) << r.err;
+  EXPECT_FALSE(std::filesystem::exists(dir + "/none/latest"));
+  EXPECT_FALSE(std::filesystem::exists(dir + "/none/step_00000003.h5"));
+  r = run(tiny + dir + "/interval --set train_steps=3 --set checkpoint.interval=2 --set checkpoint.save_at_end=false");
+  ASSERT_EQ(r.rc, 0) << r.err;
+  EXPECT_TRUE(std::filesystem::exists(dir + "/interval/step_00000002.h5"));
+  EXPECT_FALSE(std::filesystem::exists(dir + "/interval/step_00000003.h5"));
+  r = run(tiny + dir + "/default --set train_steps=3");
+  ASSERT_EQ(r.rc, 0) << r.err;
+  EXPECT_TRUE(std::filesystem::exists(dir + "/default/step_00000003.h5"));
+}
+
 // docs/model.md §12's exchange format, from the shipped small preset on its first global batch.
 TEST(Cli, DumpGradsWritesWeightsGradientsTokensAndLosses) {
   const std::string path = ::testing::TempDir() + "/grads.h5";

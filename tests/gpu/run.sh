@@ -108,7 +108,7 @@ step train 90 '
   set -e
   rm -rf /tmp/dstrain-gpu-train
   dstrain configs/small.yaml --set device=$dev --resume none --set train_steps=50 --set steps_per_print=1 \
-    --set data.eval_interval=0 --set checkpoint.interval=0 --set checkpoint.dir=/tmp/dstrain-gpu-train \
+    --set data.eval_interval=0 --set checkpoint.save_at_end=false --set checkpoint.dir=/tmp/dstrain-gpu-train \
     --set monitor.metrics_file='"$out"'/train.jsonl --set monitor.tensorboard=null \
     --set monitor.trace='"$out"'/train.trace.json --set monitor.trace_steps=[10,11] | grep -E "step (1|10|20|30|40|50)/"
   first=$(grep -m1 -o "\"loss\":[-0-9.e+]*" '"$out"'/train.jsonl | cut -d: -f2)  # (no head: SIGPIPE under pipefail)
@@ -122,7 +122,7 @@ step bench 100 '
   rm -rf /tmp/dstrain-gpu-bench
   dstrain configs/medium.yaml '"$dry"' --set device=$dev --resume none --set bf16.enabled=true --set train_steps=6 \
     --set train_batch_size=8 --set train_micro_batch_size_per_gpu=8 --set seq_length=2048 \
-    --set steps_per_print=1 --set data.eval_interval=0 --set checkpoint.interval=0 \
+    --set steps_per_print=1 --set data.eval_interval=0 --set checkpoint.save_at_end=false \
     --set checkpoint.dir=/tmp/dstrain-gpu-bench --set monitor.peak_tflops=989 --set monitor.tensorboard=null \
     | grep -E "step [0-9]+/|memory|backend|peak|micro-batch|tokens" | tail -12'
 
@@ -134,7 +134,8 @@ fi
 step h200 110 '
   rm -rf /tmp/dstrain-gpu-h200
   dstrain configs/h200.yaml '"$dry"' --set device=$dev --resume none --set train_steps=4 --set steps_per_print=1 \
-    --set data.eval_interval=0 --set checkpoint.dir=/tmp/dstrain-gpu-h200 --set monitor.peak_tflops=989 \
+    --set data.eval_interval=0 --set checkpoint.save_at_end=false --set checkpoint.dir=/tmp/dstrain-gpu-h200 \
+    --set monitor.peak_tflops=989 \
     --set monitor.tensorboard=null | grep -E "step [0-9]+/|memory|backend|peak|tokens" | tail -10'
 
 # cuDNN's fused attention (and PyTorch's other SDPA kernels) at the shapes the kernels step timed

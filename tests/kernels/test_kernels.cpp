@@ -510,6 +510,35 @@ TEST_P(Kernels, SwiGluForward) {
   EXPECT_LT(max_rel_err(M, want), 1e-6);
 }
 
+// The typed-output forms, the producers of 16-bit GEMM inputs (docs/design.md §6.10): into fp32
+// they are the fp32 ops; into bf16 / fp16 they write what the fp32 op followed by convert()
+// writes, bit for bit — odd widths (every vector tail), large values (fp16 overflow to inf),
+// values near the rounding ties.
+TEST_P(Kernels, SwiGluAndGatherIntoSixteenBitsEqualTheFp32OpThenConvert) {
+  const int64_t N = 37, I = 1029, H = 515, rows = 2 * N;
+  FVec GU = to_f(randn(size_t(N * 2 * I), 45, 4.0)), X = to_f(randn(size_t(N * H), 46, 3.0));
+  GU[5] = 300.0f, GU[I + 5] = 400.0f, X[7] = 1e5f, X[8] = -7e4f;  // past fp16's range
+  for (int64_t i = 0; i < 64; ++i) X[size_t(100 + i)] = 1.0f + float(i) * 0x1.0p-8f + 0x1.0p-9f;  // bf16 ties
+  std::vector<int32_t> src(static_cast<size_t>(rows));
+  for (int64_t r = 0; r < rows; ++r) src[size_t(r)] = int32_t((r * 7 + 3) % N);
+  FVec M(size_t(N * I)), Xp(size_t(rows * H)), M32(M.size()), Xp32(Xp.size());
+  be->swiglu_forward(M.data(), GU.data(), N, I);
+  be->gather_rows(Xp.data(), X.data(), src.data(), rows, H);
+  be->swiglu_forward(View{M32.data(), DType::kF32}, GU.data(), N, I);
+  be->gather_rows(View{Xp32.data(), DType::kF32}, X.data(), src.data(), rows, H);
+  EXPECT_EQ(M32, M);
+  EXPECT_EQ(Xp32, Xp);
+  for (DType dt : {DType::kBF16, DType::kF16}) {
+    std::vector<uint16_t> want(M.size()), got(M.size()), wantx(Xp.size()), gotx(Xp.size());
+    be->convert(View{want.data(), dt}, f32(M.data()), N * I);
+    be->swiglu_forward(View{got.data(), dt}, GU.data(), N, I);
+    EXPECT_EQ(got, want) << to_string(dt);
+    be->convert(View{wantx.data(), dt}, f32(Xp.data()), rows * H);
+    be->gather_rows(View{gotx.data(), dt}, X.data(), src.data(), rows, H);
+    EXPECT_EQ(gotx, wantx) << to_string(dt);
+  }
+}
+
 TEST_P(Kernels, MoeGatherAndCombineForward) {
   const int64_t N = 5, k = 2, H = 7;
   const Vec X = randn(N * H, 41), Y = randn(N * k * H, 42), w = randn(N * k, 43), base = randn(N * H, 44);

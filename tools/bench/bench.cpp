@@ -178,6 +178,28 @@ int bench_kernels(int threads) {
     std::printf("  swiglu       forward %6.1f GB/s  backward %6.1f GB/s\n", 3.0 * N * I * 4 / f / 1e9,
                 5.0 * N * I * 4 / b / 1e9);
   }
+  {  // the producers of 16-bit GEMM inputs: written rounded by the op, against the fp32 op + convert
+    const int64_t rows = 8192, I = 256, Hm = 768;  // medium's experts: 8192 routed rows, I 256, H 768
+    const auto gu = randn(rows * 2 * I, 9), x = randn(rows * Hm, 10);
+    std::vector<int32_t> src(static_cast<size_t>(rows));
+    for (int64_t r = 0; r < rows; ++r) src[size_t(r)] = int32_t((r * 7919) % rows);
+    std::vector<float> m(rows * I), xp(rows * Hm);
+    std::vector<uint16_t> m16(m.size()), xp16(xp.size());
+    const kernels::View M16{m16.data(), kernels::DType::kBF16}, X16{xp16.data(), kernels::DType::kBF16};
+    const double fused = time_it([&] { be->swiglu_forward(M16, gu.data(), rows, I); });
+    const double staged = time_it([&] {
+      be->swiglu_forward(m.data(), gu.data(), rows, I);
+      be->convert(M16, kernels::f32(m.data()), rows * I);
+    });
+    const double gfused = time_it([&] { be->gather_rows(X16, x.data(), src.data(), rows, Hm); });
+    const double gstaged = time_it([&] {
+      be->gather_rows(xp.data(), x.data(), src.data(), rows, Hm);
+      be->convert(X16, kernels::f32(xp.data()), rows * Hm);
+    });
+    std::printf("  into bf16    swiglu %ldx%ld: %.2f ms, fp32 + convert %.2f ms; gather %ldx%ld: %.2f ms, fp32 + convert "
+                "%.2f ms\n",
+                long(rows), long(I), fused * 1e3, staged * 1e3, long(rows), long(Hm), gfused * 1e3, gstaged * 1e3);
+  }
   {
     const int64_t B = 8, S = 256, nh = 4, dqk = 48, dv = 32;
     const auto Q = randn(B * S * nh * dqk, 6), K = randn(B * S * nh * dqk, 7), V = randn(B * S * nh * dv, 8);

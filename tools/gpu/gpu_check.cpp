@@ -303,6 +303,14 @@ void check_norm_rope_swiglu(Backend& cpu, Backend& cuda) {
   cuda.swiglu_backward(gdGU, k.put(dM), gGU, T, I);
   check("swiglu forward", k.get(gM, M.size()), M, 1e-5);
   check("swiglu backward", k.get(gdGU, dGU.size()), dGU, 1e-5);
+  // Into 16 bits (the experts' activations as their GEMMs read them): the device's own fp32
+  // values rounded by its convert, bit for bit.
+  for (DType dt : {DType::kBF16, DType::kF16}) {
+    uint16_t *g16 = k.zeros<uint16_t>(M.size()), *want16 = k.zeros<uint16_t>(M.size());
+    cuda.swiglu_forward(View{g16, dt}, gGU, T, I);
+    cuda.convert(View{want16, dt}, f32(gM), T * I);
+    check_equal(std::string("swiglu forward into ") + to_string(dt), k.get(g16, M.size()), k.get(want16, M.size()));
+  }
 }
 
 struct AttnOut {
@@ -429,6 +437,13 @@ void check_router_moe(Backend& cpu, Backend& cuda) {
   cuda.moe_combine_backward(gdY, gdw, g.put(dout), gY, gw, gpos, T, k, H);
   cuda.moe_dispatch_backward(gdx, g.put(dXp), gpos, T, k, H);
   check("gather_rows (dispatch)", g.get(gXp, Xp.size()), Xp, 0);
+  for (DType dt : {DType::kBF16, DType::kF16}) {  // into 16 bits: the CPU's convert of the rows, bit for bit
+    std::vector<uint16_t> want(Xp.size());
+    cpu.convert(View{want.data(), dt}, f32(Xp.data()), int64_t(Xp.size()));
+    uint16_t* g16 = g.zeros<uint16_t>(Xp.size());
+    cuda.gather_rows(View{g16, dt}, g.put(x), g.put(src), rows, H);
+    check_equal(std::string("gather_rows into ") + to_string(dt), g.get(g16, Xp.size()), want);
+  }
   check("moe_combine (accumulated)", g.get(gout, out.size()), out, 1e-5);
   check("moe_combine_backward dY", g.get(gdY, dY.size()), dY, 1e-5);
   check("moe_combine_backward dw", g.get(gdw, dw.size()), dw, 1e-5);
@@ -521,8 +536,8 @@ void check_loss_embedding_optimizer(Backend& cpu, Backend& cuda) {
     cuda.copy(gc, gsrc, int64_t(src.size() * sizeof(float)));
     check("copy (device to device)", g.get(gc, src.size()), src, 0);
     // The gradient norm's pass: double sums, accumulated, an inf poisons it.
-    std::vector<double> want(2), gotd(2);
-    double* gs = g.zeros<double>(2);
+    std::vector<double> want(3), gotd(3);
+    double* gs = g.zeros<double>(3);
     cpu.sum_squares(&want[0], x.data(), n, false);
     cpu.sum_squares(&want[0], y.data(), n, true);
     cuda.sum_squares(gs, g.put(x), n, false);
@@ -531,8 +546,11 @@ void check_loss_embedding_optimizer(Backend& cpu, Backend& cuda) {
     inf[n / 2] = INFINITY;
     cpu.sum_squares(&want[1], inf.data(), n, false);
     cuda.sum_squares(gs + 1, g.put(inf), n, false);
-    gotd = g.get(gs, 2);
-    const bool ok = std::fabs(gotd[0] - want[0]) <= 1e-12 * want[0] && std::isinf(gotd[1]) && std::isinf(want[1]);
+    cpu.sum_squares(&want[2], x.data() + 1, n - 1, false);  // not 16-byte aligned: the kernel's scalar path
+    cuda.sum_squares(gs + 2, g.put(x) + 1, n - 1, false);
+    gotd = g.get(gs, 3);
+    const bool ok = std::fabs(gotd[0] - want[0]) <= 1e-12 * want[0] && std::isinf(gotd[1]) && std::isinf(want[1]) &&
+                    std::fabs(gotd[2] - want[2]) <= 1e-12 * want[2];
     ++checks;
     if (!ok) ++failures;
     if (!ok || !quiet)

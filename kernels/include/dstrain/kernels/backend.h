@@ -181,6 +181,10 @@ class Backend {
 
   // M = silu(G) * U with GU [N, 2I] = [G | U] per row; M [N, I].
   virtual void swiglu_forward(float* M, const float* GU, int64_t N, int64_t I) = 0;
+  // The same into M of any storage type: 16-bit values are the fp32 ones rounded as convert()
+  // rounds them, bit for bit — a 16-bit GEMM input written by its producer, with no fp32 array
+  // written and read again by a conversion pass (docs/design.md §6.10).
+  virtual void swiglu_forward(View M, const float* GU, int64_t N, int64_t I) = 0;
   virtual void swiglu_backward(float* dGU, const float* dM, const float* GU, int64_t N, int64_t I) = 0;
 
   // Router: scores [N,E] from logits; selection idx [N,k] (group-limited, bias-corrected for
@@ -217,6 +221,8 @@ class Backend {
 
   // rows: out[i] = in[src[i]] for i < n (width H).
   virtual void gather_rows(float* out, const float* in, const int32_t* src, int64_t n, int64_t H) = 0;
+  // The same into out of any storage type (16-bit: rounded as convert() rounds, bit for bit).
+  virtual void gather_rows(View out, const float* in, const int32_t* src, int64_t n, int64_t H) = 0;
   // MoE combine: out[t] += sum_j w[t,j] * Y[pos[t,j]], t < N, j < k.
   virtual void moe_combine(float* out, const float* Y, const float* w, const int32_t* pos,
                            int64_t N, int64_t k, int64_t H) = 0;
