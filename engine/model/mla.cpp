@@ -85,11 +85,9 @@ MlaAttention::MlaAttention(const LayerEnv& env, const std::string& prefix, int64
   O_ = st.take(N * nh_ * dv_, true), lse_ = st.take(N * nh_, true);
 }
 
-// A normed latent (cqn or ckvn) into its saved buffer, through scratch when that is 16-bit.
+// A normed latent (cqn or ckvn) into its saved buffer, in its type (16-bit: rounded by the op).
 void MlaAttention::norm_latent(const ActBuf& out, float* rstd, const float* x, const float* w, int64_t N, int64_t d) {
-  float* y = f32_staging(env_, out);
-  env_.be->rmsnorm_forward(y, rstd, x, w, N, d, 1e-6f);
-  store_activation(env_, out, y);
+  env_.be->rmsnorm_forward(out.view(), rstd, x, w, N, d, 1e-6f);
 }
 
 void MlaAttention::recompute_selective(int64_t B, int64_t S) {

@@ -215,6 +215,22 @@ class CpuBackend final : public Backend {
                        int64_t C, float eps) override {
     cpu::rmsnorm_forward(y, rstd, x, w, rows, C, eps);
   }
+  // 16 bits: each row normed into a per-thread fp32 row (the fp32 op's code), then rounded.
+  void rmsnorm_forward(View y, float* rstd, const float* x, const float* w, int64_t rows, int64_t C,
+                       float eps) override {
+    if (y.dtype == DType::kF32) return cpu::rmsnorm_forward(static_cast<float*>(y.data), rstd, x, w, rows, C, eps);
+    const cpu::LowPrecision lp = low(y.dtype);
+    uint16_t* out = static_cast<uint16_t*>(y.data);
+#pragma omp parallel
+    {
+      std::vector<float> row(size_t(std::max<int64_t>(C, 0)));
+#pragma omp for schedule(static)
+      for (int64_t r = 0; r < rows; ++r) {
+        cpu::rmsnorm_row(row.data(), rstd + r, x + r * C, w, C, eps);
+        cpu::convert_to(out + r * C, row.data(), C, lp);
+      }
+    }
+  }
   void rmsnorm_backward(float* dx, float* dw, const float* dy, const float* x, const float* w,
                         const float* rstd, int64_t rows, int64_t C) override {
     cpu::rmsnorm_backward(dx, dw, dy, x, w, rstd, rows, C);

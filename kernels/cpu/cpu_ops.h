@@ -47,18 +47,19 @@ inline double vexp(double x) { return std::exp(x); }
 
 // ---- RMSNorm -------------------------------------------------------------------------------
 
+// One row (the 16-bit-output op reuses it, so its values are these bit for bit).
+template <class T>
+inline void rmsnorm_row(T* yr, T* rstd_r, const T* xr, const T* w, int64_t C, T eps) {
+  T ss = 0;
+  for (int64_t c = 0; c < C; ++c) ss += xr[c] * xr[c];
+  const T rs = T(1) / std::sqrt(ss / T(C) + eps);
+  *rstd_r = rs;
+  for (int64_t c = 0; c < C; ++c) yr[c] = w[c] * (xr[c] * rs);
+}
 template <class T>
 void rmsnorm_forward(T* y, T* rstd, const T* x, const T* w, int64_t rows, int64_t C, T eps) {
 #pragma omp parallel for schedule(static)
-  for (int64_t r = 0; r < rows; ++r) {
-    const T* xr = x + r * C;
-    T* yr = y + r * C;
-    T ss = 0;
-    for (int64_t c = 0; c < C; ++c) ss += xr[c] * xr[c];
-    const T rs = T(1) / std::sqrt(ss / T(C) + eps);
-    rstd[r] = rs;
-    for (int64_t c = 0; c < C; ++c) yr[c] = w[c] * (xr[c] * rs);
-  }
+  for (int64_t r = 0; r < rows; ++r) rmsnorm_row(y + r * C, rstd + r, x + r * C, w, C, eps);
 }
 
 template <class T>

@@ -99,6 +99,11 @@ class DeviceCheckBackend final : public Backend {
     const char* op = "rmsnorm_forward";
     if (rows > 0) in_->rmsnorm_forward(h(y, op), h(rstd, op), h(x, op), h(w, op), rows, C, eps);
   }
+  void rmsnorm_forward(View y, float* rstd, const float* x, const float* w, int64_t rows, int64_t C,
+                       float eps) override {
+    const char* op = "rmsnorm_forward";
+    if (rows > 0) in_->rmsnorm_forward(View{h(y.data, op), y.dtype}, h(rstd, op), h(x, op), h(w, op), rows, C, eps);
+  }
   void rmsnorm_backward(float* dx, float* dw, const float* dy, const float* x, const float* w, const float* rstd,
                         int64_t rows, int64_t C) override {
     const char* op = "rmsnorm_backward";

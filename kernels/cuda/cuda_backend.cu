@@ -141,7 +141,9 @@ __global__ void adamw_round_kernel(float* param, const float* grad, float* m, fl
 
 // ---- RMSNorm -----------------------------------------------------------------------------------
 
-__global__ void rmsnorm_forward_kernel(float* y, float* rstd, const float* x, const float* w, int64_t C, float eps) {
+template <int KIND>  // y in fp32 / bf16 / fp16 (rounded as convert() rounds)
+__global__ void rmsnorm_forward_kernel(dev::Storage<KIND>* y, float* rstd, const float* x, const float* w, int64_t C,
+                                       float eps) {
   const int64_t r = blockIdx.x;
   const float* xr = x + r * C;
   float ss = 0;
@@ -149,7 +151,7 @@ __global__ void rmsnorm_forward_kernel(float* y, float* rstd, const float* x, co
   ss = block_reduce<false>(ss);
   const float rs = 1.0f / sqrtf(ss / float(C) + eps);
   if (threadIdx.x == 0) rstd[r] = rs;
-  for (int64_t c = threadIdx.x; c < C; c += blockDim.x) y[r * C + c] = w[c] * (xr[c] * rs);
+  for (int64_t c = threadIdx.x; c < C; c += blockDim.x) y[r * C + c] = dev::store_as<KIND>(w[c] * (xr[c] * rs));
 }
 __global__ void rmsnorm_backward_dx_kernel(float* dx, const float* dy, const float* x, const float* w,
                                            const float* rstd, int64_t C) {
@@ -1208,8 +1210,17 @@ class CudaBackend final : public Backend {
 
   void rmsnorm_forward(float* y, float* rstd, const float* x, const float* w, int64_t rows, int64_t C,
                        float eps) override {
+    rmsnorm_forward(View{y, DType::kF32}, rstd, x, w, rows, C, eps);
+  }
+  void rmsnorm_forward(View y, float* rstd, const float* x, const float* w, int64_t rows, int64_t C,
+                       float eps) override {
     if (rows <= 0) return;
-    rmsnorm_forward_kernel<<<unsigned(rows), kThreads, 0, stream_>>>(y, rstd, x, w, C, eps);
+    auto* y16 = static_cast<uint16_t*>(y.data);
+    if (y.dtype == DType::kF32)
+      rmsnorm_forward_kernel<0><<<unsigned(rows), kThreads, 0, stream_>>>(fm(y.data), rstd, x, w, C, eps);
+    else if (y.dtype == DType::kBF16)
+      rmsnorm_forward_kernel<1><<<unsigned(rows), kThreads, 0, stream_>>>(y16, rstd, x, w, C, eps);
+    else rmsnorm_forward_kernel<2><<<unsigned(rows), kThreads, 0, stream_>>>(y16, rstd, x, w, C, eps);
     DS_LAUNCHED();
   }
   void rmsnorm_backward(float* dx, float* dw, const float* dy, const float* x, const float* w, const float* rstd,

@@ -514,7 +514,7 @@ TEST_P(Kernels, SwiGluForward) {
 // they are the fp32 ops; into bf16 / fp16 they write what the fp32 op followed by convert()
 // writes, bit for bit — odd widths (every vector tail), large values (fp16 overflow to inf),
 // values near the rounding ties.
-TEST_P(Kernels, SwiGluAndGatherIntoSixteenBitsEqualTheFp32OpThenConvert) {
+TEST_P(Kernels, RmsNormSwiGluAndGatherIntoSixteenBitsEqualTheFp32OpThenConvert) {
   const int64_t N = 37, I = 1029, H = 515, rows = 2 * N;
   FVec GU = to_f(randn(size_t(N * 2 * I), 45, 4.0)), X = to_f(randn(size_t(N * H), 46, 3.0));
   GU[5] = 300.0f, GU[I + 5] = 400.0f, X[7] = 1e5f, X[8] = -7e4f;  // past fp16's range
@@ -528,6 +528,12 @@ TEST_P(Kernels, SwiGluAndGatherIntoSixteenBitsEqualTheFp32OpThenConvert) {
   be->gather_rows(View{Xp32.data(), DType::kF32}, X.data(), src.data(), rows, H);
   EXPECT_EQ(M32, M);
   EXPECT_EQ(Xp32, Xp);
+  const FVec w = to_f(randn(size_t(H), 47, 2.0));
+  FVec Y(size_t(N * H)), rstd(static_cast<size_t>(N)), Y32(Y.size()), rstd32(rstd.size()), rstd16(rstd.size());
+  be->rmsnorm_forward(Y.data(), rstd.data(), X.data(), w.data(), N, H, 1e-6f);
+  be->rmsnorm_forward(View{Y32.data(), DType::kF32}, rstd32.data(), X.data(), w.data(), N, H, 1e-6f);
+  EXPECT_EQ(Y32, Y);
+  EXPECT_EQ(rstd32, rstd);
   for (DType dt : {DType::kBF16, DType::kF16}) {
     std::vector<uint16_t> want(M.size()), got(M.size()), wantx(Xp.size()), gotx(Xp.size());
     be->convert(View{want.data(), dt}, f32(M.data()), N * I);
@@ -536,6 +542,11 @@ TEST_P(Kernels, SwiGluAndGatherIntoSixteenBitsEqualTheFp32OpThenConvert) {
     be->convert(View{wantx.data(), dt}, f32(Xp.data()), rows * H);
     be->gather_rows(View{gotx.data(), dt}, X.data(), src.data(), rows, H);
     EXPECT_EQ(gotx, wantx) << to_string(dt);
+    std::vector<uint16_t> wanty(Y.size()), goty(Y.size());
+    be->convert(View{wanty.data(), dt}, f32(Y.data()), N * H);
+    be->rmsnorm_forward(View{goty.data(), dt}, rstd16.data(), X.data(), w.data(), N, H, 1e-6f);
+    EXPECT_EQ(goty, wanty) << to_string(dt);
+    EXPECT_EQ(rstd16, rstd) << to_string(dt);
   }
 }
 

@@ -265,6 +265,15 @@ void check_norm_rope_swiglu(Backend& cpu, Backend& cuda) {
   check("rmsnorm forward rstd", g.get(gr, size_t(rows)), rstd, 1e-5);
   check("rmsnorm backward dx", g.get(gdx, dx.size()), dx, 1e-5);
   check("rmsnorm backward dw (accumulated)", g.get(gdw, dw.size()), dw, 1e-5);
+  for (DType dt : {DType::kBF16, DType::kF16}) {  // into 16 bits: the device's fp32 y rounded by its convert
+    uint16_t *y16 = g.zeros<uint16_t>(y.size()), *want16 = g.zeros<uint16_t>(y.size());
+    float* r16 = g.zeros<float>(size_t(rows));
+    cuda.rmsnorm_forward(View{y16, dt}, r16, gx, gw, rows, C, 1e-6f);
+    cuda.convert(View{want16, dt}, f32(gy), rows * C);
+    check_equal(std::string("rmsnorm forward into ") + to_string(dt), g.get(y16, y.size()), g.get(want16, y.size()));
+    check_equal(std::string("rmsnorm forward into ") + to_string(dt) + " rstd", g.get(r16, size_t(rows)),
+                g.get(gr, size_t(rows)));
+  }
 
   const int64_t N = 26, S = 13, heads = 5, dr = 64, in_ts = heads * 96 + 7, in_hs = 96, out_ts = heads * dr;
   const FVec in = randn(size_t(N * in_ts), 10), cs = randn(size_t(S * dr / 2), 11), sn = randn(size_t(S * dr / 2), 12);

@@ -135,6 +135,10 @@ class Backend {
   // y = w * x * rstd, rstd = 1/sqrt(mean(x^2) + eps); x, y [rows, C]; rstd [rows] saved.
   virtual void rmsnorm_forward(float* y, float* rstd, const float* x, const float* w, int64_t rows,
                                int64_t C, float eps) = 0;
+  // The same into y of any storage type (16-bit: the fp32 values rounded as convert() rounds
+  // them, bit for bit — MLA's normed latents as their GEMMs read them).
+  virtual void rmsnorm_forward(View y, float* rstd, const float* x, const float* w, int64_t rows, int64_t C,
+                               float eps) = 0;
   // dx = rstd * (dxh - xh * mean(dxh * xh)), dxh = dy * w; dw += sum_rows dy * xh. dx overwritten.
   virtual void rmsnorm_backward(float* dx, float* dw, const float* dy, const float* x,
                                 const float* w, const float* rstd, int64_t rows, int64_t C) = 0;
