@@ -215,21 +215,10 @@ class CpuBackend final : public Backend {
                        int64_t C, float eps) override {
     cpu::rmsnorm_forward(y, rstd, x, w, rows, C, eps);
   }
-  // 16 bits: each row normed into a per-thread fp32 row (the fp32 op's code), then rounded.
   void rmsnorm_forward(View y, float* rstd, const float* x, const float* w, int64_t rows, int64_t C,
                        float eps) override {
     if (y.dtype == DType::kF32) return cpu::rmsnorm_forward(static_cast<float*>(y.data), rstd, x, w, rows, C, eps);
-    const cpu::LowPrecision lp = low(y.dtype);
-    uint16_t* out = static_cast<uint16_t*>(y.data);
-#pragma omp parallel
-    {
-      std::vector<float> row(size_t(std::max<int64_t>(C, 0)));
-#pragma omp for schedule(static)
-      for (int64_t r = 0; r < rows; ++r) {
-        cpu::rmsnorm_row(row.data(), rstd + r, x + r * C, w, C, eps);
-        cpu::convert_to(out + r * C, row.data(), C, lp);
-      }
-    }
+    rows_rounded(y, rows, C, [&](int64_t r, float* row) { cpu::rmsnorm_row(row, rstd + r, x + r * C, w, C, eps); });
   }
   void rmsnorm_backward(float* dx, float* dw, const float* dy, const float* x, const float* w,
                         const float* rstd, int64_t rows, int64_t C) override {
@@ -344,21 +333,9 @@ class CpuBackend final : public Backend {
   void swiglu_forward(float* M, const float* GU, int64_t N, int64_t I) override {
     cpu::swiglu_forward(M, GU, N, I);
   }
-  // 16 bits: each row computed into a per-thread fp32 row (the fp32 op's code, row by row), then
-  // rounded — the fp32 array the separate pass wrote and read again stays in L1 / L2.
   void swiglu_forward(View M, const float* GU, int64_t N, int64_t I) override {
     if (M.dtype == DType::kF32) return cpu::swiglu_forward(static_cast<float*>(M.data), GU, N, I);
-    const cpu::LowPrecision lp = low(M.dtype);
-    uint16_t* out = static_cast<uint16_t*>(M.data);
-#pragma omp parallel
-    {
-      std::vector<float> row(size_t(std::max<int64_t>(I, 0)));
-#pragma omp for schedule(static)
-      for (int64_t t = 0; t < N; ++t) {
-        cpu::swiglu_row(row.data(), GU + t * 2 * I, I);
-        cpu::convert_to(out + t * I, row.data(), I, lp);
-      }
-    }
+    rows_rounded(M, N, I, [&](int64_t t, float* row) { cpu::swiglu_row(row, GU + t * 2 * I, I); });
   }
   void swiglu_backward(float* dGU, const float* dM, const float* GU, int64_t N, int64_t I) override {
     cpu::swiglu_backward(dGU, dM, GU, N, I);
@@ -520,6 +497,24 @@ class CpuBackend final : public Backend {
   }
 
  private:
+  // rows x width values into a 16-bit `out`: fill(r, row) makes row r in fp32 (the fp32 op's own
+  // code, row by row) in a per-thread row, which is then rounded — the bits of the fp32 op and
+  // convert(), while the fp32 array a separate pass would write and read again stays in L1 / L2.
+  template <class Fill>
+  static void rows_rounded(View out, int64_t rows, int64_t width, Fill&& fill) {
+    const cpu::LowPrecision lp = low(out.dtype);
+    uint16_t* o = static_cast<uint16_t*>(out.data);
+#pragma omp parallel
+    {
+      std::vector<float> row(size_t(std::max<int64_t>(width, 0)));
+#pragma omp for schedule(static)
+      for (int64_t r = 0; r < rows; ++r) {
+        fill(r, row.data());
+        cpu::convert_to(o + r * width, row.data(), width, lp);
+      }
+    }
+  }
+
   int threads_ = 1;
   GemmLibrary gemm_;
   mutable cpu::LowPrecisionGemm lowp_;  // (const queries may measure which path is faster, once)

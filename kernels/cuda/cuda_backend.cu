@@ -1403,22 +1403,7 @@ class CudaBackend final : public Backend {
     if (n > int64_t(INT32_MAX)) throw std::invalid_argument("moe_plan: more than 2^31 rows");
     int end_bit = 1;
     while ((int64_t(1) << end_bit) < E) ++end_bit;
-    size_t temp = 0;
-    DS_CUDA(cub::DeviceRadixSort::SortPairs(nullptr, temp, idx, static_cast<int32_t*>(nullptr), static_cast<int32_t*>(nullptr),
-                                            static_cast<int32_t*>(nullptr), int(n), 0, end_bit, stream_));
-    const int64_t ints = 3 * n, bytes = ints * 4 + int64_t(temp) + 256;
-    if (bytes > plan_bytes_) {
-      if (plan_buf_) deallocate(plan_buf_);
-      plan_buf_ = allocate(bytes);
-      plan_bytes_ = bytes;
-    }
-    int32_t* slots = static_cast<int32_t*>(plan_buf_);
-    int32_t* sorted = slots + n;
-    int32_t* sorted_slots = sorted + n;
-    void* tmp = reinterpret_cast<void*>((reinterpret_cast<uintptr_t>(sorted_slots + n) + 255) / 256 * 256);
-    iota_kernel<<<blocks_for(n), kThreads, 0, stream_>>>(slots, n);
-    DS_LAUNCHED();
-    DS_CUDA(cub::DeviceRadixSort::SortPairs(tmp, temp, idx, sorted, slots, sorted_slots, int(n), 0, end_bit, stream_));
+    const auto [sorted, sorted_slots] = sort_with_positions(idx, n, end_bit);
     plan_scatter_kernel<<<blocks_for(n), kThreads, 0, stream_>>>(pos, src, sorted_slots, n, k);
     DS_LAUNCHED();
     plan_counts_kernel<<<blocks_for(E), kThreads, 0, stream_>>>(counts, sorted, n, E);
@@ -1509,23 +1494,8 @@ class CudaBackend final : public Backend {
                           int64_t) override {
     if (N * H <= 0) return;
     if (N > int64_t(INT32_MAX)) throw std::invalid_argument("embedding_backward: more than 2^31 tokens");
-    size_t temp = 0;  // the ids radix-sorted (all 32 bits: negative ids sort first) with token numbers as values
-    DS_CUDA(cub::DeviceRadixSort::SortPairs(nullptr, temp, ids, static_cast<int32_t*>(nullptr),
-                                            static_cast<int32_t*>(nullptr), static_cast<int32_t*>(nullptr), int(N), 0,
-                                            32, stream_));
-    const int64_t bytes = 3 * N * 4 + int64_t(temp) + 256;
-    if (bytes > plan_bytes_) {  // (moe_plan's scratch: both use it within one call, on one stream)
-      if (plan_buf_) deallocate(plan_buf_);
-      plan_buf_ = allocate(bytes);
-      plan_bytes_ = bytes;
-    }
-    int32_t* tokens = static_cast<int32_t*>(plan_buf_);
-    int32_t* sorted_ids = tokens + N;
-    int32_t* sorted_tokens = sorted_ids + N;
-    void* tmp = reinterpret_cast<void*>((reinterpret_cast<uintptr_t>(sorted_tokens + N) + 255) / 256 * 256);
-    iota_kernel<<<blocks_for(N), kThreads, 0, stream_>>>(tokens, N);
-    DS_LAUNCHED();
-    DS_CUDA(cub::DeviceRadixSort::SortPairs(tmp, temp, ids, sorted_ids, tokens, sorted_tokens, int(N), 0, 32, stream_));
+    // (all 32 bits: negative ids sort first)
+    const auto [sorted_ids, sorted_tokens] = sort_with_positions(ids, N, 32);
     embedding_backward_runs_kernel<<<blocks_for(N * H), kThreads, 0, stream_>>>(dtable, dout, sorted_ids,
                                                                                sorted_tokens, N, H);
     DS_LAUNCHED();
@@ -1599,6 +1569,31 @@ class CudaBackend final : public Backend {
       throw std::invalid_argument("router: " + std::to_string(p.num_experts) + " experts in " +
                                   std::to_string(p.n_group) + " groups exceed the CUDA kernel's " +
                                   std::to_string(kMaxExperts) + " / " + std::to_string(kMaxGroups));
+  }
+
+  // n int32 keys (bits [0, end_bit)) radix-sorted by CUB, stably, with their positions 0..n-1
+  // as values: {sorted keys, sorted positions}, in the plan scratch (moe_plan's and the
+  // embedding backward's; each uses it within one call, on the one stream). n < 2^31.
+  std::pair<int32_t*, int32_t*> sort_with_positions(const int32_t* keys, int64_t n, int end_bit) {
+    size_t temp = 0;
+    DS_CUDA(cub::DeviceRadixSort::SortPairs(nullptr, temp, keys, static_cast<int32_t*>(nullptr),
+                                            static_cast<int32_t*>(nullptr), static_cast<int32_t*>(nullptr), int(n), 0,
+                                            end_bit, stream_));
+    const int64_t bytes = 3 * n * 4 + int64_t(temp) + 256;
+    if (bytes > plan_bytes_) {
+      if (plan_buf_) deallocate(plan_buf_);
+      plan_buf_ = allocate(bytes);
+      plan_bytes_ = bytes;
+    }
+    int32_t* positions = static_cast<int32_t*>(plan_buf_);
+    int32_t* sorted = positions + n;
+    int32_t* sorted_positions = sorted + n;
+    void* tmp = reinterpret_cast<void*>((reinterpret_cast<uintptr_t>(sorted_positions + n) + 255) / 256 * 256);
+    iota_kernel<<<blocks_for(n), kThreads, 0, stream_>>>(positions, n);
+    DS_LAUNCHED();
+    DS_CUDA(cub::DeviceRadixSort::SortPairs(tmp, temp, keys, sorted, positions, sorted_positions, int(n), 0, end_bit,
+                                            stream_));
+    return {sorted, sorted_positions};
   }
 
   // Backend-owned scratch for the attention row sums: grows to the largest request, then stays.
