@@ -228,7 +228,7 @@ const std::string& key_meaning(const std::string& path) {
       {"checkpoint.dir",
        "where checkpoints are written"},
       {"checkpoint.interval",
-       "steps between saves; 0 saves only at the end and on SIGTERM/SIGINT/SIGUSR1/SIGUSR2"},
+       "steps between saves; 0 saves only at the end (with save_at_end) and on SIGTERM/SIGINT/SIGUSR1/SIGUSR2"},
       {"checkpoint.save_at_end",
        "save after the last step; false for runs whose state is not wanted (benchmarks): interval and signal saves still happen"},
       {"checkpoint.keep_last",

@@ -232,6 +232,7 @@ class CpuBackend final : public Backend {
   void rope_backward(float* din, int64_t in_ts, int64_t in_hs, const float* dout, int64_t out_ts,
                      int64_t out_hs, const float* cos, const float* sin, int64_t N, int64_t S,
                      int64_t heads, int64_t dr, bool interleave, bool accumulate) override {
+    check_rope_backward(in_hs, heads, dr, accumulate);
     cpu::rope_backward(din, in_ts, in_hs, dout, out_ts, out_hs, cos, sin, N, S, heads, dr,
                        interleave, accumulate);
   }

@@ -666,8 +666,7 @@ __global__ void router_backward_kernel(float* dlogits, const float* dw, const fl
 // ---- MoE dispatch plan and balance loss on the device -----------------------------------------
 
 __global__ void iota_kernel(int32_t* x, int64_t n) {
-  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i < n) x[i] = int32_t(i);
+  GRID_STRIDE(i, n) x[i] = int32_t(i);
 }
 // The slots sorted by expert (stably: in (token, slot) order within an expert) become the plan.
 __global__ void plan_scatter_kernel(int32_t* pos, int32_t* src, const int32_t* slots, int64_t n, int64_t k) {
@@ -828,7 +827,6 @@ __global__ void embedding_forward_kernel(float* out, const float* table, const i
     out[x] = id < 0 ? 0.0f : table[int64_t(id) * H + x % H];
   }
 }
-// One thread per column, tokens in order: repeated ids add up in a fixed order, without atomics.
 // Over the tokens sorted by id (a stable sort: equal ids keep token order): a thread per (sorted
 // position, column); the one at the start of a run of equal ids adds the run's rows into the
 // table row in token order, as the CPU loop does. (A thread per column walking every token, as
@@ -866,16 +864,20 @@ __device__ double block_sum_double(double x) {
 }
 __global__ void sum_squares_partial_kernel(double* partials, const float* x, int64_t n) {
   double s0 = 0, s1 = 0, s2 = 0, s3 = 0;
-  int64_t done = 0;
-  if (reinterpret_cast<uintptr_t>(x) % 16 == 0) {  // the body as float4, the tail below
-    const float4* x4 = reinterpret_cast<const float4*>(x);
-    GRID_STRIDE(i, n / 4) {
-      const float4 v = x4[i];
-      s0 += double(v.x) * double(v.x), s1 += double(v.y) * double(v.y);
-      s2 += double(v.z) * double(v.z), s3 += double(v.w) * double(v.w);
-    }
-    done = n / 4 * 4;
+  // A head of up to 3 floats up to the first 16-byte boundary (ZeRO shards and tensors start at
+  // any offset), the body as float4, the tail: a fixed function of (n, x % 16), so deterministic.
+  int64_t head = int64_t((16 - reinterpret_cast<uintptr_t>(x) % 16) % 16 / 4);
+  if (head > n) head = n;
+  if (reinterpret_cast<uintptr_t>(x) % 4 != 0) head = n;  // not even float-aligned: all scalar
+  GRID_STRIDE(i, head) s0 += double(x[i]) * double(x[i]);
+  const int64_t body = (n - head) / 4;
+  const float4* x4 = reinterpret_cast<const float4*>(x + head);
+  GRID_STRIDE(i, body) {
+    const float4 v = x4[i];
+    s0 += double(v.x) * double(v.x), s1 += double(v.y) * double(v.y);
+    s2 += double(v.z) * double(v.z), s3 += double(v.w) * double(v.w);
   }
+  const int64_t done = head + body * 4;
   GRID_STRIDE(i, n - done) s0 += double(x[done + i]) * double(x[done + i]);
   double s = block_sum_double((s0 + s1) + (s2 + s3));
   if (threadIdx.x == 0) partials[blockIdx.x] = s;
@@ -1225,7 +1227,7 @@ class CudaBackend final : public Backend {
   }
   void rmsnorm_backward(float* dx, float* dw, const float* dy, const float* x, const float* w, const float* rstd,
                         int64_t rows, int64_t C) override {
-    if (rows <= 0) return;
+    if (rows <= 0 || C <= 0) return;
     rmsnorm_backward_dx_kernel<<<unsigned(rows), kThreads, 0, stream_>>>(dx, dy, x, w, rstd, C);
     DS_LAUNCHED();
     const int64_t chunks = (rows + kDwChunk - 1) / kDwChunk;
@@ -1252,14 +1254,13 @@ class CudaBackend final : public Backend {
                      bool interleave, bool accumulate) override {
     const int64_t n = N * heads * (dr / 2);
     if (n <= 0) return;
+    check_rope_backward(in_hs, heads, dr, accumulate);
     if (in_hs == 0) {  // one row for all heads
       rope_backward_shared_kernel<<<blocks_for(N * (dr / 2)), kThreads, 0, stream_>>>(
           din, in_ts, dout, out_ts, out_hs, cos, sin, N, S, heads, dr, interleave, accumulate);
       DS_LAUNCHED();
       return;
     }
-    if (heads > 1 && (in_hs < 0 ? -in_hs : in_hs) < dr)
-      throw std::invalid_argument("rope_backward: heads' rows overlap (0 < |in_hs| < dr)");
     rope_backward_kernel<<<blocks_for(n), kThreads, 0, stream_>>>(din, in_ts, in_hs, dout, out_ts, out_hs, cos, sin,
                                                                    N, S, heads, dr, interleave, accumulate);
     DS_LAUNCHED();

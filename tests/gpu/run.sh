@@ -55,13 +55,18 @@ dev=cuda
 export dev
 
 # step NAME SECONDS COMMAND...: runs it with a time limit (never past the whole check's 470 s),
-# logs to OUT/NAME.log.
+# logs to OUT/NAME.log. A step skipped for want of time fails the check, unless OPTIONAL=1 (a
+# measurement taken only if time is left).
 deadline=470
 step() {
   local name=$1 secs=$2
   shift 2
   local left=$((deadline - SECONDS))
-  if [ $left -lt 20 ]; then echo "== $name: skipped, the check's time is spent"; failed="$failed $name(no-time)"; status=1; return; fi
+  if [ $left -lt 20 ]; then
+    echo "== $name: skipped, the check's time is spent"
+    if [ "${OPTIONAL:-0}" != 1 ]; then failed="$failed $name(no-time)"; status=1; fi
+    return
+  fi
   [ $secs -gt $left ] && secs=$left
   echo "== $name (limit ${secs} s)"
   local t0=$SECONDS
@@ -141,7 +146,7 @@ step h200 110 '
 # cuDNN's fused attention (and PyTorch's other SDPA kernels) at the shapes the kernels step timed
 # dstrain's own attention on (tools/gpu/sdpa_baseline.py), if time is left.
 if [ $dev = cuda ] && python3 -c "import torch" 2>/dev/null; then
-  step sdpa 45 'python3 tools/gpu/sdpa_baseline.py'
+  OPTIONAL=1 step sdpa 45 'python3 tools/gpu/sdpa_baseline.py'
 fi
 
 if [ -n "$failed" ]; then echo "GPU check: failed:$failed; logs in $out"; else echo "GPU check: every step passed; logs in $out"; fi

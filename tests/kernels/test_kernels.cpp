@@ -10,6 +10,7 @@
 #include <limits>
 #include <numeric>
 #include <random>
+#include <stdexcept>
 #include <vector>
 
 #include "dstrain/kernels/backend.h"
@@ -173,6 +174,35 @@ TEST_P(Kernels, RopeWorkedExample) {
   const float want[12] = {1, 3, 2, 4, -1.1426397f, 2.9598507f, 1.9220756f, 4.0297995f,
                           -2.2347417f, 2.9194054f, 0.0770038f, 4.0591960f};
   for (int i = 0; i < 12; ++i) EXPECT_NEAR(out[i], want[i], 2e-6) << i;
+}
+
+// in_hs = 0 (MLA's shared rope key): the heads' gradients added in one row, equal to the sum of
+// the per-head rows; the misuses (no accumulate, overlapping rows) throw and leave din as it was.
+TEST_P(Kernels, RopeBackwardSharedRowAndRefusedStrides) {
+  const int64_t N = 5, S = 5, heads = 3, dr = 8;
+  const auto [c, s] = rope_tables(S, dr, 10000.0);
+  const FVec cf = to_f(c), sf = to_f(s);
+  const FVec dout = to_f(randn(N * heads * dr, 31)), base = to_f(randn(N * dr, 32));
+  FVec per_head(N * heads * dr, 0.0f);
+  be->rope_backward(per_head.data(), heads * dr, dr, dout.data(), heads * dr, dr, cf.data(), sf.data(), N, S,
+                    heads, dr, true, false);
+  FVec shared = base;
+  be->rope_backward(shared.data(), dr, 0, dout.data(), heads * dr, dr, cf.data(), sf.data(), N, S, heads, dr,
+                    true, true);
+  for (int64_t t = 0; t < N; ++t)
+    for (int64_t j = 0; j < dr; ++j) {
+      float want = base[size_t(t * dr + j)];
+      for (int64_t h = 0; h < heads; ++h) want += per_head[size_t(t * heads * dr + h * dr + j)];
+      EXPECT_FLOAT_EQ(shared[size_t(t * dr + j)], want) << t << " " << j;
+    }
+  FVec untouched = base;
+  EXPECT_THROW(be->rope_backward(untouched.data(), dr, 0, dout.data(), heads * dr, dr, cf.data(), sf.data(), N,
+                                 S, heads, dr, true, false),
+               std::invalid_argument);
+  EXPECT_THROW(be->rope_backward(untouched.data(), dr, dr / 2, dout.data(), heads * dr, dr, cf.data(), sf.data(),
+                                 N, S, heads, dr, true, true),
+               std::invalid_argument);
+  EXPECT_EQ(untouched, base);
 }
 
 TEST(KernelGradients, RopeBothLayouts) {

@@ -16,6 +16,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <stdexcept>
 #include <string>
 
 namespace dstrain::kernels {
@@ -43,6 +44,13 @@ struct View {
   DType dtype = DType::kF32;
 };
 inline ConstView f32(const float* p) { return {p, DType::kF32}; }
+// The stride rules of Backend::rope_backward, shared by every backend.
+inline void check_rope_backward(int64_t in_hs, int64_t heads, int64_t dr, bool accumulate) {
+  if (in_hs == 0 && heads > 1 && !accumulate)
+    throw std::invalid_argument("rope_backward: in_hs = 0 (one row for every head) needs accumulate");
+  if (in_hs != 0 && heads > 1 && (in_hs < 0 ? -in_hs : in_hs) < dr)
+    throw std::invalid_argument("rope_backward: heads' rows overlap (0 < |in_hs| < dr)");
+}
 
 enum class ScoringFunc : uint8_t { kSigmoid, kSoftmax };
 enum class TopkMethod : uint8_t { kNoauxTc, kGreedy, kGroupLimitedGreedy };
@@ -150,8 +158,9 @@ class Backend {
                             int64_t in_ts, int64_t in_hs, const float* cos, const float* sin,
                             int64_t N, int64_t S, int64_t heads, int64_t dr, bool interleave) = 0;
   // Inverse rotation; `accumulate` adds into din instead of overwriting. in_hs = 0 sends every
-  // head's gradient to one row per token (MLA's shared rope key), added in head order; other
-  // strides must not make heads' rows overlap.
+  // head's gradient to one row per token (MLA's shared rope key), added in head order, and needs
+  // `accumulate` (else heads would overwrite each other); other strides must not make heads'
+  // rows overlap. Both misuses throw std::invalid_argument (check_rope_backward).
   virtual void rope_backward(float* din, int64_t in_ts, int64_t in_hs, const float* dout,
                              int64_t out_ts, int64_t out_hs, const float* cos, const float* sin,
                              int64_t N, int64_t S, int64_t heads, int64_t dr, bool interleave,
