@@ -343,6 +343,7 @@ void run_weight_grads(const LayerEnv& env, Group g, const float* dy, kernels::Co
   if (g.C.empty()) return;
   WeightGradDeferral* d = WeightGradDeferral::active();
   if (!d) return g.run(env, dy_c, a_len, x, b_len, true, false, 1.0f);
+  DS_CHECK(dy, "a deferred experts' weight gradient needs its fp32 dy");
   auto dyc = d->keep(dy, a_len);
   auto xc = d->keep(x, b_len * kernels::dtype_size(x.dtype));
   d->push([env, g = std::move(g), dyc, xc, a_len, b_len] {
@@ -378,9 +379,13 @@ void MoeLayer::experts_forward(kernels::ConstView X, float* GU, kernels::View M,
 
 // Backward of experts_forward: dX from dY, the weight gradients accumulated (or queued under a
 // WeightGradDeferral). dM [rows, I] and dGU [rows, 2I] are work buffers; dX may be dY.
+bool MoeLayer::producers_write_16bit() const {
+  return env_.cast && env_.cast->active() && !env_.cast->widened() && !WeightGradDeferral::active();
+}
+
 void MoeLayer::experts_backward(float* dX, const float* dY, kernels::ConstView X, const float* GU, kernels::ConstView M,
                                 float* dM, float* dGU, const int64_t* cnt, const int64_t* off, int64_t e_first,
-                                int64_t ne, int64_t rows) {
+                                int64_t ne, int64_t rows, kernels::ConstView dY16) {
   kernels::Backend& be = *env_.be;
   Group gdM, gdWd;
   for (int64_t i = 0; i < ne; ++i) {
@@ -392,12 +397,24 @@ void MoeLayer::experts_backward(float* dX, const float* dY, kernels::ConstView X
   if (gdM.C.empty()) return;
   // dY and dGU each feed two grouped GEMMs (dX, dW): rounded once, in slot 0, which neither
   // weight-gradient GEMM's other input (slot 1 or none) touches.
-  const kernels::ConstView dYc = round_once(env_, 0, dY, rows * H_);
+  DS_CHECK(dY || dY16.data, "experts_backward: no dY");
+  const kernels::ConstView dYc = dY16.data ? dY16 : round_once(env_, 0, dY, rows * H_);
   gdM.run(env_, dYc, rows * H_, {}, 0, false, false, 0.0f);
   env_.poll();
   run_weight_grads(env_, gdWd, dY, dYc, rows * H_, M, rows * I_);
   env_.poll();
-  be.swiglu_backward(dGU, dM, GU, rows, I_);
+  // dGU is read by the two GEMMs below only: on 16-bit GEMMs swiglu's backward writes it rounded,
+  // in slot 0 (dYc is dead by now), as round_once would have made it from the fp32 values. Not
+  // under a WeightGradDeferral, whose queued GEMM keeps (and later rounds) the fp32 dGU.
+  const bool dgu_lp = producers_write_16bit();
+  kernels::ConstView dGUc = kernels::f32(dGU);
+  if (dgu_lp) {
+    const kernels::View v = env_.cast->slot_view(0, rows * 2 * I_);
+    be.swiglu_backward(v, dM, GU, rows, I_);
+    dGUc = {v.data, v.dtype};
+  } else {
+    be.swiglu_backward(dGU, dM, GU, rows, I_);
+  }
   Group gdX, gdWgu;
   for (int64_t i = 0; i < ne; ++i) {
     const int64_t e = e_first + i, o = off[i], c = cnt[i];
@@ -405,10 +422,10 @@ void MoeLayer::experts_backward(float* dX, const float* dY, kernels::ConstView X
     gdX.add(dX + o * H_, o * 2 * I_, gate_up_[size_t(e)], c, H_, 2 * I_);  // dX = dGU W_gu
     gdWgu.add(gate_up_[size_t(e)].g, o * 2 * I_, o * H_, 2 * I_, H_, c);    // dW_gu += dGU^T X
   }
-  const kernels::ConstView dGUc = round_once(env_, 0, dGU, rows * 2 * I_);
+  if (!dgu_lp) dGUc = round_once(env_, 0, dGU, rows * 2 * I_);
   gdX.run(env_, dGUc, rows * 2 * I_, {}, 0, false, false, 0.0f);
   env_.poll();
-  run_weight_grads(env_, gdWgu, dGU, dGUc, rows * 2 * I_, X, rows * H_);
+  run_weight_grads(env_, gdWgu, dgu_lp ? nullptr : dGU, dGUc, rows * 2 * I_, X, rows * H_);
   env_.poll();
 }
 
@@ -420,14 +437,24 @@ void MoeLayer::backward(float* du_full, const float* dout_full, const float* u_f
   const int64_t N = B * S, n = part.count, rows = n * k_;
   float* dYp = scratch.take(rows * H_);
   float* dw = scratch.take(n * k_);
-  be.moe_combine_backward(dYp, dw, dout_full + part.first * H_, Yp_.data(), w_.data(), pos_dev_.data(), n, k_, H_);
+  // On 16-bit GEMMs, with the experts here, the combine's backward writes dY rounded (slot 0)
+  // for the experts' GEMMs, the only readers; dYp's fp32 space then holds only dX.
+  const bool dy_lp = ep_ == 1 && producers_write_16bit();
+  kernels::ConstView dY16;
+  if (dy_lp) {
+    const kernels::View v = env_.cast->slot_view(0, rows * H_);
+    be.moe_combine_backward(v, dw, dout_full + part.first * H_, Yp_.data(), w_.data(), pos_dev_.data(), n, k_, H_);
+    dY16 = {v.data, v.dtype};
+  } else {
+    be.moe_combine_backward(dYp, dw, dout_full + part.first * H_, Yp_.data(), w_.data(), pos_dev_.data(), n, k_, H_);
+  }
   float* dXp = dYp;  // dYp is dead once the experts' dM exists; same size [rows, H]
   if (ep_ == 1) {
     float* dMp = scratch.take(rows * I_);
     float* dGUp = scratch.take(rows * 2 * I_);
     if (rows > 0 && counts_.size() > 0)
-      experts_backward(dXp, dYp, {Xp_.raw(), Xp_.dtype()}, GUp_.data(), {Mp_.raw(), Mp_.dtype()}, dMp, dGUp,
-                       counts_.data(), offsets_.data(), 0, E_, rows);
+      experts_backward(dXp, dy_lp ? nullptr : dYp, {Xp_.raw(), Xp_.dtype()}, GUp_.data(), {Mp_.raw(), Mp_.dtype()},
+                       dMp, dGUp, counts_.data(), offsets_.data(), 0, E_, rows, dY16);
     if (shared_) shared_->backward(du_full, dout_full, u_full, N, 0.0f);
     else be.fill(du_full, 0.0f, N * H_);
   } else {

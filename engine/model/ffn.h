@@ -97,9 +97,14 @@ class MoeLayer {
   void swiglu_into(kernels::View M, const float* GU, int64_t rows);
   void experts_forward(kernels::ConstView X, float* GU, kernels::View M, float* Y, const int64_t* cnt,
                        const int64_t* off, int64_t e_first, int64_t ne, int64_t rows);
+  // dY16: dY already in the GEMMs' 16-bit type (written so by its producer; dY then null), or none.
   void experts_backward(float* dX, const float* dY, kernels::ConstView X, const float* GU, kernels::ConstView M,
                         float* dM, float* dGU, const int64_t* cnt, const int64_t* off, int64_t e_first, int64_t ne,
-                        int64_t rows);
+                        int64_t rows, kernels::ConstView dY16 = {});
+  // Whether the experts' 16-bit GEMM inputs of backward (dY, dGU) are written by their producers
+  // in the compute type (ComputeCast slot 0): 16-bit GEMMs, and no WeightGradDeferral, whose
+  // queued GEMMs keep fp32 copies.
+  bool producers_write_16bit() const;
   static std::vector<int64_t> scaled(const std::vector<int64_t>& rows, int64_t width);
 
   LayerEnv env_;

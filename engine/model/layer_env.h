@@ -209,6 +209,13 @@ class ComputeCast {
     be_.convert({w, kernels::DType::kF32}, {b, dtype_}, n);
     return kernels::f32(w);
   }
+  // Where a producer writes n GEMM inputs in the GEMMs' own 16-bit type (workspace `slot`, valid
+  // until its next use) — only when the GEMMs are native (!widened()): what operator() would
+  // have given for the producer's fp32 output, without that fp32 array.
+  kernels::View slot_view(int slot, int64_t n) {
+    DS_CHECK(active() && !widened_, "ComputeCast::slot_view: the GEMMs do not take 16-bit operands");
+    return {grow(slot, n), dtype_};
+  }
   // A view of n elements (a saved activation, or what operator() gave) as the GEMMs take it:
   // itself, or a 16-bit one widened into workspace `slot`.
   kernels::ConstView gemm_input(int slot, kernels::ConstView v, int64_t n) {

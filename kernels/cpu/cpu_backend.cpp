@@ -338,6 +338,11 @@ class CpuBackend final : public Backend {
     if (M.dtype == DType::kF32) return cpu::swiglu_forward(static_cast<float*>(M.data), GU, N, I);
     rows_rounded(M, N, I, [&](int64_t t, float* row) { cpu::swiglu_row(row, GU + t * 2 * I, I); });
   }
+  void swiglu_backward(View dGU, const float* dM, const float* GU, int64_t N, int64_t I) override {
+    if (dGU.dtype == DType::kF32) return cpu::swiglu_backward(static_cast<float*>(dGU.data), dM, GU, N, I);
+    rows_rounded(dGU, N, 2 * I,
+                 [&](int64_t t, float* row) { cpu::swiglu_backward_row(row, dM + t * I, GU + t * 2 * I, I); });
+  }
   void swiglu_backward(float* dGU, const float* dM, const float* GU, int64_t N, int64_t I) override {
     cpu::swiglu_backward(dGU, dM, GU, N, I);
   }
@@ -430,6 +435,24 @@ class CpuBackend final : public Backend {
   void moe_combine_backward(float* dY, float* dw, const float* dout, const float* Y, const float* w,
                             const int32_t* pos, int64_t N, int64_t k, int64_t H) override {
     cpu::moe_combine_backward(dY, dw, dout, Y, w, pos, N, k, H);
+  }
+  void moe_combine_backward(View dY, float* dw, const float* dout, const float* Y, const float* w,
+                            const int32_t* pos, int64_t N, int64_t k, int64_t H) override {
+    if (dY.dtype == DType::kF32)
+      return cpu::moe_combine_backward(static_cast<float*>(dY.data), dw, dout, Y, w, pos, N, k, H);
+    const cpu::LowPrecision lp = low(dY.dtype);
+    uint16_t* o = static_cast<uint16_t*>(dY.data);
+#pragma omp parallel
+    {
+      std::vector<float> row(size_t(std::max<int64_t>(H, 0)));
+#pragma omp for schedule(static)
+      for (int64_t t = 0; t < N; ++t)
+        for (int64_t j = 0; j < k; ++j) {
+          const int64_t r = pos[t * k + j];
+          dw[t * k + j] = cpu::moe_combine_backward_row(row.data(), dout + t * H, Y + r * H, w[t * k + j], H);
+          cpu::convert_to(o + r * H, row.data(), H, lp);
+        }
+    }
   }
   void moe_dispatch_backward(float* dx, const float* dXp, const int32_t* pos, int64_t N, int64_t k,
                              int64_t H) override {

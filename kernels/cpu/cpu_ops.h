@@ -292,22 +292,24 @@ void swiglu_forward(T* M, const T* GU, int64_t N, int64_t I) {
   for (int64_t t = 0; t < N; ++t) swiglu_row(M + t * I, GU + t * 2 * I, I);
 }
 
+// One row: dgu [2I] = [dG | dU] from dm [I] and gu [2I] (reused by the 16-bit-output op).
+template <class T>
+inline void swiglu_backward_row(T* dgu, const T* dm, const T* gu, int64_t I) {
+  const T* g = gu;
+  const T* u = gu + I;
+  T* dg = dgu;
+  T* du = dgu + I;
+#pragma omp simd
+  for (int64_t i = 0; i < I; ++i) {
+    const T sg = sigmoid(g[i]);
+    du[i] = dm[i] * g[i] * sg;
+    dg[i] = dm[i] * u[i] * sg * (T(1) + g[i] * (T(1) - sg));
+  }
+}
 template <class T>
 void swiglu_backward(T* dGU, const T* dM, const T* GU, int64_t N, int64_t I) {
 #pragma omp parallel for schedule(static)
-  for (int64_t t = 0; t < N; ++t) {
-    const T* g = GU + t * 2 * I;
-    const T* u = g + I;
-    const T* dm = dM + t * I;
-    T* dg = dGU + t * 2 * I;
-    T* du = dg + I;
-#pragma omp simd
-    for (int64_t i = 0; i < I; ++i) {
-      const T sg = sigmoid(g[i]);
-      du[i] = dm[i] * g[i] * sg;
-      dg[i] = dm[i] * u[i] * sg * (T(1) + g[i] * (T(1) - sg));
-    }
-  }
+  for (int64_t t = 0; t < N; ++t) swiglu_backward_row(dGU + t * 2 * I, dM + t * I, GU + t * 2 * I, I);
 }
 
 // ---- Router (docs/model.md §3.6 and §4) ----------------------------------------------------------
@@ -441,25 +443,25 @@ void moe_combine(T* out, const T* Y, const T* w, const int32_t* pos, int64_t N, 
   }
 }
 
+// One (token, choice): dy [H] = wj g, and <g, y> returned (the 16-bit-output op reuses it).
+template <class T>
+inline T moe_combine_backward_row(T* dy, const T* g, const T* y, T wj, int64_t H) {
+  T dot = 0;
+  for (int64_t c = 0; c < H; ++c) {
+    dot += g[c] * y[c];
+    dy[c] = wj * g[c];
+  }
+  return dot;
+}
 template <class T>
 void moe_combine_backward(T* dY, T* dw, const T* dout, const T* Y, const T* w, const int32_t* pos,
                           int64_t N, int64_t k, int64_t H) {
 #pragma omp parallel for schedule(static)
-  for (int64_t t = 0; t < N; ++t) {
-    const T* g = dout + t * H;
+  for (int64_t t = 0; t < N; ++t)
     for (int64_t j = 0; j < k; ++j) {
       const int64_t row = pos[t * k + j];
-      const T* y = Y + row * H;
-      T* dy = dY + row * H;
-      const T wj = w[t * k + j];
-      T dot = 0;
-      for (int64_t c = 0; c < H; ++c) {
-        dot += g[c] * y[c];
-        dy[c] = wj * g[c];
-      }
-      dw[t * k + j] = dot;
+      dw[t * k + j] = moe_combine_backward_row(dY + row * H, dout + t * H, Y + row * H, w[t * k + j], H);
     }
-  }
 }
 
 template <class T>

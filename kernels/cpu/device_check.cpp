@@ -157,6 +157,10 @@ class DeviceCheckBackend final : public Backend {
   void swiglu_forward(float* M, const float* GU, int64_t N, int64_t I) override {
     if (N * I > 0) in_->swiglu_forward(h(M, "swiglu_forward"), h(GU, "swiglu_forward"), N, I);
   }
+  void swiglu_backward(View dGU, const float* dM, const float* GU, int64_t N, int64_t I) override {
+    const char* op = "swiglu_backward";
+    if (N * I > 0) in_->swiglu_backward(View{h(dGU.data, op), dGU.dtype}, h(dM, op), h(GU, op), N, I);
+  }
   void swiglu_backward(float* dGU, const float* dM, const float* GU, int64_t N, int64_t I) override {
     const char* op = "swiglu_backward";
     if (N * I > 0) in_->swiglu_backward(h(dGU, op), h(dM, op), h(GU, op), N, I);
@@ -200,6 +204,13 @@ class DeviceCheckBackend final : public Backend {
                    int64_t H) override {
     const char* op = "moe_combine";
     if (N * H > 0) in_->moe_combine(h(out, op), k ? h(Y, op) : Y, h(w, op), h(pos, op), N, k, H);
+  }
+  void moe_combine_backward(View dY, float* dw, const float* dout, const float* Y, const float* w,
+                            const int32_t* pos, int64_t N, int64_t k, int64_t H) override {
+    const char* op = "moe_combine_backward";
+    if (N * k > 0)
+      in_->moe_combine_backward(View{h(dY.data, op), dY.dtype}, h(dw, op), h(dout, op), h(Y, op), h(w, op),
+                                h(pos, op), N, k, H);
   }
   void moe_combine_backward(float* dY, float* dw, const float* dout, const float* Y, const float* w,
                             const int32_t* pos, int64_t N, int64_t k, int64_t H) override {

@@ -642,10 +642,15 @@ __global__ void swiglu_forward_kernel(dev::Storage<KIND>* M, const float* GU, in
     M[x] = dev::store_as<KIND>(dev::swiglu(GU[t * 2 * I + i], GU[t * 2 * I + I + i]));
   }
 }
-__global__ void swiglu_backward_kernel(float* dGU, const float* dM, const float* GU, int64_t N, int64_t I) {
+template <int KIND>
+__global__ void swiglu_backward_kernel(dev::Storage<KIND>* dGU, const float* dM, const float* GU, int64_t N,
+                                       int64_t I) {
   GRID_STRIDE(x, N * I) {
     const int64_t t = x / I, i = x % I;
-    dev::swiglu_grad(dM[x], GU[t * 2 * I + i], GU[t * 2 * I + I + i], dGU + t * 2 * I + i, dGU + t * 2 * I + I + i);
+    float dg, du;
+    dev::swiglu_grad(dM[x], GU[t * 2 * I + i], GU[t * 2 * I + I + i], &dg, &du);
+    dGU[t * 2 * I + i] = dev::store_as<KIND>(dg);
+    dGU[t * 2 * I + I + i] = dev::store_as<KIND>(du);
   }
 }
 __global__ void router_forward_kernel(int32_t* idx, float* w, float* scores, const float* logits, const float* bias,
@@ -732,9 +737,10 @@ __global__ void moe_combine_kernel(float* out, const float* Y, const float* w, c
     out[x] = o;
   }
 }
-// One warp per (token, choice).
-__global__ void moe_combine_backward_kernel(float* dY, float* dw, const float* dout, const float* Y, const float* w,
-                                            const int32_t* pos, int64_t N, int64_t k, int64_t H) {
+// One warp per (token, choice); dY in fp32 / bf16 / fp16 (KIND 0 / 1 / 2).
+template <int KIND>
+__global__ void moe_combine_backward_kernel(dev::Storage<KIND>* dY, float* dw, const float* dout, const float* Y,
+                                            const float* w, const int32_t* pos, int64_t N, int64_t k, int64_t H) {
   const int lane = threadIdx.x % 32;
   const int64_t warps = int64_t(gridDim.x) * (blockDim.x / 32);
   // Warp-strided (the grid is capped): the loop condition is the same for a warp's 32 lanes.
@@ -745,7 +751,7 @@ __global__ void moe_combine_backward_kernel(float* dY, float* dw, const float* d
     for (int64_t c = lane; c < H; c += 32) {
       const float g = dout[t * H + c];
       dot += g * Y[row * H + c];
-      dY[row * H + c] = wj * g;
+      dY[row * H + c] = dev::store_as<KIND>(wj * g);
     }
     dot = warp_sum(dot);
     if (lane == 0) dw[tj] = dot;
@@ -1371,8 +1377,15 @@ class CudaBackend final : public Backend {
     DS_LAUNCHED();
   }
   void swiglu_backward(float* dGU, const float* dM, const float* GU, int64_t N, int64_t I) override {
+    swiglu_backward(View{dGU, DType::kF32}, dM, GU, N, I);
+  }
+  void swiglu_backward(View dGU, const float* dM, const float* GU, int64_t N, int64_t I) override {
     if (N * I <= 0) return;
-    swiglu_backward_kernel<<<blocks_for(N * I), kThreads, 0, stream_>>>(dGU, dM, GU, N, I);
+    const int blocks = blocks_for(N * I);
+    if (dGU.dtype == DType::kF32) swiglu_backward_kernel<0><<<blocks, kThreads, 0, stream_>>>(fm(dGU.data), dM, GU, N, I);
+    else if (dGU.dtype == DType::kBF16)
+      swiglu_backward_kernel<1><<<blocks, kThreads, 0, stream_>>>(static_cast<uint16_t*>(dGU.data), dM, GU, N, I);
+    else swiglu_backward_kernel<2><<<blocks, kThreads, 0, stream_>>>(static_cast<uint16_t*>(dGU.data), dM, GU, N, I);
     DS_LAUNCHED();
   }
 
@@ -1451,8 +1464,20 @@ class CudaBackend final : public Backend {
   }
   void moe_combine_backward(float* dY, float* dw, const float* dout, const float* Y, const float* w,
                             const int32_t* pos, int64_t N, int64_t k, int64_t H) override {
+    moe_combine_backward(View{dY, DType::kF32}, dw, dout, Y, w, pos, N, k, H);
+  }
+  void moe_combine_backward(View dY, float* dw, const float* dout, const float* Y, const float* w,
+                            const int32_t* pos, int64_t N, int64_t k, int64_t H) override {
     if (N * k <= 0) return;
-    moe_combine_backward_kernel<<<blocks_for(N * k * 32), kThreads, 0, stream_>>>(dY, dw, dout, Y, w, pos, N, k, H);
+    const int blocks = blocks_for(N * k * 32);
+    if (dY.dtype == DType::kF32)
+      moe_combine_backward_kernel<0><<<blocks, kThreads, 0, stream_>>>(fm(dY.data), dw, dout, Y, w, pos, N, k, H);
+    else if (dY.dtype == DType::kBF16)
+      moe_combine_backward_kernel<1><<<blocks, kThreads, 0, stream_>>>(static_cast<uint16_t*>(dY.data), dw, dout, Y, w,
+                                                                       pos, N, k, H);
+    else
+      moe_combine_backward_kernel<2><<<blocks, kThreads, 0, stream_>>>(static_cast<uint16_t*>(dY.data), dw, dout, Y, w,
+                                                                       pos, N, k, H);
     DS_LAUNCHED();
   }
   void moe_dispatch_backward(float* dx, const float* dXp, const int32_t* pos, int64_t N, int64_t k,

@@ -578,6 +578,39 @@ TEST_P(Kernels, RmsNormSwiGluAndGatherIntoSixteenBitsEqualTheFp32OpThenConvert) 
     EXPECT_EQ(goty, wanty) << to_string(dt);
     EXPECT_EQ(rstd16, rstd) << to_string(dt);
   }
+  // SwiGLU's backward into 16 bits (the experts' dGU): the fp32 op's values, rounded.
+  const FVec dM = to_f(randn(size_t(N * I), 48, 5.0));
+  FVec dGU(GU.size()), dGU32(GU.size());
+  be->swiglu_backward(dGU.data(), dM.data(), GU.data(), N, I);
+  be->swiglu_backward(View{dGU32.data(), DType::kF32}, dM.data(), GU.data(), N, I);
+  EXPECT_EQ(dGU32, dGU);
+  for (DType dt : {DType::kBF16, DType::kF16}) {
+    std::vector<uint16_t> want(dGU.size()), got(dGU.size(), 0xffff);
+    be->convert(View{want.data(), dt}, f32(dGU.data()), N * 2 * I);
+    be->swiglu_backward(View{got.data(), dt}, dM.data(), GU.data(), N, I);
+    EXPECT_EQ(got, want) << "swiglu backward into " << to_string(dt);
+  }
+  // The combine's backward into 16 bits (the experts' dY), dw unchanged. pos: a permutation of
+  // the rows[N, 2] (choice j of token t at row pos[t, j]).
+  const int64_t k = 2;
+  std::vector<int32_t> pos(size_t(N * k));
+  for (int64_t r = 0; r < N * k; ++r) pos[size_t(r)] = int32_t((r * 29 + 5) % (N * k));
+  const FVec dout = to_f(randn(size_t(N * H), 49, 2.0)), Yc = to_f(randn(size_t(N * k * H), 50)),
+             wk = to_f(randn(size_t(N * k), 51));
+  FVec dY(size_t(N * k * H)), dw(size_t(N * k)), dY32(dY.size()), dw32(dw.size()), dw16(dw.size());
+  be->moe_combine_backward(dY.data(), dw.data(), dout.data(), Yc.data(), wk.data(), pos.data(), N, k, H);
+  be->moe_combine_backward(View{dY32.data(), DType::kF32}, dw32.data(), dout.data(), Yc.data(), wk.data(), pos.data(),
+                           N, k, H);
+  EXPECT_EQ(dY32, dY);
+  EXPECT_EQ(dw32, dw);
+  for (DType dt : {DType::kBF16, DType::kF16}) {
+    std::vector<uint16_t> want(dY.size()), got(dY.size(), 0xffff);
+    be->convert(View{want.data(), dt}, f32(dY.data()), N * k * H);
+    be->moe_combine_backward(View{got.data(), dt}, dw16.data(), dout.data(), Yc.data(), wk.data(), pos.data(), N, k,
+                             H);
+    EXPECT_EQ(got, want) << "moe combine backward into " << to_string(dt);
+    EXPECT_EQ(dw16, dw) << to_string(dt);
+  }
 }
 
 TEST_P(Kernels, MoeGatherAndCombineForward) {

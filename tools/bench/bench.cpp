@@ -199,6 +199,28 @@ int bench_kernels(int threads) {
     std::printf("  into bf16    swiglu %ldx%ld: %.2f ms, fp32 + convert %.2f ms; gather %ldx%ld: %.2f ms, fp32 + convert "
                 "%.2f ms\n",
                 long(rows), long(I), fused * 1e3, staged * 1e3, long(rows), long(Hm), gfused * 1e3, gstaged * 1e3);
+    // Backward: SwiGLU's dGU and the combine's dY (2048 tokens x 4 choices = the same rows).
+    const int64_t tokens = 2048, k = rows / tokens;
+    const auto dm = randn(rows * I, 11), dout = randn(tokens * Hm, 12), w = randn(rows, 13);
+    std::vector<int32_t> pos(static_cast<size_t>(rows));
+    for (int64_t r = 0; r < rows; ++r) pos[size_t(r)] = int32_t((r * 7919) % rows);
+    std::vector<float> dgu(rows * 2 * I), dy(rows * Hm), dw(rows);
+    std::vector<uint16_t> dgu16(dgu.size()), dy16(dy.size());
+    const kernels::View DGU16{dgu16.data(), kernels::DType::kBF16}, DY16{dy16.data(), kernels::DType::kBF16};
+    const double sb = time_it([&] { be->swiglu_backward(DGU16, dm.data(), gu.data(), rows, I); });
+    const double sbs = time_it([&] {
+      be->swiglu_backward(dgu.data(), dm.data(), gu.data(), rows, I);
+      be->convert(DGU16, kernels::f32(dgu.data()), rows * 2 * I);
+    });
+    const double cb = time_it(
+        [&] { be->moe_combine_backward(DY16, dw.data(), dout.data(), xp.data(), w.data(), pos.data(), tokens, k, Hm); });
+    const double cbs = time_it([&] {
+      be->moe_combine_backward(dy.data(), dw.data(), dout.data(), xp.data(), w.data(), pos.data(), tokens, k, Hm);
+      be->convert(DY16, kernels::f32(dy.data()), rows * Hm);
+    });
+    std::printf("  into bf16    swiglu backward %ldx%ld: %.2f ms, fp32 + convert %.2f ms; combine backward %ldx%ldx%ld: "
+                "%.2f ms, fp32 + convert %.2f ms\n",
+                long(rows), long(I), sb * 1e3, sbs * 1e3, long(tokens), long(k), long(Hm), cb * 1e3, cbs * 1e3);
   }
   {
     const int64_t B = 8, S = 256, nh = 4, dqk = 48, dv = 32;

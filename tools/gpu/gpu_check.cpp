@@ -319,6 +319,11 @@ void check_norm_rope_swiglu(Backend& cpu, Backend& cuda) {
     cuda.swiglu_forward(View{g16, dt}, gGU, T, I);
     cuda.convert(View{want16, dt}, f32(gM), T * I);
     check_equal(std::string("swiglu forward into ") + to_string(dt), k.get(g16, M.size()), k.get(want16, M.size()));
+    uint16_t *gd16 = k.zeros<uint16_t>(dGU.size()), *wantd16 = k.zeros<uint16_t>(dGU.size());
+    cuda.swiglu_backward(View{gd16, dt}, k.put(dM), gGU, T, I);
+    cuda.convert(View{wantd16, dt}, f32(gdGU), T * 2 * I);
+    check_equal(std::string("swiglu backward into ") + to_string(dt), k.get(gd16, dGU.size()),
+                k.get(wantd16, dGU.size()));
   }
 }
 
@@ -457,6 +462,17 @@ void check_router_moe(Backend& cpu, Backend& cuda) {
   check("moe_combine_backward dY", g.get(gdY, dY.size()), dY, 1e-5);
   check("moe_combine_backward dw", g.get(gdw, dw.size()), dw, 1e-5);
   check("moe_dispatch_backward (accumulated)", g.get(gdx, dx.size()), dx, 1e-5);
+  // dY into 16 bits (the experts' GEMM input): the device's fp32 dY rounded by its convert.
+  for (DType dt : {DType::kBF16, DType::kF16}) {
+    uint16_t *g16 = g.zeros<uint16_t>(dY.size()), *want16 = g.zeros<uint16_t>(dY.size());
+    float* gdw16 = g.zeros<float>(dw.size());
+    cuda.moe_combine_backward(View{g16, dt}, gdw16, g.put(dout), gY, gw, gpos, T, k, H);
+    cuda.convert(View{want16, dt}, f32(gdY), int64_t(dY.size()));
+    check_equal(std::string("moe_combine_backward dY into ") + to_string(dt), g.get(g16, dY.size()),
+                g.get(want16, dY.size()));
+    check_equal(std::string("moe_combine_backward dw with a 16-bit dY, ") + to_string(dt), g.get(gdw16, dw.size()),
+                g.get(gdw, dw.size()));
+  }
 }
 
 void check_loss_embedding_optimizer(Backend& cpu, Backend& cuda) {

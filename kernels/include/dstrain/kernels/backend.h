@@ -199,6 +199,9 @@ class Backend {
   // written and read again by a conversion pass (docs/design.md §6.10).
   virtual void swiglu_forward(View M, const float* GU, int64_t N, int64_t I) = 0;
   virtual void swiglu_backward(float* dGU, const float* dM, const float* GU, int64_t N, int64_t I) = 0;
+  // The same into dGU of any storage type (the experts' dGU, which only their GEMMs read), 16-bit
+  // values rounded from the fp32 ones bit for bit as above.
+  virtual void swiglu_backward(View dGU, const float* dM, const float* GU, int64_t N, int64_t I) = 0;
 
   // Router: scores [N,E] from logits; selection idx [N,k] (group-limited, bias-corrected for
   // noaux_tc) and weights w [N,k] (docs/model.md §3.6). bias may be null.
@@ -243,6 +246,10 @@ class Backend {
   virtual void moe_combine_backward(float* dY, float* dw, const float* dout, const float* Y,
                                     const float* w, const int32_t* pos, int64_t N, int64_t k,
                                     int64_t H) = 0;
+  // The same with dY of any storage type (the experts' output gradient, which only their GEMMs
+  // read): 16-bit values are the fp32 ones rounded as convert() rounds them, bit for bit.
+  virtual void moe_combine_backward(View dY, float* dw, const float* dout, const float* Y, const float* w,
+                                    const int32_t* pos, int64_t N, int64_t k, int64_t H) = 0;
   // Backward of the dispatch gather: dx[t] += sum_j dXp[pos[t,j]].
   virtual void moe_dispatch_backward(float* dx, const float* dXp, const int32_t* pos, int64_t N,
                                      int64_t k, int64_t H) = 0;
