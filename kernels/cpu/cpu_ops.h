@@ -443,15 +443,30 @@ void moe_combine(T* out, const T* Y, const T* w, const int32_t* pos, int64_t N, 
   }
 }
 
-// One (token, choice): dy [H] = wj g, and <g, y> returned (the 16-bit-output op reuses it).
+// One (token, choice): dy [H] = wj g, and <g, y> returned (the 16-bit-output op reuses it). The
+// dot product runs in 16 fixed lanes (column c into lane c % 16), summed by a fixed tree, then
+// the tail: vectorised, and the same bits on every instruction set (one running sum was a
+// scalar chain of H dependent adds).
 template <class T>
 inline T moe_combine_backward_row(T* dy, const T* g, const T* y, T wj, int64_t H) {
-  T dot = 0;
-  for (int64_t c = 0; c < H; ++c) {
-    dot += g[c] * y[c];
+  constexpr int64_t kLanes = 16;
+  T acc[kLanes] = {};
+  int64_t c = 0;
+  for (; c + kLanes <= H; c += kLanes) {
+#pragma omp simd
+    for (int64_t l = 0; l < kLanes; ++l) {
+      acc[l] += g[c + l] * y[c + l];
+      dy[c + l] = wj * g[c + l];
+    }
+  }
+  T tail = 0;
+  for (; c < H; ++c) {
+    tail += g[c] * y[c];
     dy[c] = wj * g[c];
   }
-  return dot;
+  for (int64_t w = kLanes / 2; w > 0; w /= 2)
+    for (int64_t l = 0; l < w; ++l) acc[l] += acc[l + w];
+  return acc[0] + tail;
 }
 template <class T>
 void moe_combine_backward(T* dY, T* dw, const T* dout, const T* Y, const T* w, const int32_t* pos,
