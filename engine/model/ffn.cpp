@@ -407,13 +407,14 @@ void MoeLayer::experts_backward(float* dX, const float* dY, kernels::ConstView X
   // in slot 0 (dYc is dead by now), as round_once would have made it from the fp32 values. Not
   // under a WeightGradDeferral, whose queued GEMM keeps (and later rounds) the fp32 dGU.
   const bool dgu_lp = producers_write_16bit();
-  kernels::ConstView dGUc = kernels::f32(dGU);
+  kernels::ConstView dGUc;
   if (dgu_lp) {
     const kernels::View v = env_.cast->slot_view(0, rows * 2 * I_);
     be.swiglu_backward(v, dM, GU, rows, I_);
     dGUc = {v.data, v.dtype};
   } else {
     be.swiglu_backward(dGU, dM, GU, rows, I_);
+    dGUc = round_once(env_, 0, dGU, rows * 2 * I_);
   }
   Group gdX, gdWgu;
   for (int64_t i = 0; i < ne; ++i) {
@@ -422,7 +423,6 @@ void MoeLayer::experts_backward(float* dX, const float* dY, kernels::ConstView X
     gdX.add(dX + o * H_, o * 2 * I_, gate_up_[size_t(e)], c, H_, 2 * I_);  // dX = dGU W_gu
     gdWgu.add(gate_up_[size_t(e)].g, o * 2 * I_, o * H_, 2 * I_, H_, c);    // dW_gu += dGU^T X
   }
-  if (!dgu_lp) dGUc = round_once(env_, 0, dGU, rows * 2 * I_);
   gdX.run(env_, dGUc, rows * 2 * I_, {}, 0, false, false, 0.0f);
   env_.poll();
   run_weight_grads(env_, gdWgu, dgu_lp ? nullptr : dGU, dGUc, rows * 2 * I_, X, rows * H_);

@@ -25,6 +25,7 @@
 #include <stdexcept>
 #include <string>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include "dstrain/kernels/backend.h"
@@ -634,6 +635,18 @@ __global__ void __launch_bounds__(kFlashThreads)
 
 // ---- SwiGLU, router, MoE data movement ---------------------------------------------------------
 
+// f(kind, p) with kind = std::integral_constant<int, KIND> for the View's storage type (KIND 0 /
+// 1 / 2: fp32 / bf16 / fp16) and p its data as Storage<KIND>*: the launch of a kernel templated on
+// its output type, written once.
+template <class F>
+void with_storage(View v, F&& f) {
+  switch (v.dtype) {
+    case DType::kF32: return f(std::integral_constant<int, 0>{}, static_cast<float*>(v.data));
+    case DType::kBF16: return f(std::integral_constant<int, 1>{}, static_cast<uint16_t*>(v.data));
+    case DType::kF16: return f(std::integral_constant<int, 2>{}, static_cast<uint16_t*>(v.data));
+  }
+}
+
 // KIND 0 / 1 / 2: M in fp32 / bf16 / fp16 (rounded as convert() rounds).
 template <int KIND>
 __global__ void swiglu_forward_kernel(dev::Storage<KIND>* M, const float* GU, int64_t N, int64_t I) {
@@ -1223,12 +1236,9 @@ class CudaBackend final : public Backend {
   void rmsnorm_forward(View y, float* rstd, const float* x, const float* w, int64_t rows, int64_t C,
                        float eps) override {
     if (rows <= 0) return;
-    auto* y16 = static_cast<uint16_t*>(y.data);
-    if (y.dtype == DType::kF32)
-      rmsnorm_forward_kernel<0><<<unsigned(rows), kThreads, 0, stream_>>>(fm(y.data), rstd, x, w, C, eps);
-    else if (y.dtype == DType::kBF16)
-      rmsnorm_forward_kernel<1><<<unsigned(rows), kThreads, 0, stream_>>>(y16, rstd, x, w, C, eps);
-    else rmsnorm_forward_kernel<2><<<unsigned(rows), kThreads, 0, stream_>>>(y16, rstd, x, w, C, eps);
+    with_storage(y, [&](auto kind, auto* p) {
+      rmsnorm_forward_kernel<decltype(kind)::value><<<unsigned(rows), kThreads, 0, stream_>>>(p, rstd, x, w, C, eps);
+    });
     DS_LAUNCHED();
   }
   void rmsnorm_backward(float* dx, float* dw, const float* dy, const float* x, const float* w, const float* rstd,
@@ -1370,10 +1380,9 @@ class CudaBackend final : public Backend {
   void swiglu_forward(View M, const float* GU, int64_t N, int64_t I) override {
     if (N * I <= 0) return;
     const int blocks = blocks_for(N * I);
-    if (M.dtype == DType::kF32) swiglu_forward_kernel<0><<<blocks, kThreads, 0, stream_>>>(fm(M.data), GU, N, I);
-    else if (M.dtype == DType::kBF16)
-      swiglu_forward_kernel<1><<<blocks, kThreads, 0, stream_>>>(static_cast<uint16_t*>(M.data), GU, N, I);
-    else swiglu_forward_kernel<2><<<blocks, kThreads, 0, stream_>>>(static_cast<uint16_t*>(M.data), GU, N, I);
+    with_storage(M, [&](auto kind, auto* p) {
+      swiglu_forward_kernel<decltype(kind)::value><<<blocks, kThreads, 0, stream_>>>(p, GU, N, I);
+    });
     DS_LAUNCHED();
   }
   void swiglu_backward(float* dGU, const float* dM, const float* GU, int64_t N, int64_t I) override {
@@ -1382,10 +1391,9 @@ class CudaBackend final : public Backend {
   void swiglu_backward(View dGU, const float* dM, const float* GU, int64_t N, int64_t I) override {
     if (N * I <= 0) return;
     const int blocks = blocks_for(N * I);
-    if (dGU.dtype == DType::kF32) swiglu_backward_kernel<0><<<blocks, kThreads, 0, stream_>>>(fm(dGU.data), dM, GU, N, I);
-    else if (dGU.dtype == DType::kBF16)
-      swiglu_backward_kernel<1><<<blocks, kThreads, 0, stream_>>>(static_cast<uint16_t*>(dGU.data), dM, GU, N, I);
-    else swiglu_backward_kernel<2><<<blocks, kThreads, 0, stream_>>>(static_cast<uint16_t*>(dGU.data), dM, GU, N, I);
+    with_storage(dGU, [&](auto kind, auto* p) {
+      swiglu_backward_kernel<decltype(kind)::value><<<blocks, kThreads, 0, stream_>>>(p, dM, GU, N, I);
+    });
     DS_LAUNCHED();
   }
 
@@ -1450,10 +1458,9 @@ class CudaBackend final : public Backend {
   void gather_rows(View out, const float* in, const int32_t* src, int64_t n, int64_t H) override {
     if (n * H <= 0) return;
     const int blocks = blocks_for(n * H);
-    if (out.dtype == DType::kF32) gather_rows_kernel<0><<<blocks, kThreads, 0, stream_>>>(fm(out.data), in, src, n, H);
-    else if (out.dtype == DType::kBF16)
-      gather_rows_kernel<1><<<blocks, kThreads, 0, stream_>>>(static_cast<uint16_t*>(out.data), in, src, n, H);
-    else gather_rows_kernel<2><<<blocks, kThreads, 0, stream_>>>(static_cast<uint16_t*>(out.data), in, src, n, H);
+    with_storage(out, [&](auto kind, auto* p) {
+      gather_rows_kernel<decltype(kind)::value><<<blocks, kThreads, 0, stream_>>>(p, in, src, n, H);
+    });
     DS_LAUNCHED();
   }
   void moe_combine(float* out, const float* Y, const float* w, const int32_t* pos, int64_t N, int64_t k,
@@ -1470,14 +1477,9 @@ class CudaBackend final : public Backend {
                             const int32_t* pos, int64_t N, int64_t k, int64_t H) override {
     if (N * k <= 0) return;
     const int blocks = blocks_for(N * k * 32);
-    if (dY.dtype == DType::kF32)
-      moe_combine_backward_kernel<0><<<blocks, kThreads, 0, stream_>>>(fm(dY.data), dw, dout, Y, w, pos, N, k, H);
-    else if (dY.dtype == DType::kBF16)
-      moe_combine_backward_kernel<1><<<blocks, kThreads, 0, stream_>>>(static_cast<uint16_t*>(dY.data), dw, dout, Y, w,
-                                                                       pos, N, k, H);
-    else
-      moe_combine_backward_kernel<2><<<blocks, kThreads, 0, stream_>>>(static_cast<uint16_t*>(dY.data), dw, dout, Y, w,
-                                                                       pos, N, k, H);
+    with_storage(dY, [&](auto kind, auto* p) {
+      moe_combine_backward_kernel<decltype(kind)::value><<<blocks, kThreads, 0, stream_>>>(p, dw, dout, Y, w, pos, N, k, H);
+    });
     DS_LAUNCHED();
   }
   void moe_dispatch_backward(float* dx, const float* dXp, const int32_t* pos, int64_t N, int64_t k,
