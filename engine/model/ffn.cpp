@@ -18,8 +18,8 @@ SwiGluMlp::SwiGluMlp(const LayerEnv& env, const std::string& prefix, int64_t wid
   M_ = env.acts->take(max_tokens * w_, true, gemm_input_dtype(env));  // read by down_proj's GEMMs only
 }
 
-// M = swiglu(GU) on N rows into the saved M, in its type (a 16-bit M written rounded, as
-// store_activation would round it, without an fp32 pass).
+// M = swiglu(GU) on N rows into the saved M, in its type (a 16-bit M written rounded, as a
+// conversion of the fp32 values would round it, without an fp32 pass).
 void SwiGluMlp::activate(int64_t N) { env_.be->swiglu_forward(M_.view(), GU_.data(), N, w_); }
 
 void SwiGluMlp::recompute_selective(int64_t N) { activate(N); }
@@ -108,7 +108,7 @@ int64_t MoeLayer::ep_backward_bytes() const {
 }
 
 // The routed rows and the experts' activations straight into their saved type (16-bit: rounded
-// by the producing op, as store_activation would round them).
+// by the producing op, as a conversion of the fp32 values would round them).
 void MoeLayer::dispatch_rows(const float* u_part, int64_t rows) {
   env_.be->gather_rows(Xp_.view(), u_part, src_dev_.data(), rows, H_);
 }

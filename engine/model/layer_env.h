@@ -313,24 +313,6 @@ inline kernels::ConstView lp_input(const ActBuf& b) {
   if (b.dtype() == kernels::DType::kF32) return {};
   return {b.raw(), b.dtype()};
 }
-// Where a kernel writing fp32 puts the first n values of `dst`: dst itself when fp32, else n
-// floats of scratch (store_activation then rounds them into dst).
-inline float* f32_staging(const LayerEnv& env, kernels::View dst, int64_t n) {
-  return dst.dtype == kernels::DType::kF32 ? static_cast<float*>(dst.data) : env.scratch->take(n);
-}
-// What f32_staging(dst, n) gave, now written, into dst (rounded to nearest even for 16 bits).
-inline void store_activation(const LayerEnv& env, kernels::View dst, const float* staged, int64_t n) {
-  if (dst.dtype == kernels::DType::kF32) {
-    DS_CHECK(staged == dst.data, "an fp32 activation is written in place");
-    return;
-  }
-  env.be->convert(dst, kernels::f32(staged), n);
-}
-// The same for a whole saved buffer.
-inline float* f32_staging(const LayerEnv& env, const ActBuf& dst) { return f32_staging(env, dst.view(), dst.size()); }
-inline void store_activation(const LayerEnv& env, const ActBuf& dst, const float* staged) {
-  store_activation(env, dst.view(), staged, dst.size());
-}
 
 // Linear layer helpers over [rows, in] x W[out, in]^T (HF layout), on the backend. `xc`, when
 // given, is x already in the compute type: an input several GEMMs read, converted once into
@@ -349,6 +331,12 @@ inline kernels::ConstView round_once(const LayerEnv& env, int slot, const float*
   if (!env.cast || !env.cast->active() || env.cast->widened()) return kernels::f32(x);
   return (*env.cast)(slot, x, n);
 }
+// Whether a producer may write W's GEMM input gradient dy in the GEMMs' own 16-bit type, into
+// ComputeCast slot 0 (slot_view), for linear_backward's `dyc`: W's GEMMs take native 16-bit
+// operands, and no WeightGradDeferral is active (a deferred weight GEMM keeps dy in fp32).
+inline bool dy_in_16bit(const LayerEnv& env, const WeightRef& W) {
+  return low_precision(env, W) && !env.cast->widened() && !WeightGradDeferral::active();
+}
 // y = x W^T (+ b); beta = 1 accumulates into y.
 inline void linear_forward(const LayerEnv& env, float* y, const float* x, const WeightRef& W, int64_t rows,
                            int64_t out, int64_t in, float beta = 0.0f, kernels::ConstView xc = {}) {
@@ -357,17 +345,20 @@ inline void linear_forward(const LayerEnv& env, float* y, const float* x, const 
   env.be->gemm(y, xc, env.cast->weight(W.w, W.lp), rows, out, in, false, true, 1.0f, beta);
 }
 // dx (= or +=) dy W;  dW += dy^T x (deferred to W while a WeightGradDeferral is active; its
-// inputs are converted when it runs). dW is W.g unless given.
+// inputs are converted when it runs). dW is W.g unless given. `dyc`, when given, is dy already
+// in the GEMMs' 16-bit type, written by its producer into ComputeCast slot 0 (dy_in_16bit): then
+// dy is null.
 inline void linear_backward(const LayerEnv& env, float* dx, const float* dy, const float* x, const WeightRef& W,
                             int64_t rows, int64_t out, int64_t in, float dx_beta = 0.0f, float* dW = nullptr,
-                            kernels::ConstView xc = {}) {
+                            kernels::ConstView xc = {}, kernels::ConstView dyc = {}) {
   kernels::Backend& be = *env.be;
   if (!dW) dW = W.g;
   const bool lp = low_precision(env, W);
   DS_CHECK(x || (lp && xc.data), "linear_backward: a 16-bit-only input to an fp32 GEMM");
+  DS_CHECK(!dyc.data || (dy_in_16bit(env, W) && dyc.dtype == env.cast->dtype()),
+           "linear_backward: a 16-bit dy where the GEMMs do not take it");
   ComputeCast* cast = env.cast;
-  kernels::ConstView dyc = kernels::f32(dy);
-  if (lp) dyc = (*cast)(0, dy, rows * out);
+  if (!dyc.data) dyc = lp ? (*cast)(0, dy, rows * out) : kernels::f32(dy);
   if (dx) {
     if (lp) be.gemm(dx, dyc, cast->weight(W.w, W.lp), rows, in, out, false, false, 1.0f, dx_beta);
     else be.gemm(dx, dy, W.w, rows, in, out, false, false, 1.0f, dx_beta);

@@ -146,11 +146,12 @@ void MlaAttention::forward(float* out, const float* a, int64_t B, int64_t S) {
   } else {
     linear_forward(env_, q, a, q_, N, nh_ * dqk_, H_, 0.0f, ac);
   }
-  float* Qs = f32_staging(env_, Q_);
-  be.copy_strided(Qs, dqk_, q, dqk_, N * nh_, dn_);
-  be.rope_forward(Qs + dn_, nh_ * dqk_, dqk_, q + dn_, nh_ * dqk_, dqk_, rope_->cos.data(),
+  // Q, K, V are written straight into their saved buffers, in 16 bits under bf16 / fp16 (each
+  // value rounded as a conversion of the fp32 one would: docs/design.md §6.10).
+  const kernels::View Qv = Q_.view();
+  be.copy_strided(Qv, dqk_, q, dqk_, N * nh_, dn_);
+  be.rope_forward(kernels::offset_view(Qv, dn_), nh_ * dqk_, dqk_, q + dn_, nh_ * dqk_, dqk_, rope_->cos.data(),
                   rope_->sin.data(), N, S, nh_, dr_, env_.cfg->rope_interleave);
-  store_activation(env_, Q_, Qs);
   // Compressed KV: c_kv = a W_kva[:r_kv]^T, k_pe = a W_kva[r_kv:]^T (two GEMMs on row blocks).
   linear_forward(env_, ckv_.data(), a, kv_a_, N, rkv_, H_, 0.0f, ac);
   linear_forward(env_, kpe_.data(), a, kv_a_.rows(rkv_, H_), N, dr_, H_, 0.0f, ac);
@@ -161,15 +162,12 @@ void MlaAttention::forward(float* out, const float* a, int64_t B, int64_t S) {
   norm_latent(ckvn_, rstd_kv_.data(), ckv_.data(), kv_a_norm_.w, N, rkv_);
   float* kv = scratch.take(N * nh_ * kv_w);
   linear_forward(env_, kv, f32_input(ckvn_), kv_b_, N, nh_ * kv_w, rkv_, 0.0f, lp_input(ckvn_));
-  float* Ks = f32_staging(env_, K_);
-  float* Vs = f32_staging(env_, V_);
-  be.copy_strided(Ks, dqk_, kv, kv_w, N * nh_, dn_);
-  be.copy_strided(Vs, dv_, kv + dn_, kv_w, N * nh_, dv_);
+  const kernels::View Kv = K_.view();
+  be.copy_strided(Kv, dqk_, kv, kv_w, N * nh_, dn_);
+  be.copy_strided(V_.view(), dv_, kv + dn_, kv_w, N * nh_, dv_);
   // One rope key for all heads: head stride 0 on the input broadcasts it.
-  be.rope_forward(Ks + dn_, nh_ * dqk_, dqk_, kpe_.data(), dr_, 0, rope_->cos.data(),
+  be.rope_forward(kernels::offset_view(Kv, dn_), nh_ * dqk_, dqk_, kpe_.data(), dr_, 0, rope_->cos.data(),
                   rope_->sin.data(), N, S, nh_, dr_, env_.cfg->rope_interleave);
-  store_activation(env_, K_, Ks);
-  store_activation(env_, V_, Vs);
   attention_core(B, S);
   linear_forward(env_, out, O_.data(), o_, N, H_, nh_ * dv_);  // row-parallel: this rank's heads' part
 }
@@ -197,9 +195,13 @@ void MlaAttention::backward(float* da, const float* dout, const float* a, int64_
                           rope_->attention_scale);
   }
   // KV branch: dkv = [dk_nope | dv] per head; dk_pe sums the rope-inverted keys over heads.
-  float* dkv = scratch.take(N * nh_ * kv_w);
-  be.copy_strided(dkv, kv_w, dK, dqk_, N * nh_, dn_);
-  be.copy_strided(dkv + dn_, kv_w, dV, dv_, N * nh_, dv_);
+  // Where kv_b_proj's GEMMs take it in 16 bits, dkv is written in 16 bits into the GEMMs' input
+  // slot (the same values a conversion of the fp32 array gives: docs/design.md §6.10); so is dq.
+  const bool dkv_lp = dy_in_16bit(env_, kv_b_);
+  float* dkv = dkv_lp ? nullptr : scratch.take(N * nh_ * kv_w);
+  const kernels::View dkvv = dkv_lp ? env_.cast->slot_view(0, N * nh_ * kv_w) : kernels::View{dkv, kernels::DType::kF32};
+  be.copy_strided(dkvv, kv_w, dK, dqk_, N * nh_, dn_);
+  be.copy_strided(kernels::offset_view(dkvv, dn_), kv_w, dV, dv_, N * nh_, dv_);
   // The gradients of the replicated low-rank activations, adjacent so that one all-reduce sums
   // them over the tensor-parallel ranks: [dckvn | dkpe | dcqn].
   const int64_t latent = N * (rkv_ + dr_ + (lora_ ? rq_ : 0));
@@ -210,13 +212,26 @@ void MlaAttention::backward(float* da, const float* dout, const float* a, int64_
   be.rope_backward(dkpe, dr_, 0, dK + dn_, nh_ * dqk_, dqk_, rope_->cos.data(), rope_->sin.data(),
                    N, S, nh_, dr_, env_.cfg->rope_interleave, true);
   env_.poll();
-  linear_backward(env_, dckvn, dkv, f32_input(ckvn_), kv_b_, N, nh_ * kv_w, rkv_, 0.0f, nullptr, lp_input(ckvn_));
-  // Query branch: dq = [dq_nope | rope^-1(dq_pe)].
-  float* dq = scratch.take(N * nh_ * dqk_);
-  be.copy_strided(dq, dqk_, dQ, dqk_, N * nh_, dn_);
-  be.rope_backward(dq + dn_, nh_ * dqk_, dqk_, dQ + dn_, nh_ * dqk_, dqk_, rope_->cos.data(),
+  linear_backward(env_, dckvn, dkv, f32_input(ckvn_), kv_b_, N, nh_ * kv_w, rkv_, 0.0f, nullptr, lp_input(ckvn_),
+                  dkv_lp ? kernels::ConstView{dkvv.data, dkvv.dtype} : kernels::ConstView{});
+  const kernels::ConstView ac = pin_input(env_, kv_a_, a, N * H_);  // the weight GEMMs' common input
+  // Query branch: dq = [dq_nope | rope^-1(dq_pe)] (slot 0 is free again: kv_b_proj's GEMMs ran),
+  // consumed at once by its projection's backward, before another GEMM reuses the slot.
+  const WeightRef& Wq = lora_ ? q_b_ : q_;
+  const bool dq_lp = dy_in_16bit(env_, Wq);
+  float* dq = dq_lp ? nullptr : scratch.take(N * nh_ * dqk_);
+  const kernels::View dqv = dq_lp ? env_.cast->slot_view(0, N * nh_ * dqk_) : kernels::View{dq, kernels::DType::kF32};
+  const kernels::ConstView dqc = dq_lp ? kernels::ConstView{dqv.data, dqv.dtype} : kernels::ConstView{};
+  be.copy_strided(dqv, dqk_, dQ, dqk_, N * nh_, dn_);
+  be.rope_backward(kernels::offset_view(dqv, dn_), nh_ * dqk_, dqk_, dQ + dn_, nh_ * dqk_, dqk_, rope_->cos.data(),
                    rope_->sin.data(), N, S, nh_, dr_, env_.cfg->rope_interleave, false);
-  if (lora_) linear_backward(env_, dcqn, dq, f32_input(cqn_), q_b_, N, nh_ * dqk_, rq_, 0.0f, nullptr, lp_input(cqn_));
+  float* daq = nullptr;  // column-parallel q_proj (no query LoRA): its partial input gradient
+  if (lora_) {
+    linear_backward(env_, dcqn, dq, f32_input(cqn_), q_b_, N, nh_ * dqk_, rq_, 0.0f, nullptr, lp_input(cqn_), dqc);
+  } else {
+    daq = scratch.take(N * H_);
+    linear_backward(env_, daq, dq, a, q_, N, nh_ * dqk_, H_, 0.0f, nullptr, ac, dqc);
+  }
   // Head-sharded compute gave partial gradients of the replicated activations (docs/model.md §10.1).
   env_.coll->tp_all_reduce(dckvn, latent);
   float* dckv = scratch.take(N * rkv_);
@@ -226,7 +241,6 @@ void MlaAttention::backward(float* da, const float* dout, const float* a, int64_
     bias_backward(be, kv_a_bias_.g + rkv_, dkpe, env_.ones, N, dr_);
   }
   env_.poll();
-  const kernels::ConstView ac = pin_input(env_, kv_a_, a, N * H_);  // the weight GEMMs' common input
   linear_backward(env_, da, dckv, a, kv_a_, N, rkv_, H_, 0.0f, nullptr, ac);
   linear_backward(env_, da, dkpe, a, kv_a_.rows(rkv_, H_), N, dr_, H_, 1.0f, nullptr, ac);
   env_.poll();
@@ -236,9 +250,7 @@ void MlaAttention::backward(float* da, const float* dout, const float* a, int64_
     if (q_a_bias_) bias_backward(be, q_a_bias_.g, dcq, env_.ones, N, rq_);
     linear_backward(env_, da, dcq, a, q_a_, N, rq_, H_, 1.0f, nullptr, ac);
   } else {
-    // Column-parallel q_proj: its input gradient is partial; reduce it alone, then add.
-    float* daq = scratch.take(N * H_);
-    linear_backward(env_, daq, dq, a, q_, N, nh_ * dqk_, H_, 0.0f, nullptr, ac);
+    // q_proj's input gradient is partial over the tensor-parallel ranks: reduced alone, then added.
     env_.coll->tp_all_reduce(daq, N * H_);
     be.add(da, daq, N * H_);
   }

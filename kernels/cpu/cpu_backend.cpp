@@ -236,6 +236,31 @@ class CpuBackend final : public Backend {
     cpu::rope_backward(din, in_ts, in_hs, dout, out_ts, out_hs, cos, sin, N, S, heads, dr,
                        interleave, accumulate);
   }
+  void rope_forward(View out, int64_t out_ts, int64_t out_hs, const float* in, int64_t in_ts, int64_t in_hs,
+                    const float* cos, const float* sin, int64_t N, int64_t S, int64_t heads, int64_t dr,
+                    bool interleave) override {
+    if (out.dtype == DType::kF32)
+      return cpu::rope_forward(static_cast<float*>(out.data), out_ts, out_hs, in, in_ts, in_hs, cos, sin, N, S, heads,
+                               dr, interleave);
+    const int64_t half = dr / 2;
+    vectors_rounded(out, N, heads, dr, out_ts, out_hs, [&](int64_t t, int64_t h, float* v) {
+      cpu::rope_forward_row(v, in + t * in_ts + h * in_hs, cos + (t % S) * half, sin + (t % S) * half, half,
+                            interleave);
+    });
+  }
+  void rope_backward(View din, int64_t in_ts, int64_t in_hs, const float* dout, int64_t out_ts, int64_t out_hs,
+                     const float* cos, const float* sin, int64_t N, int64_t S, int64_t heads, int64_t dr,
+                     bool interleave, bool accumulate) override {
+    check_rope_backward(din.dtype, in_hs, heads, dr, accumulate);
+    if (din.dtype == DType::kF32)
+      return cpu::rope_backward(static_cast<float*>(din.data), in_ts, in_hs, dout, out_ts, out_hs, cos, sin, N, S,
+                                heads, dr, interleave, accumulate);
+    const int64_t half = dr / 2;
+    vectors_rounded(din, N, heads, dr, in_ts, in_hs, [&](int64_t t, int64_t h, float* v) {
+      cpu::rope_backward_row(v, dout + t * out_ts + h * out_hs, cos + (t % S) * half, sin + (t % S) * half, half,
+                             interleave, false);
+    });
+  }
   void reserve_attention(int64_t S) override {
     const int64_t n = cpu::attention_workspace_floats(S, threads_);
     if (int64_t(attention_ws_.size()) < n) attention_ws_.assign(size_t(n), 0.0f);
@@ -515,6 +540,13 @@ class CpuBackend final : public Backend {
                     int64_t cols) override {
     cpu::copy_strided(dst, ds, src, ss, rows, cols);
   }
+  void copy_strided(View dst, int64_t ds, const float* src, int64_t ss, int64_t rows, int64_t cols) override {
+    if (dst.dtype == DType::kF32) return cpu::copy_strided(static_cast<float*>(dst.data), ds, src, ss, rows, cols);
+    const cpu::LowPrecision lp = low(dst.dtype);
+    uint16_t* o = static_cast<uint16_t*>(dst.data);
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < rows; ++r) cpu::convert_to(o + r * ds, src + r * ss, cols, lp);
+  }
   void add_strided(float* dst, int64_t ds, const float* src, int64_t ss, int64_t rows,
                    int64_t cols) override {
     cpu::add_strided(dst, ds, src, ss, rows, cols);
@@ -536,6 +568,25 @@ class CpuBackend final : public Backend {
         fill(r, row.data());
         cpu::convert_to(o + r * width, row.data(), width, lp);
       }
+    }
+  }
+
+  // The same for rows x per_row vectors of `width` values at out + r * rs + i * is (element
+  // strides): fill(r, i, v) makes vector (r, i) in fp32 in a per-thread buffer, then rounded.
+  template <class Fill>
+  static void vectors_rounded(View out, int64_t rows, int64_t per_row, int64_t width, int64_t rs, int64_t is,
+                              Fill&& fill) {
+    const cpu::LowPrecision lp = low(out.dtype);
+    uint16_t* o = static_cast<uint16_t*>(out.data);
+#pragma omp parallel
+    {
+      std::vector<float> v(size_t(std::max<int64_t>(width, 0)));
+#pragma omp for schedule(static)
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t i = 0; i < per_row; ++i) {
+          fill(r, i, v.data());
+          cpu::convert_to(o + r * rs + i * is, v.data(), width, lp);
+        }
     }
   }
 

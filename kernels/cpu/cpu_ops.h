@@ -95,26 +95,42 @@ void rmsnorm_backward(T* dx, T* dw, const T* dy, const T* x, const T* w, const T
 
 // ---- RoPE (docs/model.md §3.4.1) ----------------------------------------------------------------
 
+// One token's and head's dr-vector x rotated into o (de-interleaved), and its transpose: the
+// input gradient dx of output gradient g, added to dx or written over it. Shared by the ops below
+// and the typed-output forms of the CPU backend (the same code, so the same bits).
+template <class T>
+inline void rope_forward_row(T* o, const T* x, const T* c, const T* s, int64_t half, bool interleave) {
+  for (int64_t j = 0; j < half; ++j) {
+    const T a = interleave ? x[2 * j] : x[j];
+    const T b = interleave ? x[2 * j + 1] : x[j + half];
+    o[j] = a * c[j] - b * s[j];
+    o[j + half] = b * c[j] + a * s[j];
+  }
+}
+template <class T>
+inline void rope_backward_row(T* dx, const T* g, const T* c, const T* s, int64_t half, bool interleave,
+                              bool accumulate) {
+  for (int64_t j = 0; j < half; ++j) {
+    const T ga = g[j], gb = g[j + half];
+    const T da = ga * c[j] + gb * s[j];
+    const T db = -ga * s[j] + gb * c[j];
+    T& xa = interleave ? dx[2 * j] : dx[j];
+    T& xb = interleave ? dx[2 * j + 1] : dx[j + half];
+    xa = accumulate ? xa + da : da;
+    xb = accumulate ? xb + db : db;
+  }
+}
+
 template <class T>
 void rope_forward(T* out, int64_t out_ts, int64_t out_hs, const T* in, int64_t in_ts,
                   int64_t in_hs, const T* cos, const T* sin, int64_t N, int64_t S, int64_t heads,
                   int64_t dr, bool interleave) {
   const int64_t half = dr / 2;
 #pragma omp parallel for schedule(static)
-  for (int64_t t = 0; t < N; ++t) {
-    const T* c = cos + (t % S) * half;
-    const T* s = sin + (t % S) * half;
-    for (int64_t h = 0; h < heads; ++h) {
-      const T* x = in + t * in_ts + h * in_hs;
-      T* o = out + t * out_ts + h * out_hs;
-      for (int64_t j = 0; j < half; ++j) {
-        const T a = interleave ? x[2 * j] : x[j];
-        const T b = interleave ? x[2 * j + 1] : x[j + half];
-        o[j] = a * c[j] - b * s[j];
-        o[j + half] = b * c[j] + a * s[j];
-      }
-    }
-  }
+  for (int64_t t = 0; t < N; ++t)
+    for (int64_t h = 0; h < heads; ++h)
+      rope_forward_row(out + t * out_ts + h * out_hs, in + t * in_ts + h * in_hs, cos + (t % S) * half,
+                       sin + (t % S) * half, half, interleave);
 }
 
 template <class T>
@@ -123,23 +139,10 @@ void rope_backward(T* din, int64_t in_ts, int64_t in_hs, const T* dout, int64_t 
                    int64_t dr, bool interleave, bool accumulate) {
   const int64_t half = dr / 2;
 #pragma omp parallel for schedule(static)
-  for (int64_t t = 0; t < N; ++t) {
-    const T* c = cos + (t % S) * half;
-    const T* s = sin + (t % S) * half;
-    for (int64_t h = 0; h < heads; ++h) {
-      const T* g = dout + t * out_ts + h * out_hs;
-      T* dx = din + t * in_ts + h * in_hs;
-      for (int64_t j = 0; j < half; ++j) {
-        const T ga = g[j], gb = g[j + half];
-        const T da = ga * c[j] + gb * s[j];
-        const T db = -ga * s[j] + gb * c[j];
-        T& xa = interleave ? dx[2 * j] : dx[j];
-        T& xb = interleave ? dx[2 * j + 1] : dx[j + half];
-        xa = accumulate ? xa + da : da;
-        xb = accumulate ? xb + db : db;
-      }
-    }
-  }
+  for (int64_t t = 0; t < N; ++t)
+    for (int64_t h = 0; h < heads; ++h)
+      rope_backward_row(din + t * in_ts + h * in_hs, dout + t * out_ts + h * out_hs, cos + (t % S) * half,
+                        sin + (t % S) * half, half, interleave, accumulate);
 }
 
 // ---- Causal attention ------------------------------------------------------------------------

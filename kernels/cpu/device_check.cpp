@@ -125,6 +125,22 @@ class DeviceCheckBackend final : public Backend {
       in_->rope_backward(h(din, op), in_ts, in_hs, h(dout, op), out_ts, out_hs, h(cos, op), h(sin, op), N, S, heads,
                          dr, interleave, accumulate);
   }
+  void rope_forward(View out, int64_t out_ts, int64_t out_hs, const float* in, int64_t in_ts, int64_t in_hs,
+                    const float* cos, const float* sin, int64_t N, int64_t S, int64_t heads, int64_t dr,
+                    bool interleave) override {
+    const char* op = "rope_forward";
+    if (N > 0)
+      in_->rope_forward(View{h(out.data, op), out.dtype}, out_ts, out_hs, h(in, op), in_ts, in_hs, h(cos, op),
+                        h(sin, op), N, S, heads, dr, interleave);
+  }
+  void rope_backward(View din, int64_t in_ts, int64_t in_hs, const float* dout, int64_t out_ts, int64_t out_hs,
+                     const float* cos, const float* sin, int64_t N, int64_t S, int64_t heads, int64_t dr,
+                     bool interleave, bool accumulate) override {
+    const char* op = "rope_backward";
+    if (N > 0)
+      in_->rope_backward(View{h(din.data, op), din.dtype}, in_ts, in_hs, h(dout, op), out_ts, out_hs, h(cos, op),
+                         h(sin, op), N, S, heads, dr, interleave, accumulate);
+  }
   void reserve_attention(int64_t S) override { in_->reserve_attention(S); }
   void attention_forward(float* O, float* lse, const float* Q, const float* K, const float* V, int64_t B, int64_t S,
                          int64_t nh, int64_t dqk, int64_t dv, float scale) override {
@@ -276,6 +292,12 @@ class DeviceCheckBackend final : public Backend {
   void copy_strided(float* dst, int64_t dst_stride, const float* src, int64_t src_stride, int64_t rows,
                     int64_t cols) override {
     if (rows * cols > 0) in_->copy_strided(h(dst, "copy_strided"), dst_stride, h(src, "copy_strided"), src_stride, rows, cols);
+  }
+  void copy_strided(View dst, int64_t dst_stride, const float* src, int64_t src_stride, int64_t rows,
+                    int64_t cols) override {
+    if (rows * cols > 0)
+      in_->copy_strided(View{h(dst.data, "copy_strided"), dst.dtype}, dst_stride, h(src, "copy_strided"), src_stride,
+                        rows, cols);
   }
   void add_strided(float* dst, int64_t dst_stride, const float* src, int64_t src_stride, int64_t rows,
                    int64_t cols) override {

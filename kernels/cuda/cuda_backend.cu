@@ -117,6 +117,15 @@ __global__ void strided_kernel(float* dst, int64_t ds, const float* src, int64_t
     else dst[r * ds + c] = src[r * ss + c];
   }
 }
+// KIND 0 / 1 / 2: dst in fp32 / bf16 / fp16 (rounded as convert() rounds).
+template <int KIND>
+__global__ void copy_strided_kernel(dev::Storage<KIND>* dst, int64_t ds, const float* src, int64_t ss, int64_t rows,
+                                    int64_t cols) {
+  GRID_STRIDE(i, rows * cols) {
+    const int64_t r = i / cols, c = i % cols;
+    dst[r * ds + c] = dev::store_as<KIND>(src[r * ss + c]);
+  }
+}
 template <int KIND>
 __global__ void to_lowp_kernel(uint16_t* y, const float* x, int64_t n) {
   GRID_STRIDE(i, n) y[i] = dev::store_as<KIND>(x[i]);
@@ -196,34 +205,45 @@ __global__ void column_sums_add_kernel(float* dw, const float* partial, int64_t 
 
 // ---- RoPE --------------------------------------------------------------------------------------
 
-__global__ void rope_forward_kernel(float* out, int64_t out_ts, int64_t out_hs, const float* in, int64_t in_ts,
-                                    int64_t in_hs, const float* cos, const float* sin, int64_t N, int64_t S,
-                                    int64_t heads, int64_t dr, bool interleave) {
+// KIND 0 / 1 / 2: out (forward) or din (backward) in fp32 / bf16 / fp16, rounded as convert()
+// rounds; into 16 bits the backward only overwrites (the host refuses accumulate there).
+template <int KIND>
+__global__ void rope_forward_kernel(dev::Storage<KIND>* out, int64_t out_ts, int64_t out_hs, const float* in,
+                                    int64_t in_ts, int64_t in_hs, const float* cos, const float* sin, int64_t N,
+                                    int64_t S, int64_t heads, int64_t dr, bool interleave) {
   const int64_t half = dr / 2;
   GRID_STRIDE(i, N * heads * half) {
     const int64_t j = i % half, h = (i / half) % heads, t = i / (half * heads);
     const float* x = in + t * in_ts + h * in_hs;
-    float* o = out + t * out_ts + h * out_hs;
+    dev::Storage<KIND>* o = out + t * out_ts + h * out_hs;
     const float c = cos[(t % S) * half + j], s = sin[(t % S) * half + j];
-    dev::rope_rotate(x[dev::rope_first(j, dr, interleave)], x[dev::rope_second(j, dr, interleave)], c, s, o + j,
-                     o + j + half);
+    float o1, o2;
+    dev::rope_rotate(x[dev::rope_first(j, dr, interleave)], x[dev::rope_second(j, dr, interleave)], c, s, &o1, &o2);
+    o[j] = dev::store_as<KIND>(o1);
+    o[j + half] = dev::store_as<KIND>(o2);
   }
 }
-__global__ void rope_backward_kernel(float* din, int64_t in_ts, int64_t in_hs, const float* dout, int64_t out_ts,
-                                     int64_t out_hs, const float* cos, const float* sin, int64_t N, int64_t S,
-                                     int64_t heads, int64_t dr, bool interleave, bool accumulate) {
+template <int KIND>
+__global__ void rope_backward_kernel(dev::Storage<KIND>* din, int64_t in_ts, int64_t in_hs, const float* dout,
+                                     int64_t out_ts, int64_t out_hs, const float* cos, const float* sin, int64_t N,
+                                     int64_t S, int64_t heads, int64_t dr, bool interleave, bool accumulate) {
   const int64_t half = dr / 2;
   GRID_STRIDE(i, N * heads * half) {
     const int64_t j = i % half, h = (i / half) % heads, t = i / (half * heads);
     const float* g = dout + t * out_ts + h * out_hs;
-    float* dx = din + t * in_ts + h * in_hs;
+    dev::Storage<KIND>* dx = din + t * in_ts + h * in_hs;
     const float c = cos[(t % S) * half + j], s = sin[(t % S) * half + j];
     float da, db;
     dev::rope_rotate_back(g[j], g[j + half], c, s, &da, &db);
-    float& xa = dx[dev::rope_first(j, dr, interleave)];
-    float& xb = dx[dev::rope_second(j, dr, interleave)];
-    xa = accumulate ? xa + da : da;
-    xb = accumulate ? xb + db : db;
+    dev::Storage<KIND>& xa = dx[dev::rope_first(j, dr, interleave)];
+    dev::Storage<KIND>& xb = dx[dev::rope_second(j, dr, interleave)];
+    if constexpr (KIND == 0) {
+      xa = accumulate ? xa + da : da;
+      xb = accumulate ? xb + db : db;
+    } else {
+      xa = dev::store_as<KIND>(da);
+      xb = dev::store_as<KIND>(db);
+    }
   }
 }
 // The same when every head's gradient goes to one shared row (in_hs = 0: MLA's rope key, one per
@@ -1259,26 +1279,42 @@ class CudaBackend final : public Backend {
   void rope_forward(float* out, int64_t out_ts, int64_t out_hs, const float* in, int64_t in_ts, int64_t in_hs,
                     const float* cos, const float* sin, int64_t N, int64_t S, int64_t heads, int64_t dr,
                     bool interleave) override {
+    rope_forward(View{out, DType::kF32}, out_ts, out_hs, in, in_ts, in_hs, cos, sin, N, S, heads, dr, interleave);
+  }
+  void rope_forward(View out, int64_t out_ts, int64_t out_hs, const float* in, int64_t in_ts, int64_t in_hs,
+                    const float* cos, const float* sin, int64_t N, int64_t S, int64_t heads, int64_t dr,
+                    bool interleave) override {
     const int64_t n = N * heads * (dr / 2);
     if (n <= 0) return;
-    rope_forward_kernel<<<blocks_for(n), kThreads, 0, stream_>>>(out, out_ts, out_hs, in, in_ts, in_hs, cos, sin, N,
-                                                                  S, heads, dr, interleave);
+    with_storage(out, [&](auto kind, auto* p) {
+      rope_forward_kernel<decltype(kind)::value><<<blocks_for(n), kThreads, 0, stream_>>>(
+          p, out_ts, out_hs, in, in_ts, in_hs, cos, sin, N, S, heads, dr, interleave);
+    });
     DS_LAUNCHED();
   }
   void rope_backward(float* din, int64_t in_ts, int64_t in_hs, const float* dout, int64_t out_ts, int64_t out_hs,
                      const float* cos, const float* sin, int64_t N, int64_t S, int64_t heads, int64_t dr,
                      bool interleave, bool accumulate) override {
+    rope_backward(View{din, DType::kF32}, in_ts, in_hs, dout, out_ts, out_hs, cos, sin, N, S, heads, dr, interleave,
+                  accumulate);
+  }
+  void rope_backward(View din, int64_t in_ts, int64_t in_hs, const float* dout, int64_t out_ts, int64_t out_hs,
+                     const float* cos, const float* sin, int64_t N, int64_t S, int64_t heads, int64_t dr,
+                     bool interleave, bool accumulate) override {
     const int64_t n = N * heads * (dr / 2);
     if (n <= 0) return;
-    check_rope_backward(in_hs, heads, dr, accumulate);
-    if (in_hs == 0) {  // one row for all heads
+    check_rope_backward(din.dtype, in_hs, heads, dr, accumulate);
+    if (in_hs == 0) {  // one row for all heads (accumulating, so fp32: check_rope_backward)
       rope_backward_shared_kernel<<<blocks_for(N * (dr / 2)), kThreads, 0, stream_>>>(
-          din, in_ts, dout, out_ts, out_hs, cos, sin, N, S, heads, dr, interleave, accumulate);
+          static_cast<float*>(din.data), in_ts, dout, out_ts, out_hs, cos, sin, N, S, heads, dr, interleave,
+          accumulate);
       DS_LAUNCHED();
       return;
     }
-    rope_backward_kernel<<<blocks_for(n), kThreads, 0, stream_>>>(din, in_ts, in_hs, dout, out_ts, out_hs, cos, sin,
-                                                                   N, S, heads, dr, interleave, accumulate);
+    with_storage(din, [&](auto kind, auto* p) {
+      rope_backward_kernel<decltype(kind)::value><<<blocks_for(n), kThreads, 0, stream_>>>(
+          p, in_ts, in_hs, dout, out_ts, out_hs, cos, sin, N, S, heads, dr, interleave, accumulate);
+    });
     DS_LAUNCHED();
   }
 
@@ -1564,6 +1600,15 @@ class CudaBackend final : public Backend {
     if (rows * cols <= 0) return;
     strided_kernel<false><<<blocks_for(rows * cols), kThreads, 0, stream_>>>(dst, dst_stride, src, src_stride, rows,
                                                                              cols);
+    DS_LAUNCHED();
+  }
+  void copy_strided(View dst, int64_t dst_stride, const float* src, int64_t src_stride, int64_t rows,
+                    int64_t cols) override {
+    if (rows * cols <= 0) return;
+    with_storage(dst, [&](auto kind, auto* p) {
+      copy_strided_kernel<decltype(kind)::value><<<blocks_for(rows * cols), kThreads, 0, stream_>>>(
+          p, dst_stride, src, src_stride, rows, cols);
+    });
     DS_LAUNCHED();
   }
   void add_strided(float* dst, int64_t dst_stride, const float* src, int64_t src_stride, int64_t rows,

@@ -613,6 +613,66 @@ TEST_P(Kernels, RmsNormSwiGluAndGatherIntoSixteenBitsEqualTheFp32OpThenConvert) 
   }
 }
 
+// The strided copy and RoPE into a typed output (MLA's Q, K, V and its dkv / dq as their
+// GEMMs read them, docs/design.md §6.10), laid out as MLA lays them out — per (token, head) a
+// nope part by copy_strided and a rope part by RoPE, with a gap left unwritten: into fp32 the
+// fp32 ops; into bf16 / fp16 bit for bit the fp32 result converted, the gap untouched. Into 16
+// bits RoPE's backward refuses to accumulate and leaves din as it was.
+TEST_P(Kernels, CopyStridedAndRopeIntoSixteenBitsEqualTheFp32OpThenConvert) {
+  const int64_t N = 29, S = 11, heads = 3, dn = 37, dr = 18, gap = 5, hs = dn + dr + gap, ts = heads * hs;
+  const int64_t in_hs = dn + dr + 3, in_ts = heads * in_hs;  // the source's own strides
+  const auto [c, s] = rope_tables(S, dr, 10000.0);
+  const FVec cf = to_f(c), sf = to_f(s);
+  FVec src = to_f(randn(size_t(N * in_ts), 52, 3.0));
+  src[3] = 1e5f, src[4] = -7e4f, src[size_t(in_ts + dn + 1)] = 9e4f;  // past fp16's range, nope and rope parts
+  for (int64_t i = 0; i < 40; ++i) src[size_t(2 * in_ts + i)] = 1.0f + float(i) * 0x1.0p-8f + 0x1.0p-9f;  // ties
+  const FVec base = to_f(randn(size_t(N * ts), 53));  // what the unwritten gap holds
+  for (bool il : {false, true}) {
+    const std::string tag = il ? " interleaved" : "";
+    // forward: dst[t, h] = [src nope | rope(src rope part)]; backward: [src nope | rope^-1(src)]
+    const auto run = [&](View dst, bool backward) {
+      be->copy_strided(dst, hs, src.data(), in_hs, N * heads, dn);  // one row per (token, head)
+      const View r = offset_view(dst, dn);
+      if (backward)
+        be->rope_backward(r, ts, hs, src.data() + dn, in_ts, in_hs, cf.data(), sf.data(), N, S, heads, dr, il, false);
+      else
+        be->rope_forward(r, ts, hs, src.data() + dn, in_ts, in_hs, cf.data(), sf.data(), N, S, heads, dr, il);
+    };
+    for (bool backward : {false, true}) {
+      const std::string what = std::string(backward ? "rope backward" : "rope forward") + tag;
+      // The fp32 reference from the float* ops, row by row of (token, head) for the copy.
+      FVec want = base;
+      for (int64_t t = 0; t < N; ++t)
+        be->copy_strided(want.data() + t * ts, hs, src.data() + t * in_ts, in_hs, heads, dn);
+      if (backward)
+        be->rope_backward(want.data() + dn, ts, hs, src.data() + dn, in_ts, in_hs, cf.data(), sf.data(), N, S, heads,
+                          dr, il, false);
+      else
+        be->rope_forward(want.data() + dn, ts, hs, src.data() + dn, in_ts, in_hs, cf.data(), sf.data(), N, S, heads,
+                         dr, il);
+      for (int64_t t = 0; t < N; ++t)
+        for (int64_t h = 0; h < heads; ++h)
+          for (int64_t j = 0; j < dn; ++j)
+            ASSERT_EQ(want[size_t(t * ts + h * hs + j)], src[size_t(t * in_ts + h * in_hs + j)]) << what;
+      FVec got = base;
+      run(View{got.data(), DType::kF32}, backward);
+      EXPECT_EQ(got, want) << what << " into fp32";
+      for (DType dt : {DType::kBF16, DType::kF16}) {
+        std::vector<uint16_t> want16(want.size()), got16(want.size());
+        be->convert(View{want16.data(), dt}, f32(want.data()), N * ts);
+        be->convert(View{got16.data(), dt}, f32(base.data()), N * ts);
+        run(View{got16.data(), dt}, backward);
+        EXPECT_EQ(got16, want16) << what << " into " << to_string(dt);
+      }
+    }
+    std::vector<uint16_t> untouched(size_t(N * ts), 0x1234);
+    EXPECT_THROW(be->rope_backward(View{untouched.data(), DType::kBF16}, ts, hs, src.data() + dn, in_ts, in_hs,
+                                   cf.data(), sf.data(), N, S, heads, dr, il, true),
+                 std::invalid_argument);
+    EXPECT_EQ(untouched, std::vector<uint16_t>(size_t(N * ts), 0x1234));
+  }
+}
+
 TEST_P(Kernels, MoeGatherAndCombineForward) {
   const int64_t N = 5, k = 2, H = 7;
   const Vec X = randn(N * H, 41), Y = randn(N * k * H, 42), w = randn(N * k, 43), base = randn(N * H, 44);

@@ -51,6 +51,16 @@ inline void check_rope_backward(int64_t in_hs, int64_t heads, int64_t dr, bool a
   if (in_hs != 0 && heads > 1 && (in_hs < 0 ? -in_hs : in_hs) < dr)
     throw std::invalid_argument("rope_backward: heads' rows overlap (0 < |in_hs| < dr)");
 }
+// The same for a typed din: into 16 bits it only overwrites.
+inline void check_rope_backward(DType din, int64_t in_hs, int64_t heads, int64_t dr, bool accumulate) {
+  if (din != DType::kF32 && accumulate)
+    throw std::invalid_argument("rope_backward: accumulate into a 16-bit din (it only overwrites)");
+  check_rope_backward(in_hs, heads, dr, accumulate);
+}
+// The view `elements` elements past v's start.
+inline View offset_view(View v, int64_t elements) {
+  return {static_cast<char*>(v.data) + elements * dtype_size(v.dtype), v.dtype};
+}
 
 enum class ScoringFunc : uint8_t { kSigmoid, kSoftmax };
 enum class TopkMethod : uint8_t { kNoauxTc, kGreedy, kGroupLimitedGreedy };
@@ -165,6 +175,16 @@ class Backend {
                              int64_t out_ts, int64_t out_hs, const float* cos, const float* sin,
                              int64_t N, int64_t S, int64_t heads, int64_t dr, bool interleave,
                              bool accumulate) = 0;
+  // The two into out / din of any storage type, strides in elements (16-bit: each fp32 value
+  // rounded as convert() rounds it, bit for bit the fp32 op then convert() — MLA's Q and K as
+  // attention reads them, the query gradient as its GEMMs read it). Into 16 bits rope_backward
+  // only overwrites: `accumulate` there throws std::invalid_argument, din untouched.
+  virtual void rope_forward(View out, int64_t out_ts, int64_t out_hs, const float* in, int64_t in_ts, int64_t in_hs,
+                            const float* cos, const float* sin, int64_t N, int64_t S, int64_t heads, int64_t dr,
+                            bool interleave) = 0;
+  virtual void rope_backward(View din, int64_t in_ts, int64_t in_hs, const float* dout, int64_t out_ts,
+                             int64_t out_hs, const float* cos, const float* sin, int64_t N, int64_t S, int64_t heads,
+                             int64_t dr, bool interleave, bool accumulate) = 0;
 
   // Makes room for the attention kernels' scratch for sequences of up to S positions (the only
   // allocation the ops need; done once, when a model is built). Attention on longer sequences
@@ -304,6 +324,9 @@ class Backend {
   virtual void fill(float* y, float value, int64_t n) = 0;
   virtual void copy_strided(float* dst, int64_t dst_stride, const float* src, int64_t src_stride,
                             int64_t rows, int64_t cols) = 0;  // dst[r, :cols] = src[r, :cols]
+  // The same into dst of any storage type, dst_stride in elements (16-bit: rounded as convert()).
+  virtual void copy_strided(View dst, int64_t dst_stride, const float* src, int64_t src_stride, int64_t rows,
+                            int64_t cols) = 0;
   virtual void add_strided(float* dst, int64_t dst_stride, const float* src, int64_t src_stride,
                            int64_t rows, int64_t cols) = 0;   // dst[r, :cols] += src[r, :cols]
 };
