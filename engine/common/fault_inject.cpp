@@ -1,6 +1,8 @@
 #include "engine/common/fault_inject.h"
 
+#include <algorithm>
 #include <cstdlib>
+#include <mutex>
 #include <iterator>
 #include <fmt/format.h>
 
@@ -18,7 +20,8 @@ constexpr Kind kKinds[] = {{Fault::kSkipGradSync, "skip_grad_sync"},
                            {Fault::kCrashDuringSave, "crash_during_save"},
                            {Fault::kSlowSave, "slow_save"},
                            {Fault::kEpBadCounts, "ep_bad_counts"},
-                           {Fault::kInfGradient, "inf_grad"}};
+                           {Fault::kInfGradient, "inf_grad"},
+                           {Fault::kCheckpointChunkElements, "ckpt_chunk_elements"}};
 
 }  // namespace
 
@@ -45,18 +48,23 @@ int64_t parse_fault(const std::string& spec, Fault fault) {
 }
 
 int64_t fault_at(Fault fault) {
-  struct Parsed {
-    int64_t at[std::size(kKinds)] = {};
-  };
-  static const Parsed parsed = [] {  // once: the first caller sees a malformed value's error
-    Parsed p;
-    const char* env = std::getenv("DSTRAIN_FAULT_INJECT");
-    if (env && *env)
-      for (size_t i = 0; i < std::size(kKinds); ++i) p.at[i] = parse_fault(env, kKinds[i].fault);
-    return p;
-  }();
+  // Parsed again whenever the variable changes (a test process may set it between cases); a
+  // malformed value's error reaches the first caller after the change.
+  static std::mutex mu;
+  static std::string seen;
+  static int64_t at[std::size(kKinds)] = {};
+  const char* env = std::getenv("DSTRAIN_FAULT_INJECT");
+  const std::string now = env ? env : "";
+  std::lock_guard<std::mutex> lock(mu);
+  if (now != seen) {
+    int64_t parsed[std::size(kKinds)] = {};
+    if (!now.empty())
+      for (size_t i = 0; i < std::size(kKinds); ++i) parsed[i] = parse_fault(now, kKinds[i].fault);
+    std::copy(std::begin(parsed), std::end(parsed), std::begin(at));
+    seen = now;
+  }
   for (size_t i = 0; i < std::size(kKinds); ++i)
-    if (kKinds[i].fault == fault) return parsed.at[i];
+    if (kKinds[i].fault == fault) return at[i];
   return 0;
 }
 

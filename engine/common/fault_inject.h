@@ -9,6 +9,9 @@
 //                        one token row more than it routes, as a rank with a bug would
 //   inf_grad:N           rank 0 sets one of its reduced gradients of step N to +inf, as an fp16
 //                        overflow would (fp16 skips the step; fp32 and bf16 stop as diverged)
+//   ckpt_chunk_elements:N  checkpoint tensors are stored in chunks of at most N elements (not
+//                        1M), so that a tiny model's tensors span several chunks and the chunk
+//                        indexes of large checkpoints are there to be damaged by the tests
 // An unknown kind or a malformed number is an error naming the variable, so a test cannot pass
 // by injecting nothing.
 #pragma once
@@ -18,10 +21,11 @@
 
 namespace dstrain {
 
-enum class Fault { kSkipGradSync, kCrashDuringSave, kSlowSave, kEpBadCounts, kInfGradient };
+enum class Fault { kSkipGradSync, kCrashDuringSave, kSlowSave, kEpBadCounts, kInfGradient, kCheckpointChunkElements };
 
 // N of `fault` in DSTRAIN_FAULT_INJECT, or 0 when it is not injected. The variable is parsed
-// once, at the first call; throws ConfigError if it is malformed.
+// again whenever the variable changed since the last call; throws ConfigError if it is
+// malformed.
 int64_t fault_at(Fault fault);
 
 // The parser, exposed for the tests: N of `fault` in `spec` (the variable's value), 0 if absent.

@@ -104,4 +104,22 @@ std::string format_rank_list(const std::vector<int>& ranks, size_t max_shown) {
   return fmt::format("{} ... {} ({} ranks)", join(parts, " "), ranks.back(), ranks.size());
 }
 
+std::string printable(std::string_view text, size_t max) {
+  std::string out;
+  const size_t n = std::min(text.size(), max);
+  for (size_t i = 0; i < n; ++i) {
+    const unsigned char c = static_cast<unsigned char>(text[i]);
+    if (c >= 0x20 && c < 0x7f && c != '\\') {
+      out.push_back(char(c));
+    } else {
+      static const char* hex = "0123456789abcdef";
+      out += "\\x";
+      out.push_back(hex[c >> 4]);
+      out.push_back(hex[c & 15]);
+    }
+  }
+  if (text.size() > max) out += "... (" + std::to_string(text.size()) + " bytes)";
+  return out;
+}
+
 }  // namespace dstrain

@@ -27,6 +27,11 @@ std::string join(const std::vector<std::string>& parts, std::string_view sep);
 // "a,b,,c" -> {"a", "b", "", "c"}; "" -> {""}.
 std::vector<std::string> split(std::string_view text, char sep);
 
+// Untrusted text (read from a file, a config value) made safe to print on one line: control
+// characters, backslashes and bytes outside printable ASCII as \xNN, cut after `max` bytes of
+// input with "... (N bytes)".
+std::string printable(std::string_view text, size_t max = 200);
+
 // Ranks as a compact list: "0 1 2 3" or, when long, "0 8 16 … 1016 (128 ranks)".
 std::string format_rank_list(const std::vector<int>& ranks, size_t max_shown = 16);
 

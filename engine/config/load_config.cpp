@@ -80,8 +80,32 @@ void record_positions(const YAML::Node& node, const std::string& path, Source& s
   }
 }
 
+// The nodes a reader of `n` visits, aliases expanded (an alias is a shared node: nine nested
+// levels of ten make a billion visits), counted up to `limit` and no further.
+size_t expanded_nodes(const YAML::Node& n, size_t limit, size_t count = 0) {
+  if (++count > limit || !(n.IsMap() || n.IsSequence())) return count;
+  for (auto it = n.begin(); it != n.end() && count <= limit; ++it) {
+    if (n.IsMap()) {
+      count = expanded_nodes(it->first, limit, count);
+      if (count <= limit) count = expanded_nodes(it->second, limit, count);
+    } else {
+      count = expanded_nodes(*it, limit, count);
+    }
+  }
+  return count;
+}
+constexpr size_t kMaxConfigNodes = 100000;  // a full config is a few hundred
+
+void check_size(const YAML::Node& root, const std::string& name) {
+  if (expanded_nodes(root, kMaxConfigNodes) > kMaxConfigNodes)
+    throw ConfigError(fmt::format("{}: the config expands to more than {} YAML nodes (aliases nested in aliases?); "
+                                  "valid: a config of sections and values, see configs/tiny.yaml",
+                                  name, with_commas(int64_t(kMaxConfigNodes))));
+}
+
 TrainConfig load_from_node(YAML::Node root, const std::string& name,
                            const std::vector<std::string>& overrides) {
+  check_size(root, name);
   if (!root.IsDefined() || root.IsNull())  // with or without --set: an empty file is a mistake
     throw ConfigError(fmt::format("{}: the config is empty; valid: a YAML mapping of sections, "
                                   "see configs/tiny.yaml",
@@ -96,6 +120,7 @@ TrainConfig load_from_node(YAML::Node root, const std::string& name,
     for (const std::string& created : apply_override(root, o)) override_text.emplace(created, o.text);
     override_text[join(o.keys, ".")] = o.text;
   }
+  if (!overrides.empty()) check_size(root, name + " with its --set overrides");
   TrainConfig cfg;
   cfg.source = Source(name);
   record_positions(root, "", cfg.source, override_text, nullptr);

@@ -6,6 +6,8 @@
 #include <cstdlib>
 #include <map>
 
+#include <fmt/format.h>
+
 #include "engine/common/strings.h"
 
 namespace dstrain::config {
@@ -31,7 +33,10 @@ std::string node_text(const YAML::Node& n) {
   set_flow_style(copy);
   YAML::Emitter out;
   out << copy;
-  return out.c_str();
+  // Error messages quote values: a long one (a whole section, a pasted blob) is cut short.
+  constexpr size_t kMax = 200;
+  const std::string text = out.c_str();
+  return text.size() <= kMax ? text : text.substr(0, kMax) + fmt::format("... ({} characters)", text.size());
 }
 
 bool parse_value(const YAML::Node& n, bool& out, std::string& why) {

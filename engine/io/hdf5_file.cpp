@@ -3,7 +3,17 @@
 
 #include <fcntl.h>
 #include <hdf5.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/syscall.h>
+#include <sys/resource.h>
+#include <sys/wait.h>
 #include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+#include <thread>
 
 #include <fmt/format.h>
 
@@ -93,6 +103,16 @@ H5File::H5File(const std::string& path, Mode mode, Driver driver) : path_(path) 
     fapl = hid_t(direct_vfd_fapl());
     if (fapl < 0) throw Error(fmt::format("{}: cannot set up the direct-I/O HDF5 driver", path));
   }
+  if (mode == Mode::kCreate) {
+    // The HDF5 1.10 file format: every metadata structure (superblock, object headers, the
+    // chunk indexes) carries a checksum that HDF5 checks on read, where the 1.8 format's
+    // B-trees carry none (a damaged chunk key there reads as a missing chunk).
+    if (fapl == H5P_DEFAULT) fapl = H5Pcreate(H5P_FILE_ACCESS);
+    if (fapl < 0 || H5Pset_libver_bounds(fapl, H5F_LIBVER_V110, H5F_LIBVER_LATEST) < 0) {
+      if (fapl >= 0) H5Pclose(fapl);
+      throw Error(fmt::format("{}: cannot select the HDF5 1.10 file format", path));
+    }
+  }
   file_ = mode == Mode::kCreate ? H5Fcreate(path.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, fapl)
           : mode == Mode::kRead ? H5Fopen(path.c_str(), H5F_ACC_RDONLY, fapl)
                                 : H5Fopen(path.c_str(), H5F_ACC_RDWR, fapl);
@@ -122,10 +142,11 @@ void H5File::write(const std::string& name, const double* data, const std::vecto
   write_impl(file_, path_, name, data, shape, H5T_NATIVE_DOUBLE);
 }
 
-void H5File::write_checked(const std::string& name, const float* data, const std::vector<int64_t>& shape) {
+void H5File::write_checked(const std::string& name, const float* data, const std::vector<int64_t>& shape,
+                           int64_t chunk_elements) {
   std::vector<hsize_t> dims(shape.begin(), shape.end()), chunk = dims;
-  // Chunks of at most 1M elements (4 MiB), whole rows for matrices.
-  constexpr hsize_t kChunk = 1 << 20;
+  // Chunks of at most chunk_elements (1M: 4 MiB), whole rows for matrices.
+  const hsize_t kChunk = hsize_t(std::max<int64_t>(chunk_elements, 1));
   if (dims.size() == 1) chunk[0] = std::max<hsize_t>(1, std::min(dims[0], kChunk));
   else if (dims.size() == 2) chunk[0] = std::max<hsize_t>(1, std::min(dims[0], kChunk / std::max<hsize_t>(1, dims[1])));
   for (hsize_t& c : chunk) c = std::max<hsize_t>(c, 1);
@@ -146,8 +167,18 @@ void H5File::write_checked(const std::string& name, const float* data, const std
   if (!empty) check(H5Dwrite(ds.id, H5T_NATIVE_FLOAT, H5S_ALL, H5S_ALL, H5P_DEFAULT, data), "write " + name, path_, 0);
 }
 
+namespace {
+std::string read_string_attr(hid_t obj, const std::string& name, const std::string& what, const std::string& path);
+}  // namespace
+
 std::vector<float> H5File::read_slice(const std::string& name, const std::vector<int64_t>& offset,
                                       const std::vector<int64_t>& count) const {
+  return read_slice(name, offset, count, "", nullptr);
+}
+
+std::vector<float> H5File::read_slice(const std::string& name, const std::vector<int64_t>& offset,
+                                      const std::vector<int64_t>& count, const std::string& attr,
+                                      std::string* value) const {
   int64_t n = 1;
   for (int64_t c : count) n *= c;
   std::vector<float> out(n);
@@ -158,6 +189,7 @@ std::vector<float> H5File::read_slice(const std::string& name, const std::vector
         "select " + name, path_, 0);
   Handle mem{check(H5Screate_simple(int(cnt.size()), cnt.data(), nullptr), "memory space " + name, path_), H5Sclose};
   if (n > 0) check(H5Dread(ds.id, H5T_NATIVE_FLOAT, mem.id, file_space.id, H5P_DEFAULT, out.data()), "read " + name, path_, 0);
+  if (value) *value = H5Aexists(ds.id, attr.c_str()) > 0 ? read_string_attr(ds.id, attr, name + ":" + attr, path_) : "";
   return out;
 }
 
@@ -189,20 +221,49 @@ std::vector<int64_t> H5File::shape(const std::string& name) const {
 std::vector<float> H5File::read_floats(const std::string& name) const {
   return read_impl<float>(file_, path_, name, H5T_NATIVE_FLOAT, shape(name));
 }
+
+namespace {
+// A fixed-length string attribute of an open object.
+std::string read_string_attr(hid_t obj, const std::string& name, const std::string& what, const std::string& path) {
+  Handle a{check(H5Aopen(obj, name.c_str(), H5P_DEFAULT), "open attribute " + what, path), H5Aclose};
+  Handle type{check(H5Aget_type(a.id), "attribute type " + what, path), H5Tclose};
+  if (H5Tget_class(type.id) != H5T_STRING || H5Tis_variable_str(type.id) > 0)
+    fail("read attribute " + what + " (not a fixed-length string)", path);
+  std::string out(H5Tget_size(type.id), '\0');
+  check(H5Aread(a.id, type.id, out.data()), "read attribute " + what, path, 0);
+  out.erase(out.find_last_not_of('\0') + 1);
+  return out;
+}
+}  // namespace
+
+std::vector<float> H5File::read_floats(const std::string& name, const std::string& attr, std::string* value) const {
+  Handle ds{check(H5Dopen2(file_, name.c_str(), H5P_DEFAULT), "open dataset " + name, path_), H5Dclose};
+  Handle space{check(H5Dget_space(ds.id), "dataspace " + name, path_), H5Sclose};
+  const hssize_t n = H5Sget_simple_extent_npoints(space.id);
+  if (n < 0) fail("dataspace " + name, path_);
+  std::vector<float> out(static_cast<size_t>(n));
+  if (n > 0) check(H5Dread(ds.id, H5T_NATIVE_FLOAT, H5S_ALL, H5S_ALL, H5P_DEFAULT, out.data()), "read " + name, path_, 0);
+  *value = H5Aexists(ds.id, attr.c_str()) > 0 ? read_string_attr(ds.id, attr, name + ":" + attr, path_) : "";
+  return out;
+}
 std::vector<int32_t> H5File::read_ints(const std::string& name) const {
   return read_impl<int32_t>(file_, path_, name, H5T_NATIVE_INT32, shape(name));
 }
 std::vector<std::string> H5File::list(const std::string& group) const {
   Handle g{check(H5Gopen2(file_, group.c_str(), H5P_DEFAULT), "open group " + group, path_), H5Gclose};
-  H5G_info_t info;
-  check(H5Gget_info(g.id, &info), "group info " + group, path_, 0);
+  // One pass in the group's native order, sorted here: by-name indexed access to a group with
+  // dense link storage sorts its links again for every index (quadratic in the links).
   std::vector<std::string> names;
-  for (hsize_t i = 0; i < info.nlinks; ++i) {
-    const ssize_t len = H5Lget_name_by_idx(g.id, ".", H5_INDEX_NAME, H5_ITER_INC, i, nullptr, 0, H5P_DEFAULT);
-    std::string name(size_t(len), '\0');
-    H5Lget_name_by_idx(g.id, ".", H5_INDEX_NAME, H5_ITER_INC, i, name.data(), size_t(len) + 1, H5P_DEFAULT);
-    names.push_back(name);
-  }
+  hsize_t at = 0;
+  check(H5Literate(
+            g.id, H5_INDEX_NAME, H5_ITER_NATIVE, &at,
+            [](hid_t, const char* name, const H5L_info_t*, void* data) -> herr_t {
+              static_cast<std::vector<std::string>*>(data)->push_back(name);
+              return 0;
+            },
+            &names),
+        "list group " + group, path_, 0);
+  std::sort(names.begin(), names.end());
   return names;
 }
 
@@ -251,6 +312,177 @@ std::string H5File::attr_string(const std::string& name) const {
   check(H5Aread(a.id, type.id, out.data()), "read attribute " + name, path_, 0);
   out.erase(out.find_last_not_of('\0') + 1);
   return out;
+}
+
+std::vector<std::string> H5File::attr_names() const {
+  std::vector<std::string> names;
+  hsize_t at = 0;
+  check(H5Aiterate2(
+            file_, H5_INDEX_NAME, H5_ITER_INC, &at,
+            [](hid_t, const char* name, const H5A_info_t*, void* data) -> herr_t {
+              static_cast<std::vector<std::string>*>(data)->push_back(name);
+              return 0;
+            },
+            &names),
+        "list attributes", path_, 0);
+  return names;
+}
+
+bool H5File::attr_is_string(const std::string& name) const {
+  Handle a{check(H5Aopen(file_, name.c_str(), H5P_DEFAULT), "open attribute " + name, path_), H5Aclose};
+  Handle type{check(H5Aget_type(a.id), "attribute type " + name, path_), H5Tclose};
+  return H5Tget_class(type.id) == H5T_STRING;
+}
+
+void H5File::set_object_attr(const std::string& object, const std::string& name, const std::string& value) {
+  Handle o{check(H5Oopen(file_, object.c_str(), H5P_DEFAULT), "open " + object, path_), H5Oclose};
+  if (H5Aexists(o.id, name.c_str()) > 0) H5Adelete(o.id, name.c_str());
+  Handle type{H5Tcopy(H5T_C_S1), H5Tclose};
+  H5Tset_size(type.id, std::max<size_t>(value.size(), 1));
+  Handle space{H5Screate(H5S_SCALAR), H5Sclose};
+  Handle a{check(H5Acreate2(o.id, name.c_str(), type.id, space.id, H5P_DEFAULT, H5P_DEFAULT),
+                 "create attribute " + object + ":" + name, path_), H5Aclose};
+  check(H5Awrite(a.id, type.id, value.empty() ? "" : value.c_str()), "write attribute " + object + ":" + name, path_, 0);
+}
+
+bool H5File::has_object_attr(const std::string& object, const std::string& name) const {
+  Handle o{check(H5Oopen(file_, object.c_str(), H5P_DEFAULT), "open " + object, path_), H5Oclose};
+  return check(H5Aexists(o.id, name.c_str()), "look up attribute " + object + ":" + name, path_) > 0;
+}
+
+std::string H5File::object_attr_string(const std::string& object, const std::string& name) const {
+  Handle o{check(H5Oopen(file_, object.c_str(), H5P_DEFAULT), "open " + object, path_), H5Oclose};
+  return read_string_attr(o.id, name, object + ":" + name, path_);
+}
+
+std::vector<std::pair<uint64_t, uint64_t>> H5File::chunk_extents(const std::string& name) const {
+  Handle ds{check(H5Dopen2(file_, name.c_str(), H5P_DEFAULT), "open dataset " + name, path_), H5Dclose};
+  Handle space{check(H5Dget_space(ds.id), "dataspace " + name, path_), H5Sclose};
+  hsize_t n = 0;
+  check(H5Dget_num_chunks(ds.id, space.id, &n), "count the chunks of " + name, path_, 0);
+  std::vector<std::pair<uint64_t, uint64_t>> out;
+  for (hsize_t i = 0; i < n; ++i) {
+    haddr_t addr = 0;
+    hsize_t size = 0;
+    unsigned mask = 0;
+    check(H5Dget_chunk_info(ds.id, space.id, i, nullptr, &mask, &addr, &size), "chunk info " + name, path_, 0);
+    out.emplace_back(uint64_t(addr), uint64_t(size));
+  }
+  return out;
+}
+
+namespace {
+
+// The child's walk (probe_metadata): 0 when every object and attribute reads.
+herr_t read_attributes(hid_t obj) {
+  hsize_t at = 0;
+  return H5Aiterate2(
+      obj, H5_INDEX_NAME, H5_ITER_INC, &at,
+      [](hid_t loc, const char* name, const H5A_info_t*, void*) -> herr_t {
+        const hid_t a = H5Aopen(loc, name, H5P_DEFAULT);
+        if (a < 0) return -1;
+        const hid_t type = H5Aget_type(a), space = H5Aget_space(a);
+        herr_t rc = type < 0 || space < 0 ? -1 : 0;
+        if (rc == 0) {
+          const hssize_t n = H5Sget_simple_extent_npoints(space);
+          const size_t size = H5Tget_size(type);
+          if (n < 0 || size == 0 || H5Tis_variable_str(type) > 0 || double(n) * double(size) > 1e9) {
+            rc = -1;  // dstrain writes fixed-size attributes only
+          } else {
+            std::vector<char> buf(size_t(n) * size + 1);
+            rc = H5Aread(a, type, buf.data());
+          }
+        }
+        if (space >= 0) H5Sclose(space);
+        if (type >= 0) H5Tclose(type);
+        H5Aclose(a);
+        return rc;
+      },
+      nullptr);
+}
+
+int walk_metadata(const char* path) {
+  H5Eset_auto2(H5E_DEFAULT, nullptr, nullptr);
+  const hid_t f = H5Fopen(path, H5F_ACC_RDONLY, H5P_DEFAULT);
+  if (f < 0) return 2;  // not HDF5, or no superblock: the caller's own open says so
+  if (read_attributes(f) < 0) return 1;
+  const herr_t rc = H5Ovisit2(
+      f, H5_INDEX_NAME, H5_ITER_NATIVE,
+      [](hid_t root, const char* name, const H5O_info_t* info, void*) -> herr_t {
+        if (info->type != H5O_TYPE_DATASET && info->type != H5O_TYPE_GROUP) return -1;
+        const hid_t o = H5Oopen(root, name, H5P_DEFAULT);
+        if (o < 0) return -1;
+        herr_t r = read_attributes(o);
+        if (r == 0 && info->type == H5O_TYPE_DATASET) {
+          const hid_t space = H5Dget_space(o), type = H5Dget_type(o), dcpl = H5Dget_create_plist(o);
+          r = space < 0 || type < 0 || dcpl < 0 ? -1 : 0;
+          if (r == 0 && H5Pget_layout(dcpl) == H5D_CHUNKED) {
+            hsize_t n = 0;
+            r = H5Dget_num_chunks(o, space, &n);
+            for (hsize_t i = 0; r == 0 && i < n; ++i) {
+              haddr_t addr = 0;
+              hsize_t size = 0;
+              unsigned mask = 0;
+              r = H5Dget_chunk_info(o, space, i, nullptr, &mask, &addr, &size);
+            }
+          }
+          if (dcpl >= 0) H5Pclose(dcpl);
+          if (type >= 0) H5Tclose(type);
+          if (space >= 0) H5Sclose(space);
+        }
+        H5Oclose(o);
+        return r;
+      },
+      nullptr, H5O_INFO_BASIC);
+  return rc < 0 || H5Fclose(f) < 0 ? 1 : 0;
+}
+
+}  // namespace
+
+std::string probe_metadata(const std::string& path, double timeout_s) {
+  const pid_t pid = ::fork();
+  if (pid < 0) return "";  // no child to spare: the caller's own reads still check everything
+  if (pid == 0) {
+    // The child: no core dump for an expected crash and no message from it (glibc's "double
+    // free" report), no atexit handlers, no MPI, no threads.
+    const int null = ::open("/dev/null", O_WRONLY);
+    if (null >= 0) ::dup2(null, 2);
+    const struct rlimit no_core = {0, 0};
+    ::setrlimit(RLIMIT_CORE, &no_core);
+    ::_exit(walk_metadata(path.c_str()));
+  }
+  // Wait for the child, up to the deadline: on a pidfd where the kernel has them (no polling
+  // delay: the walk of a small file takes a millisecond), else by polling.
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s);
+  const int pidfd = int(::syscall(SYS_pidfd_open, pid, 0));
+  int status = 0;
+  for (;;) {
+    const pid_t r = ::waitpid(pid, &status, WNOHANG);
+    if (r == pid) break;
+    if (r < 0 && errno != EINTR) {
+      if (pidfd >= 0) ::close(pidfd);
+      return "";
+    }
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+    if (left.count() <= 0) {
+      ::kill(pid, SIGKILL);
+      ::waitpid(pid, &status, 0);
+      if (pidfd >= 0) ::close(pidfd);
+      return fmt::format("HDF5 did not finish reading its metadata within {:.0f} s (a damaged file?)", timeout_s);
+    }
+    if (pidfd >= 0) {
+      pollfd p{pidfd, POLLIN, 0};
+      ::poll(&p, 1, int(std::min<int64_t>(left.count(), 1000)));
+    } else {
+      std::this_thread::sleep_for(std::chrono::microseconds(500));
+    }
+  }
+  if (pidfd >= 0) ::close(pidfd);
+  if (WIFSIGNALED(status))
+    return fmt::format("HDF5 crashed reading its metadata (signal {}: {})", WTERMSIG(status),
+                       ::strsignal(WTERMSIG(status)));
+  if (WIFEXITED(status) && WEXITSTATUS(status) == 1) return "HDF5 cannot read its metadata";
+  return "";
 }
 
 }  // namespace dstrain::io

@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <sys/file.h>
+#include <sys/stat.h>
 #include <sys/statvfs.h>
 #include <unistd.h>
 
@@ -14,12 +15,16 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <mutex>
 #include <optional>
+#include <string_view>
+#include <unordered_map>
 
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
 
 #include "engine/comm/communicator.h"
+#include "engine/common/checksum.h"
 #include "engine/common/error.h"
 #include "engine/common/trace.h"
 #include "engine/common/fault_inject.h"
@@ -66,6 +71,19 @@ int64_t first_non_finite(const float* x, int64_t n) {
   for (int64_t i = 0; i < n; ++i)
     if (!std::isfinite(x[i])) bad = std::min(bad, i);
   return bad == n ? -1 : bad;
+}
+
+// The tensor checksum's name term (docs/checkpoint-format.md, "Checksums"): the dataset's path
+// mixed in, so that the values of one tensor stored under another's name do not pass.
+uint64_t name_term(const std::string& dataset) { return fmix64(fnv1a64(dataset)); }
+
+// A checkpoint tensor: the Fletcher-32-checked dataset and its end-to-end checksum attribute.
+void write_tensor(io::H5File& f, const std::string& dataset, const float* data, const std::vector<int64_t>& shape) {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  const int64_t chunk = fault_at(Fault::kCheckpointChunkElements);
+  f.write_checked(dataset, data, shape, chunk > 0 ? chunk : int64_t(1) << 20);
+  f.set_object_attr(dataset, kChecksumAttr, hex64(name_term(dataset) + sum64(data, n)));
 }
 
 // Removes a half-written file, never throwing (the save's own error is what gets reported).
@@ -120,14 +138,50 @@ std::vector<std::string> list_checkpoints(const std::string& dir) {
   return out;
 }
 
-std::string latest_checkpoint(const std::string& dir) {
-  std::ifstream in(fs::path(dir) / "latest");
-  std::string name;
-  if (!(in >> name)) return "";
-  const std::string path = (fs::path(dir) / name).string();
-  if (!fs::exists(path))
-    throw ConfigError(fmt::format("{}/latest points to {}, which does not exist", dir, name));
+namespace {
+
+// What `latest` in `dir` names, as a path inside `dir`, or "" with `problem` saying why it is
+// unusable (missing, empty, not a bare file name of this directory, naming no file). The writer
+// only ever writes a bare file name: anything else (a path elsewhere, "..", control
+// characters) is refused, and shown escaped.
+std::string read_latest(const std::string& dir, std::string& problem) {
+  const fs::path pointer = fs::path(dir) / "latest";
+  std::error_code ec;
+  if (!fs::exists(pointer, ec)) {
+    problem = "`latest` is missing";
+    return "";
+  }
+  std::ifstream in(pointer, std::ios::binary);
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  while (!text.empty() && (text.back() == '\n' || text.back() == '\r' || text.back() == ' ')) text.pop_back();
+  if (text.empty()) {
+    problem = "`latest` is empty";
+    return "";
+  }
+  const bool bare = text != "." && text != ".." && text.size() <= 255 &&
+                    std::all_of(text.begin(), text.end(), [](char c) {
+                      return c != '/' && static_cast<unsigned char>(c) >= 0x20 && static_cast<unsigned char>(c) < 0x7f;
+                    });
+  if (!bare) {
+    problem = fmt::format("`latest` holds \"{}\", which is not the file name of a checkpoint in this directory",
+                          printable(text, 120));
+    return "";
+  }
+  const std::string path = (fs::path(dir) / text).string();
+  if (!fs::is_regular_file(path, ec)) {
+    problem = fmt::format("`latest` names {}, which does not exist", text);
+    return "";
+  }
   return path;
+}
+
+}  // namespace
+
+std::string latest_checkpoint(const std::string& dir) {
+  std::string problem;
+  const std::string path = read_latest(dir, problem);
+  if (!path.empty() || problem == "`latest` is missing" || problem == "`latest` is empty") return path;
+  throw ConfigError(fmt::format("{}: {}", dir, problem));
 }
 
 // Flush, rename into place, flush the directory, then move `latest` the same way; prune.
@@ -151,7 +205,14 @@ void Checkpointer::finish_file(const std::string& tmp, const std::string& path) 
   for (const std::string& f : list_checkpoints(dir.string()))
     if (fs::path(f).filename() < fs::path(path).filename()) older.push_back(f);
   const int64_t keep_older = plan_.config.checkpoint.keep_last - 1;
-  for (int64_t i = 0; i + keep_older < int64_t(older.size()); ++i) fs::remove(older[i]);
+  // A file that cannot be removed (permissions, a directory named like a checkpoint) is a
+  // warning: the checkpoint just written is published and stands.
+  for (int64_t i = 0; i + keep_older < int64_t(older.size()); ++i) {
+    std::error_code ec;
+    if (!fs::remove(older[i], ec) && ec)
+      spdlog::warn("checkpoint.keep_last: cannot remove the old checkpoint {}: {}; it stays (remove it yourself)",
+                   printable(older[i]), ec.message());
+  }
 }
 
 // This rank's local slice of tensor `name` of kind k (0 weights, 1 exp_avg, 2 exp_avg_sq). With
@@ -235,7 +296,7 @@ std::string Checkpointer::save(const TrainState& state, model::ParamStore& param
       return;
     }
     try {
-      file->write_checked(name, full.data(), shape);
+      write_tensor(*file, name, full.data(), shape);
     } catch (const std::exception& e) {
       error = e.what();
     }
@@ -294,6 +355,7 @@ std::string Checkpointer::save(const TrainState& state, model::ParamStore& param
     f.set_attr("layout", layout_text(plan_.degrees));
     f.set_attr("config_yaml", config::to_yaml(cfg));
     f.set_attr("hf_config", config::to_hf_config_json(cfg.model));
+    f.set_attr(kAttributesChecksumAttr, hex64(attributes_digest(f)));  // last: over every other attribute
   };
   phase.reset();
   phase.emplace("checkpoint", "checkpoint finish (metadata, close, fsync, rename)");
@@ -305,7 +367,7 @@ std::string Checkpointer::save(const TrainState& state, model::ParamStore& param
         const trace::Scope t("checkpoint", "checkpoint write (background)");
         try {
           io::H5File f(tmp, io::H5File::Mode::kCreate, io::H5File::Driver::kDirect);
-          for (const auto& t : p->tensors) f.write_checked(t.name, t.data.data(), t.shape);
+          for (const auto& t : p->tensors) write_tensor(f, t.name, t.data.data(), t.shape);
           write_meta(f);
           f.close();  // the driver's last bytes and fsync: an error here must stop the rename
         } catch (const std::exception& e) {
@@ -353,32 +415,6 @@ void Checkpointer::wait() {
   if (!error.empty()) throw Error("background checkpoint write failed: " + error);
 }
 
-namespace {
-
-// What `latest` in `dir` names, or "" with `problem` saying why it is unusable.
-std::string usable_latest(const std::string& dir, std::string& problem) {
-  const fs::path pointer = fs::path(dir) / "latest";
-  std::error_code ec;
-  if (!fs::exists(pointer, ec)) {
-    problem = "`latest` is missing";
-    return "";
-  }
-  std::ifstream in(pointer);
-  std::string name;
-  if (!(in >> name)) {
-    problem = "`latest` is empty";
-    return "";
-  }
-  const std::string path = (fs::path(dir) / name).string();
-  if (!fs::exists(path, ec)) {
-    problem = fmt::format("`latest` names {}, which does not exist", name);
-    return "";
-  }
-  return path;
-}
-
-}  // namespace
-
 std::vector<std::string> Checkpointer::resume_candidates(std::string* note) const {
   const config::CheckpointConfig& c = plan_.config.checkpoint;
   if (c.resume == "none") return {};
@@ -386,7 +422,7 @@ std::vector<std::string> Checkpointer::resume_candidates(std::string* note) cons
   const std::string dir = c.resume == "auto" ? c.dir : c.resume;
   std::vector<std::string> out, files = list_checkpoints(dir);
   std::string problem;
-  const std::string latest = usable_latest(dir, problem);
+  const std::string latest = read_latest(dir, problem);
   if (!latest.empty()) out.push_back(latest);
   for (auto it = files.rbegin(); it != files.rend(); ++it)
     if (*it != latest) out.push_back(*it);
@@ -415,18 +451,16 @@ std::optional<Checkpointer::Resumed> Checkpointer::resume(model::ParamStore& par
     std::string error;
     Resumed r{path, {}};
     try {
-      r.state = load(path, params, adam);
+      r.state = load(path, params, adam);  // every rank throws, or none (the same error)
     } catch (const Error& e) {  // any reason it does not load (ConfigError names the tensor)
       error = e.what();
     }
-    // Each rank reads its own slices: a damaged tensor may fail on some ranks only.
-    if (comm::all_reduce_value(*comm_, int64_t(error.empty() ? 0 : 1), comm::ReduceOp::kMax) == 0) {
+    if (error.empty()) {
       if (!failures.empty() && rank_ == 0)
         spdlog::warn("resuming from {}, the newest checkpoint that loads ({} newer one(s) could not be loaded)", path,
                      failures.size());
       return r;
     }
-    if (error.empty()) error = fmt::format("checkpoint {}: it cannot be loaded on another rank", path);
     if (!fall_back) throw ConfigError(error);
     if (rank_ == 0)
       spdlog::error("{} — falling back to the next older checkpoint (checkpoint.resume: {})", error, c.resume);
@@ -522,20 +556,139 @@ std::string Checkpointer::lock_and_check_dir() {
   return "";
 }
 
-int64_t verify_checkpoint(const std::string& path) {
+uint64_t attributes_digest(const io::H5File& f) {
+  std::vector<std::string> names = f.attr_names();
+  std::sort(names.begin(), names.end());
+  uint64_t h = kFnvOffset;
+  for (const std::string& name : names) {
+    if (name == kAttributesChecksumAttr) continue;
+    h = fnv1a64(name, h);
+    h = fnv1a64(std::string_view("\0", 1), h);
+    if (f.attr_is_string(name)) {
+      const std::string v = f.attr_string(name);
+      const uint64_t len = v.size();
+      h = fnv1a64("s", h);
+      h = fnv1a64(std::string_view(reinterpret_cast<const char*>(&len), 8), h);
+      h = fnv1a64(v, h);
+    } else {
+      const double v = f.attr_double(name);
+      h = fnv1a64("d", h);
+      h = fnv1a64(std::string_view(reinterpret_cast<const char*>(&v), 8), h);
+    }
+  }
+  return h;
+}
+
+namespace {
+
+// The format version of an open checkpoint after the checks every reader makes: a dstrain
+// checkpoint, not newer than this build reads, and from version 2 on root attributes that match
+// their checksum. `fail` makes the error to throw from a message.
+template <class Fail>
+int checked_version(const io::H5File& f, const Fail& fail) {
+  std::string format;
+  try {
+    format = f.attr_string("format");
+  } catch (const Error&) {
+  }
+  if (format != "dstrain-checkpoint") throw fail("not a dstrain checkpoint (no format attribute)");
+  double v = 0;
+  try {
+    v = f.attr_double("format_version");
+  } catch (const Error&) {
+    throw fail("attribute 'format_version' is missing or not a number");
+  }
+  if (!(v >= 1 && v <= 1e6 && v == std::floor(v)))
+    throw fail(fmt::format("attribute 'format_version' = {} is not a version number", v));
+  if (v > kCheckpointFormatVersion)
+    throw fail(fmt::format("format version {} is newer than this dstrain reads ({}); use a newer dstrain", v,
+                           kCheckpointFormatVersion));
+  const int version = int(v);
+  if (version >= 2) {
+    uint64_t want = 0, got = 0;
+    bool ok = false;
+    try {
+      ok = parse_hex64(f.attr_string(kAttributesChecksumAttr), &want);
+      got = attributes_digest(f);
+    } catch (const Error&) {
+      ok = false;
+    }
+    if (!ok) throw fail("its run attributes have no readable checksum (a damaged checkpoint)");
+    if (got != want)
+      throw fail("its run attributes (step, seed, config, ...) do not match their checksum (a damaged checkpoint)");
+  }
+  return version;
+}
+
+// Before HDF5 opens a file in this process: its metadata walked in a child (io::probe_metadata),
+// as a damaged file can crash the library. A file that does not exist or is not HDF5 at all is
+// left to the open, which names it so.
+// The verdict is kept for the file as it is (device, inode, size, modification and change
+// times), so that verifying and then loading one file walks it once.
+template <class Fail>
+void probe(const std::string& path, const Fail& fail) {
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0 || !S_ISREG(st.st_mode)) return;
+  const std::string key =
+      fmt::format("{} {} {} {}.{} {}.{}", st.st_dev, st.st_ino, st.st_size, st.st_mtim.tv_sec, st.st_mtim.tv_nsec,
+                  st.st_ctim.tv_sec, st.st_ctim.tv_nsec);
+  static std::mutex mu;
+  static std::vector<std::pair<std::string, std::string>> seen;  // (key, problem), the last few files
+  std::string problem;
+  bool known = false;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    for (const auto& [k, p] : seen)
+      if (k == key) problem = p, known = true;
+  }
+  if (!known) {
+    problem = io::probe_metadata(path);
+    std::lock_guard<std::mutex> lock(mu);
+    seen.emplace_back(key, problem);
+    if (seen.size() > 8) seen.erase(seen.begin());
+  }
+  if (!problem.empty()) throw fail(problem + " (a damaged or truncated checkpoint)");
+}
+
+}  // namespace
+
+std::unique_ptr<io::H5File> open_checkpoint_file(const std::string& path, int* version) {
+  const auto fail = [&](const std::string& what) { return ConfigError(fmt::format("checkpoint {}: {}", path, what)); };
+  probe(path, fail);
   std::unique_ptr<io::H5File> f;
   try {
     f = std::make_unique<io::H5File>(path, io::H5File::Mode::kRead, io::H5File::Driver::kDirect);
   } catch (const Error&) {
-    throw ConfigError(fmt::format("checkpoint {}: cannot be opened as HDF5 (missing, truncated or not a checkpoint)",
-                                  path));
+    throw fail("cannot be opened as HDF5 (missing, truncated or not a checkpoint)");
   }
-  std::string format;
+  const int v = checked_version(*f, fail);
+  if (version) *version = v;
+  return f;
+}
+
+std::vector<float> read_checked_tensor(const io::H5File& f, const std::string& dataset, int version) {
+  const auto fail = [&](const std::string& what) {
+    return ConfigError(fmt::format("checkpoint {}: {}", f.path(), what));
+  };
+  std::vector<float> data;
+  std::string stored;
   try {
-    format = f->attr_string("format");
+    data = version >= 2 ? f.read_floats(dataset, kChecksumAttr, &stored) : f.read_floats(dataset);
   } catch (const Error&) {
+    throw fail(fmt::format("tensor '{}' fails its checksum or cannot be read (corrupt or truncated file)", dataset));
   }
-  if (format != "dstrain-checkpoint") throw ConfigError(fmt::format("checkpoint {}: not a dstrain checkpoint", path));
+  uint64_t want = 0;
+  if (version >= 2 && !parse_hex64(stored, &want))
+    throw fail(fmt::format("tensor '{}' has no readable checksum (a damaged checkpoint)", dataset));
+  if (version >= 2 && sum64(data.data(), int64_t(data.size())) != want - name_term(dataset))
+    throw fail(fmt::format("tensor '{}' does not match its checksum (a damaged checkpoint)", dataset));
+  return data;
+}
+
+int64_t verify_checkpoint(const std::string& path, int* version) {
+  int v = 0;
+  const std::unique_ptr<io::H5File> f = open_checkpoint_file(path, &v);
+  if (version) *version = v;
   int64_t tensors = 0;
   for (const char* group : {"model", "optimizer/exp_avg", "optimizer/exp_avg_sq"}) {
     std::vector<std::string> names;
@@ -545,23 +698,72 @@ int64_t verify_checkpoint(const std::string& path) {
       throw ConfigError(fmt::format("checkpoint {}: group {} cannot be read (truncated file?)", path, group));
     }
     for (const std::string& name : names) {
-      try {
-        f->read_floats(std::string(group) + "/" + name);
-      } catch (const Error&) {
-        throw ConfigError(fmt::format("checkpoint {}: tensor '{}/{}' fails its checksum or cannot be read (corrupt "
-                                      "or truncated file)",
-                                      path, group, name));
-      }
+      read_checked_tensor(*f, std::string(group) + "/" + name, v);
       ++tensors;
     }
   }
   return tensors;
 }
 
+// What this rank read of a checkpoint, for the collective check of the tensors' checksums
+// (index k * tensors + i: kind k of plan parameter i).
+struct Checkpointer::Digest {
+  std::vector<int64_t> sums;   // per tensor: the partial sum's low and high 32 bits, elements hashed
+  std::vector<uint64_t> want;  // the stored checksum less the name term
+  std::vector<char> read;
+};
+
 TrainState Checkpointer::load(const std::string& path, model::ParamStore& params, AdamW* adam) const {
+  Digest d;
+  const size_t n = 3 * plan_.params.size();
+  d.sums.assign(3 * n, 0);
+  d.want.assign(n, 0);
+  d.read.assign(n, 0);
+  TrainState s;
+  std::string error;
+  int version = 0;
+  try {
+    s = load_local(path, params, adam, d, version);
+  } catch (const std::exception& e) {
+    error = dynamic_cast<const Error*>(&e) ? e.what() : fmt::format("checkpoint {}: {}", path, e.what());
+  }
+  agree(error);
+  // Each rank read only its slices: the partial sums of every rank's slices add up to the
+  // tensor's checksum times the number of ranks that read each element (the same for every
+  // element of a tensor). Version 1 files carry no checksums: every rank sums zeros.
+  comm_->all_reduce(d.sums.data(), int64_t(d.sums.size()), comm::ReduceOp::kSum)->wait();
+  for (size_t t = 0; t < n && error.empty() && version >= 2; ++t) {
+    const plan::ParamInfo& info = plan_.params[t % plan_.params.size()];
+    const int64_t numel = info.numel(), count = d.sums[3 * t + 2];
+    if (!d.read[t] || numel == 0) continue;
+    const uint64_t total = (uint64_t(d.sums[3 * t + 1]) << 32) + uint64_t(d.sums[3 * t]);
+    if (count % numel != 0 || total != uint64_t(count / numel) * d.want[t])
+      error = fmt::format("checkpoint {}: tensor '{}{}' does not match its checksum (a damaged checkpoint)", path,
+                          kGroups[t / plan_.params.size()], info.name);
+  }
+  agree(error);
+  if (version < 2 && rank_ == 0)
+    spdlog::warn("checkpoint {} is format version {}, which predates end-to-end checksums: loaded with the chunks' "
+                 "Fletcher-32 checks alone",
+                 path, version);
+  return s;
+}
+
+// Collective: returns when `error` is empty on every rank, else throws on every rank the
+// ConfigError of the lowest rank that has one.
+void Checkpointer::agree(const std::string& error) const {
+  const int64_t mark = comm::all_reduce_value(*comm_, int64_t(error.empty() ? 0 : comm_->size() - rank_),
+                                              comm::ReduceOp::kMax);
+  if (mark == 0) return;
+  throw ConfigError(comm::broadcast_string(*comm_, error, comm_->size() - int(mark)));
+}
+
+TrainState Checkpointer::load_local(const std::string& path, model::ParamStore& params, AdamW* adam, Digest& d,
+                                    int& version) const {
   const auto fail = [&](const std::string& what) -> ConfigError {
     return ConfigError(fmt::format("checkpoint {}: {}", path, what));
   };
+  probe(path, fail);
   std::unique_ptr<io::H5File> f;
   try {
     // One rank reads the whole file with O_DIRECT; several ranks (which read overlapping parts)
@@ -571,12 +773,7 @@ TrainState Checkpointer::load(const std::string& path, model::ParamStore& params
   } catch (const Error&) {
     throw fail("cannot be opened as HDF5 (missing, truncated or not a checkpoint)");
   }
-  std::string format;
-  try {
-    format = f->attr_string("format");
-  } catch (const Error&) {
-  }
-  if (format != "dstrain-checkpoint") throw fail("not a dstrain checkpoint (no format attribute)");
+  version = checked_version(*f, fail);
   // A whole number in [0, max] from an attribute, or an error naming it (a damaged or foreign
   // file may hold anything: a string, NaN, 1e300).
   const auto count = [&](const char* attr, double max) -> int64_t {
@@ -590,39 +787,59 @@ TrainState Checkpointer::load(const std::string& path, model::ParamStore& params
       throw fail(fmt::format("attribute '{}' = {} is not a count from 0 to {}", attr, v, max));
     return int64_t(v);
   };
-  const int64_t version = count("format_version", 1e6);
-  if (version > kCheckpointFormatVersion)
-    throw fail(fmt::format("format version {} is newer than this dstrain reads ({}); use a newer dstrain",
-                           version, kCheckpointFormatVersion));
+  std::unordered_map<std::string, size_t> index;
+  for (size_t i = 0; i < plan_.params.size(); ++i) index.emplace(plan_.params[i].name, i);
+  const size_t P = plan_.params.size();
+  // This rank's part of tensor t's checksum: elements [begin, end) of the slice it read, whose
+  // dataset's checksum attribute is `stored`.
+  const auto digest = [&](size_t t, const std::string& ds, const std::string& stored, const std::vector<float>& slice,
+                          const model::ParamView& v, int64_t begin, int64_t end) {
+    if (version < 2) return;
+    uint64_t want = 0;
+    if (!parse_hex64(stored, &want))
+      throw fail(fmt::format("tensor '{}' has no readable checksum (a damaged checkpoint)", ds));
+    const uint64_t part = sum64_block(slice.data(), v.info->shape, v.shard.offset, v.shard.local_shape, begin, end);
+    d.sums[3 * t] += int64_t(part & 0xffffffffu);
+    d.sums[3 * t + 1] += int64_t(part >> 32);
+    d.sums[3 * t + 2] += end - begin;
+    d.want[t] = want - name_term(ds);
+    d.read[t] = 1;
+  };
   for (const std::string& name : params.names()) {
     const model::ParamView& v = params.view(name);
+    const auto it = index.find(name);
+    DS_CHECK(it != index.end(), "a parameter outside the plan's registry");
     for (int k = 0; k < (v.buffer ? 1 : (adam ? 3 : 1)); ++k) {
       const std::string ds = kGroups[k] + name;
+      const size_t t = size_t(k) * P + it->second;
       if (!f->exists(ds))
         throw fail(fmt::format("no tensor '{}' (saved from another model config?)", ds));
       const std::vector<int64_t> shape = f->shape(ds);
       if (shape != v.info->shape)
         throw fail(fmt::format("tensor '{}' has shape [{}] in the checkpoint but [{}] in this config", ds,
                                fmt::join(shape, ", "), fmt::join(v.info->shape, ", ")));
-      if (k > 0 && adam->sharded()) {  // ZeRO: only the overlap with this rank's shard
+      std::optional<Range> part;  // ZeRO: only the overlap with this rank's shard is kept
+      if (k > 0 && adam->sharded()) {
         const Range sh = adam->shard(v.expert);
         const Range in = parallel::intersect({v.offset, v.offset + v.numel}, sh);
         if (in.empty()) continue;
-        std::vector<float> slice;  // this rank's slice of the tensor (its TP / EP shard)
-        try {
-          slice = f->read_slice(ds, v.shard.offset, v.shard.local_shape);
-        } catch (const Error&) {
-          throw fail(fmt::format("tensor '{}' fails its checksum or cannot be read (corrupt or truncated file)", ds));
-        }
-        adam->moment(k, v.expert).write(in.begin - sh.begin, in.size(), slice.data() + (in.begin - v.offset));
-        continue;
+        part = in;
       }
-      std::vector<float> slice;
+      std::vector<float> slice;  // this rank's slice of the tensor (its TP / EP shard)
+      std::string stored;        // its checksum attribute
       try {
-        slice = f->read_slice(ds, v.shard.offset, v.shard.local_shape);
+        slice = version >= 2 ? f->read_slice(ds, v.shard.offset, v.shard.local_shape, kChecksumAttr, &stored)
+                             : f->read_slice(ds, v.shard.offset, v.shard.local_shape);
       } catch (const Error&) {
         throw fail(fmt::format("tensor '{}' fails its checksum or cannot be read (corrupt or truncated file)", ds));
       }
+      if (part) {
+        const Range sh = adam->shard(v.expert);
+        digest(t, ds, stored, slice, v, part->begin - v.offset, part->end - v.offset);
+        adam->moment(k, v.expert).write(part->begin - sh.begin, part->size(), slice.data() + (part->begin - v.offset));
+        continue;
+      }
+      digest(t, ds, stored, slice, v, 0, int64_t(slice.size()));
       if (k == 0) params.set_local_values(name, slice);
       else adam->moment(k, v.expert).write(v.offset, v.numel, slice.data());
     }

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "engine/comm/process_groups.h"
+#include "engine/io/hdf5_file.h"
 #include "engine/model/param_store.h"
 #include "engine/parallel/zero/zero_sharding.h"
 #include "engine/plan/parallel_plan.h"
@@ -25,7 +26,13 @@
 
 namespace dstrain::runtime {
 
-inline constexpr int kCheckpointFormatVersion = 1;
+// Version 2 added the end-to-end checksums (docs/checkpoint-format.md, "Checksums") and the
+// HDF5 1.10 file format; version 1 files still load, with the chunks' Fletcher-32 alone.
+inline constexpr int kCheckpointFormatVersion = 2;
+// The string attribute of every tensor holding its checksum, and the root attribute holding
+// the run attributes' checksum (16 hex digits each).
+inline constexpr const char* kChecksumAttr = "checksum";
+inline constexpr const char* kAttributesChecksumAttr = "attributes_checksum";
 
 struct TrainState {
   int64_t step = 0;         // optimizer steps completed (= the data position, docs/design.md §2.4)
@@ -81,13 +88,18 @@ class Checkpointer {
   // explicitly named file does not.
   std::optional<Resumed> resume(model::ParamStore& params, AdamW* adam);
 
-  // Fills this rank's slices of the parameters, buffers and (if `adam`) moments, reading only
-  // them (not collective: each rank reads on its own). Throws dstrain::Error — a ConfigError
-  // naming the file and the tensor — on any mismatch or corruption.
+  // Collective. Fills this rank's slices of the parameters, buffers and (if `adam`) moments,
+  // reading only them, and checks every tensor's end-to-end checksum over the slices all ranks
+  // read. Throws on every rank the same ConfigError naming the file and the tensor on any
+  // mismatch or corruption found by any rank.
   TrainState load(const std::string& path, model::ParamStore& params, AdamW* adam) const;
 
  private:
   struct Pending;
+  struct Digest;
+  TrainState load_local(const std::string& path, model::ParamStore& params, AdamW* adam, Digest& d,
+                        int& version) const;
+  void agree(const std::string& error) const;
   std::string write_path(int64_t step) const;
   const float* local_data(model::ParamStore& params, AdamW& adam, const parallel::ZeroSharding* zero,
                           const std::string& name, int k, std::vector<float>& gathered) const;
@@ -109,8 +121,23 @@ std::string latest_checkpoint(const std::string& dir);
 // step_*.h5 files of a directory, oldest first.
 std::vector<std::string> list_checkpoints(const std::string& dir);
 
-// Reads every tensor of a checkpoint, which checks each dataset's Fletcher-32 checksum; throws
-// ConfigError naming the file and the first tensor that fails. Returns the number of tensors.
-int64_t verify_checkpoint(const std::string& path);
+// The checksum of a checkpoint's root attributes: FNV-1a over each attribute but
+// attributes_checksum, in name order (docs/checkpoint-format.md, "Checksums").
+uint64_t attributes_digest(const io::H5File& f);
+
+// Opens a checkpoint for reading whole tensors (dstrain-ckpt, export): refuses, with a
+// ConfigError naming the file, what is not a dstrain checkpoint, a newer format, and (version
+// 2 on) root attributes that fail their checksum. `version`, when given, receives the format
+// version.
+std::unique_ptr<io::H5File> open_checkpoint_file(const std::string& path, int* version = nullptr);
+// Tensor `dataset` ("model/NAME", "optimizer/exp_avg/NAME", ...) of a checkpoint opened so,
+// whole, its Fletcher-32 and (version 2 on) end-to-end checksum checked: a ConfigError naming
+// the file and the tensor when either fails or it cannot be read.
+std::vector<float> read_checked_tensor(const io::H5File& f, const std::string& dataset, int version);
+
+// Reads every tensor of a checkpoint and checks every checksum (the chunks' Fletcher-32, each
+// tensor's and the attributes' end-to-end checksum); throws ConfigError naming the file and the
+// first that fails. Returns the number of tensors; `version`, when given, the format version.
+int64_t verify_checkpoint(const std::string& path, int* version = nullptr);
 
 }  // namespace dstrain::runtime

@@ -1,6 +1,7 @@
 // Failure behaviour (README "Failure behaviour"): every fault of the table, reproduced as a user
 // or an operator would meet it, and what dstrain must do — nothing lost, nothing silent.
 #include <gtest/gtest.h>
+#include <hdf5.h>
 #include <nlohmann/json.hpp>
 #include <sys/mount.h>
 
@@ -289,6 +290,51 @@ TEST(Faults, RanksOnOneHostShareItsCores) {
             std::string::npos)
       << r.out;
   EXPECT_NE(r.out.find("for 4 ranks on this host"), std::string::npos) << r.out;
+}
+
+// 4b. Values changed behind HDF5's back — every chunk's Fletcher-32 still valid, as after a
+// damaged chunk index that reads a chunk as zeros — are caught by the end-to-end checksums:
+// verify, diff and export-hf refuse naming the tensor, and a resume falls back to the older
+// checkpoint instead of training on them.
+TEST(Faults, ValuesChangedWithValidChunkChecksumsAreNeverLoaded) {
+  const std::string dir = fresh("rewritten");
+  ASSERT_EQ(run(train_cmd(dir, "run", 3, "--resume none --set checkpoint.interval=1")).rc, 0);
+  const std::string bad = dir + "/run/step_00000003.h5";
+  const std::string ds = "model/model.layers.1.mlp.experts.2.down_proj.weight";
+  {
+    H5Eset_auto2(H5E_DEFAULT, nullptr, nullptr);
+    const hid_t f = H5Fopen(bad.c_str(), H5F_ACC_RDWR, H5P_DEFAULT);
+    ASSERT_GE(f, 0);
+    const hid_t d = H5Dopen2(f, ds.c_str(), H5P_DEFAULT);
+    const hid_t space = H5Dget_space(d);
+    std::vector<float> zeros(size_t(H5Sget_simple_extent_npoints(space)), 0.0f);
+    ASSERT_GE(H5Dwrite(d, H5T_NATIVE_FLOAT, H5S_ALL, H5S_ALL, H5P_DEFAULT, zeros.data()), 0);
+    H5Sclose(space);
+    H5Dclose(d);
+    H5Fclose(f);
+  }
+  const std::string named = "tensor '" + ds + "' does not match its checksum";
+  Result r = run(kCkpt + " verify " + bad);
+  EXPECT_EQ(r.rc, 1);
+  EXPECT_NE(r.err.find(named), std::string::npos) << r.err;
+  r = run(kCkpt + " diff " + bad + " " + dir + "/run/step_00000002.h5");
+  EXPECT_EQ(r.rc, 1);
+  EXPECT_NE(r.err.find(named), std::string::npos) << r.err;
+  r = run(kCkpt + " export-hf " + bad + " " + dir + "/hf");
+  EXPECT_EQ(r.rc, 1);
+  EXPECT_NE(r.err.find(named), std::string::npos) << r.err;
+  EXPECT_FALSE(fs::exists(dir + "/hf"));
+  EXPECT_FALSE(fs::exists(dir + "/hf.tmp"));
+  r = run(train_cmd(dir, "run", 4, "--set checkpoint.interval=1"));
+  EXPECT_EQ(r.rc, 0) << r.err;
+  EXPECT_NE(r.out.find(named), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("resumed from " + dir + "/run/step_00000002.h5 at step 2"), std::string::npos) << r.out;
+  // The good checkpoint says what it checked.
+  r = run(kCkpt + " verify " + dir + "/run/step_00000002.h5");
+  EXPECT_EQ(r.rc, 0) << r.err;
+  EXPECT_NE(r.out.find("every checksum verified (each chunk's and each tensor's, and the run attributes')"),
+            std::string::npos)
+      << r.out;
 }
 
 // 10. The smaller ones.

@@ -3,11 +3,13 @@
 // writes one checkpoint, and the file must hold exactly the single-rank tensors. Then every
 // rank of another layout reads back only its own slices and must get its values.
 #include <gtest/gtest.h>
+#include <hdf5.h>
 #include <mpi.h>
 
 #include <cstdio>
 #include <filesystem>
 
+#include "engine/common/error.h"
 #include "engine/config/load_config.h"
 #include "engine/io/hdf5_file.h"
 #include "engine/runtime/checkpoint.h"
@@ -101,6 +103,53 @@ INSTANTIATE_TEST_SUITE_P(
                       std::pair{Layout{1, 2, 2}, Layout{2, 1, 2}},   // PP2 x DP2 (EP2) -> TP2 x DP2 (EP2)
                       std::pair{Layout{4, 1, 1}, Layout{1, 4, 1}},   // TP4 -> PP4
                       std::pair{Layout{1, 1, 1}, Layout{2, 2, 1}})); // DP4 -> TP2 x PP2
+
+// A value changed behind HDF5's back (its chunk's Fletcher-32 valid) in the part of a tensor
+// that only the second tensor-parallel rank of each pair reads: the ranks that read it see a
+// mismatch of the summed partial checksums, and every rank — those that read nothing wrong too
+// — refuses the load with the same one-line error naming the file and the tensor.
+TEST(CheckpointDamage, ARankOnlyThePeerReadsWrongRefusesOnEveryRank) {
+  const std::string dir = ::testing::TempDir() + "/mpi_ckpt_damage";
+  if (world_rank() == 0) std::filesystem::remove_all(dir);
+  MPI_Barrier(MPI_COMM_WORLD);
+  const plan::ParallelPlan saver = make(1, 1, 1, 4, dir);
+  RankState s = rank_state(saver, true);
+  runtime::Checkpointer ck(saver, comm::ProcessGroup::world());
+  runtime::TrainState st;
+  st.step = 2;
+  const std::string path = ck.save(st, *s.params, *s.adam);
+  const std::string ds = "model/model.layers.1.self_attn.o_proj.weight";  // row-parallel: columns split over TP
+  if (world_rank() == 0) {
+    H5Eset_auto2(H5E_DEFAULT, nullptr, nullptr);
+    const hid_t f = H5Fopen(path.c_str(), H5F_ACC_RDWR, H5P_DEFAULT);
+    ASSERT_GE(f, 0);
+    const hid_t d = H5Dopen2(f, ds.c_str(), H5P_DEFAULT);
+    const hid_t space = H5Dget_space(d);
+    hsize_t dims[2];
+    H5Sget_simple_extent_dims(space, dims, nullptr);
+    const hsize_t at[2] = {1, dims[1] - 1}, one[2] = {1, 1};  // the last column: the second TP rank's
+    H5Sselect_hyperslab(space, H5S_SELECT_SET, at, nullptr, one, nullptr);
+    const hid_t mem = H5Screate_simple(2, one, nullptr);
+    const float x = 0.5f;
+    ASSERT_GE(H5Dwrite(d, H5T_NATIVE_FLOAT, mem, space, H5P_DEFAULT, &x), 0);
+    H5Sclose(mem);
+    H5Sclose(space);
+    H5Dclose(d);
+    H5Fclose(f);
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
+  const plan::ParallelPlan loader = make(2, 1, 1, 4, dir);
+  RankState got = rank_state(loader, false);
+  runtime::Checkpointer ck2(loader, comm::ProcessGroup::world());
+  std::string error;
+  try {
+    ck2.load(path, *got.params, got.adam.get());
+  } catch (const ConfigError& e) {
+    error = e.what();
+  }
+  EXPECT_EQ(error, "checkpoint " + path + ": tensor '" + ds + "' does not match its checksum (a damaged checkpoint)");
+  MPI_Barrier(MPI_COMM_WORLD);
+}
 
 // ZeRO-1 on layouts with expert parallelism and model parallelism: the dense moments are
 // sharded over each data-parallel group, the expert moments over each expert-data-parallel

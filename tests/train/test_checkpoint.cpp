@@ -73,7 +73,7 @@ TEST(Checkpoint, LatestPointsAtTheNewestAndOldOnesArePruned) {
   EXPECT_EQ(f.shape("optimizer/exp_avg_sq/lm_head.weight"), (std::vector<int64_t>{256, 64}));
   EXPECT_FALSE(f.exists("optimizer/exp_avg/model.layers.1.mlp.gate.e_score_correction_bias"));
   EXPECT_EQ(f.attr_double("step"), 8.0);
-  EXPECT_EQ(f.attr_double("format_version"), 1.0);
+  EXPECT_EQ(f.attr_double("format_version"), 2.0);
   EXPECT_EQ(f.attr_string("layout"), "tensor=1 pipeline=1 data=1 expert=1 world=1");
   EXPECT_NE(f.attr_string("config_yaml").find("train_steps: 8"), std::string::npos);
 }
@@ -166,9 +166,9 @@ TEST(Checkpoint, MissingTensorShapeMismatchAndNewerFormatAreNamed) {
   const std::string future = make_checkpoint(fresh_dir("future"));
   {
     io::H5File f(future, io::H5File::Mode::kReadWrite);
-    f.set_attr("format_version", 2.0);
+    f.set_attr("format_version", 3.0);
   }
-  expect_load_error(future, "format version 2 is newer than this dstrain reads (1)");
+  expect_load_error(future, "format version 3 is newer than this dstrain reads (2)");
   std::ofstream(::testing::TempDir() + "/ckpt_not.h5") << "plain text";
   expect_load_error(::testing::TempDir() + "/ckpt_not.h5", "cannot be opened as HDF5");
 }
@@ -181,7 +181,7 @@ TEST(Checkpoint, LatestPointingAtAMissingFileIsAnError) {
     latest_checkpoint(dir);
     FAIL();
   } catch (const ConfigError& e) {
-    EXPECT_NE(std::string(e.what()).find("latest points to step_00000099.h5, which does not exist"), std::string::npos);
+    EXPECT_NE(std::string(e.what()).find("`latest` names step_00000099.h5, which does not exist"), std::string::npos);
   }
 }
 

@@ -49,22 +49,26 @@ std::string resolve(const std::string& path) {
   return path;
 }
 
-std::unique_ptr<H5File> open_checkpoint(const std::string& path) {
-  auto f = std::make_unique<H5File>(path, H5File::Mode::kRead);
-  std::string format;
-  try {
-    format = f->attr_string("format");
-  } catch (const dstrain::Error&) {
+// A checkpoint opened for whole-tensor reads, its run attributes' checksum checked.
+struct Opened {
+  std::unique_ptr<H5File> file;
+  int version = 0;
+  std::vector<float> tensor(const std::string& dataset) const {
+    return dstrain::runtime::read_checked_tensor(*file, dataset, version);
   }
-  if (format != "dstrain-checkpoint") throw dstrain::ConfigError(fmt::format("{}: not a dstrain checkpoint", path));
-  return f;
+};
+Opened open_checkpoint(const std::string& path) {
+  Opened o;
+  o.file = dstrain::runtime::open_checkpoint_file(path, &o.version);
+  return o;
 }
 
 std::string shape_text(const std::vector<int64_t>& s) { return fmt::format("[{}]", fmt::join(s, ", ")); }
 
 int info(const std::string& arg) {
   const std::string path = resolve(arg);
-  const auto f = open_checkpoint(path);
+  const Opened o = open_checkpoint(path);
+  const H5File* f = o.file.get();
   std::printf("checkpoint %s (%s)\n", path.c_str(), dstrain::human_bytes(double(fs::file_size(path))).c_str());
   std::printf("format     dstrain-checkpoint version %d\n", int(f->attr_double("format_version")));
   std::printf("step       %s (%s tokens seen)\n", dstrain::with_commas(int64_t(f->attr_double("step"))).c_str(),
@@ -89,7 +93,8 @@ int info(const std::string& arg) {
 }
 
 int diff(const std::string& a_arg, const std::string& b_arg) {
-  const auto a = open_checkpoint(resolve(a_arg)), b = open_checkpoint(resolve(b_arg));
+  const Opened oa = open_checkpoint(resolve(a_arg)), ob = open_checkpoint(resolve(b_arg));
+  const H5File *a = oa.file.get(), *b = ob.file.get();
   double worst = 0;
   int differing = 0, missing = 0;
   for (const char* group : {"model", "optimizer/exp_avg", "optimizer/exp_avg_sq"}) {
@@ -106,7 +111,7 @@ int diff(const std::string& a_arg, const std::string& b_arg) {
         ++missing;
         continue;
       }
-      const auto x = a->read_floats(ds), y = b->read_floats(ds);
+      const auto x = oa.tensor(ds), y = ob.tensor(ds);
       double d = 0;
       for (size_t i = 0; i < x.size(); ++i) d = std::max(d, double(std::fabs(x[i] - y[i])));
       if (d > 0) {
@@ -170,8 +175,16 @@ int compare_dumps(const std::string& a_path, const std::string& b_path, const st
 
 int verify(const std::string& arg) {
   const std::string path = resolve(arg);
-  const int64_t tensors = dstrain::runtime::verify_checkpoint(path);
-  std::printf("%s: ok, %s tensors read, every checksum verified\n", path.c_str(), dstrain::with_commas(tensors).c_str());
+  int version = 0;
+  const int64_t tensors = dstrain::runtime::verify_checkpoint(path, &version);
+  if (version >= 2)
+    std::printf("%s: ok, %s tensors read, every checksum verified (each chunk's and each tensor's, and the run "
+                "attributes')\n",
+                path.c_str(), dstrain::with_commas(tensors).c_str());
+  else
+    std::printf("%s: ok, %s tensors read, each chunk's checksum verified (format version %d: no end-to-end "
+                "checksums)\n",
+                path.c_str(), dstrain::with_commas(tensors).c_str(), version);
   return 0;
 }
 
@@ -181,7 +194,8 @@ int verify(const std::string& arg) {
 // bad checkpoint or a failed write leaves no partial export behind.
 int export_hf(const std::string& arg, const std::string& final_dir) {
   const std::string path = resolve(arg);
-  const auto f = open_checkpoint(path);
+  const Opened o = open_checkpoint(path);
+  const H5File* f = o.file.get();
   if (fs::exists(final_dir) && !fs::is_empty(final_dir))
     throw dstrain::ConfigError(fmt::format("{} exists and is not empty; valid: a new or empty directory", final_dir));
   const std::string out_dir = final_dir + ".tmp";
@@ -222,11 +236,9 @@ int export_hf(const std::string& arg, const std::string& final_dir) {
     for (const std::string& name : names) {
       std::vector<float> data;
       try {
-        data = f->read_floats("model/" + name);
-      } catch (const dstrain::Error&) {
-        throw dstrain::ConfigError(fmt::format("{}: tensor '{}' fails its checksum or cannot be read (corrupt or "
-                                               "truncated checkpoint); nothing was exported",
-                                               path, name));
+        data = o.tensor("model/" + name);
+      } catch (const dstrain::Error& e) {
+        throw dstrain::ConfigError(fmt::format("{}; nothing was exported", e.what()));
       }
       st.write(reinterpret_cast<const char*>(data.data()), std::streamsize(4 * data.size()));
     }

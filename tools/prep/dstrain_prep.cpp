@@ -69,26 +69,55 @@ Args parse(int argc, char** argv) {
     throw dstrain::ConfigError(fmt::format("--input and --output are required\n{}", kUsage));
   if (a.tokenizer != "bytes" && a.tokenizer != "bpe")
     throw dstrain::ConfigError(fmt::format("--tokenizer {}: valid: bytes, bpe", a.tokenizer));
+  if (!a.tokenizer_file.empty() && a.tokenizer != "bpe")
+    throw dstrain::ConfigError(fmt::format("--tokenizer-file {} is a BPE tokenizer, but the tokenizer is {}; valid: "
+                                           "add --tokenizer bpe, or drop --tokenizer-file",
+                                           a.tokenizer_file, a.tokenizer));
   if (a.tokenizer == "bpe" && a.tokenizer_file.empty() && a.vocab_size < 257)
     throw dstrain::ConfigError("--tokenizer bpe needs --vocab-size N (N > 256) or --tokenizer-file");
   return a;
 }
 
 std::string read_all(const std::string& path) {
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec))
+    throw dstrain::ConfigError(fmt::format("--input {}: is a directory; valid: text files (one --input each)", path));
   std::ifstream in(path, std::ios::binary);
-  if (!in) throw dstrain::ConfigError(fmt::format("{}: cannot open the input file", path));
-  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  if (!in) throw dstrain::ConfigError(fmt::format("--input {}: cannot open the input file", path));
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  if (in.bad()) throw dstrain::ConfigError(fmt::format("--input {}: cannot be read", path));
+  return text;
+}
+
+// The outputs (the dataset, and the tokenizer saved next to it) must not be any of the files
+// read: --force would replace the corpus or the tokenizer with what is made of it.
+void refuse_overwriting_inputs(const Args& a, const std::vector<std::filesystem::path>& outputs) {
+  std::vector<std::pair<std::string, std::string>> read;  // (option, path)
+  for (const std::string& in : a.inputs) read.emplace_back("--input", in);
+  if (!a.tokenizer_file.empty()) read.emplace_back("--tokenizer-file", a.tokenizer_file);
+  for (const auto& out : outputs)
+    for (const auto& [option, in] : read) {
+      // (the tokenizer applied as is may be saved over itself: the same file again)
+      if (option == "--tokenizer-file" && out != outputs.front()) continue;
+      std::error_code ec;
+      if (std::filesystem::exists(out, ec) && std::filesystem::equivalent(out, in, ec))
+        throw dstrain::ConfigError(fmt::format("{} {} is also an output ({}): writing it would destroy it; valid: an "
+                                               "--output elsewhere",
+                                               option, in, out.string()));
+    }
 }
 
 int run(const Args& a) {
   using Clock = std::chrono::steady_clock;
   const auto t0 = Clock::now();
   std::string text;
-  for (const std::string& in : a.inputs) text += read_all(in);
-  if (text.empty()) throw dstrain::ConfigError("the inputs are empty");
   std::error_code ec;
   const std::filesystem::path out_path(a.output);
   const std::filesystem::path tokenizer_path = out_path.parent_path() / (out_path.stem().string() + ".tokenizer");
+  refuse_overwriting_inputs(a, a.tokenizer == "bpe" ? std::vector<std::filesystem::path>{out_path, tokenizer_path}
+                                                    : std::vector<std::filesystem::path>{out_path});
+  for (const std::string& in : a.inputs) text += read_all(in);
+  if (text.empty()) throw dstrain::ConfigError("the inputs are empty");
   for (const auto& p : {out_path, tokenizer_path})
     if (!a.force && std::filesystem::exists(p, ec) && (p == out_path || (a.tokenizer == "bpe")))
       throw dstrain::ConfigError(fmt::format("{} exists already; valid: another --output, or --force to replace it",
