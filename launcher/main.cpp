@@ -128,8 +128,39 @@ int print_ranks_needed(const launcher::Options& opts) {
 
 // Threads per rank when neither --threads nor OMP_NUM_THREADS says: the cores this process may
 // use, shared among the ranks on this host (mpirun -np 4 on 2 cores: one thread each, not 4 x 2).
+// Under a plain `mpirun`, a SIGTERM to mpirun (a scheduler's stop, `kill`) is forwarded to the
+// ranks, and Open MPI kills them odls_base_sigkill_timeout seconds later — 1 s by default, too
+// short for the checkpoint the stop signal makes them save. Said once at start-up; dsrun raises
+// the timeout itself (DSRUN_KILL_TIMEOUT, 60 s).
+void warn_about_mpirun_kill_timeout() {
+  if (!std::getenv("OMPI_COMM_WORLD_SIZE")) return;  // not started by Open MPI's mpirun
+  const char* t = std::getenv("OMPI_MCA_odls_base_sigkill_timeout");
+  const double timeout = t && *t ? std::atof(t) : 1.0;
+  if (timeout >= 30) return;
+  spdlog::warn("started by mpirun with odls_base_sigkill_timeout {:g} s: on SIGTERM, Open MPI kills the ranks {:g} s "
+               "after forwarding it, which may cut short the checkpoint the signal saves (the previous one stays "
+               "`latest`); give mpirun --mca odls_base_sigkill_timeout 60, or launch with dsrun, which does",
+               timeout, timeout);
+}
+
+// More threads than cores only slows a rank down (and a huge count exhausts memory or crashes
+// the OpenMP runtime): --threads is capped at the cores this process may run on, with a warning.
+int capped_threads(int threads, int rank) {
+  cpu_set_t set;
+  const int cores = sched_getaffinity(0, sizeof set, &set) == 0 ? std::max(1, CPU_COUNT(&set)) : 1;
+  if (threads <= cores) return threads;
+  if (rank == 0)
+    spdlog::warn("--threads {} is more than the {} core{} this rank may use: using {}", threads, cores,
+                 cores == 1 ? "" : "s", cores);
+  return cores;
+}
+
 launcher::Options with_default_threads(launcher::Options opts, int rank) {
-  if (opts.threads > 0 || std::getenv("OMP_NUM_THREADS")) return opts;
+  if (opts.threads > 0) {
+    opts.threads = capped_threads(opts.threads, rank);
+    return opts;
+  }
+  if (std::getenv("OMP_NUM_THREADS")) return opts;
   MPI_Comm node = MPI_COMM_NULL;
   int local = 1;
   if (MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &node) == MPI_SUCCESS) {
@@ -173,6 +204,7 @@ int run(const launcher::Options& cli, int rank, int world) {
     return 0;
   }
   init_logging(rank, p->config.monitor.log_level);
+  if (rank == 0) warn_about_mpirun_kill_timeout();
   opts = with_default_threads(opts, rank);
   std::vector<comm::ProcessGroup> groups;
   if (agree_on_failure(setup_groups(*p, rank, groups), rank, world)) return 1;
@@ -280,6 +312,7 @@ int generate_command(const std::vector<std::string>& args) {
     return 2;
   }
   init_logging(0, "warn");
+  if (o.threads > 0) o.threads = capped_threads(o.threads, 0);
   try {
     const runtime::Generated g = runtime::generate(ckpt, o);
     std::cout << o.prompt << g.text << "\n";

@@ -4,6 +4,8 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <chrono>
+#include <optional>
 #include <thread>
 
 #include "engine/runtime/trainer.h"
@@ -19,10 +21,21 @@ void install_stop_signals() {
   sigaddset(&set, SIGUSR2);
   pthread_sigmask(SIG_BLOCK, &set, nullptr);
   std::thread([set] {
+    using Clock = std::chrono::steady_clock;
+    std::optional<Clock::time_point> first;  // when the stop was requested
     for (;;) {
       int sig = 0;
       if (sigwait(&set, &sig) != 0) continue;
-      if (!runtime::Trainer::request_stop(sig)) _exit(128 + sig);
+      if (runtime::Trainer::request_stop(sig)) {
+        first = Clock::now();
+        continue;
+      }
+      // One stop often arrives by two paths at once — a terminal's SIGINT and the launcher's
+      // SIGUSR1 forwarded by mpirun, or mpirun's own SIGTERM: those are the same request, and
+      // must not cut the checkpoint being saved short. A signal 2 s or more later is a second
+      // request: stop now.
+      if (first && Clock::now() - *first < std::chrono::seconds(2)) continue;
+      _exit(128 + sig);
     }
   }).detach();
 }

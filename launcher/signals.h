@@ -3,7 +3,8 @@
 // The signals are blocked in every thread (OpenMP, oneDNN and MPI threads inherit the mask), and
 // one watcher thread receives them with sigwait: during training it asks the loop to save a
 // checkpoint and stop after the current step (the run then exits 0); otherwise, or on a second
-// signal, the process exits at once with 128 + signal.
+// signal 2 s or more after the first (signals closer together are one stop arriving by several
+// paths), the process exits at once with 128 + signal.
 #pragma once
 
 namespace dstrain::launcher {

@@ -1,6 +1,7 @@
 // The model section as a Hugging Face config.json (docs/model.md §2 fields, §12 exchange
 // format), written with nlohmann::json so that any string — an architecture name, a path — is
 // escaped as JSON requires.
+#include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
 #include <string>
@@ -76,6 +77,37 @@ std::string to_hf_config_json(const ModelConfig& m) {
   j["bias_update_speed"] = m.bias_update_speed;
   j["mtp_loss_weight"] = m.mtp_loss_weight;
   return j.dump(2) + "\n";
+}
+
+std::vector<std::string> model_changes(const std::string& saved_json, const ModelConfig& m) {
+  static const char* kNotCompared[] = {"initializer_range", "aux_loss_alpha",    "bias_update_speed",
+                                       "mtp_loss_weight",   "attention_dropout", "bos_token_id",
+                                       "eos_token_id",      "pad_token_id",      "architectures"};
+  const auto skipped = [](const std::string& k) {
+    for (const char* n : kNotCompared)
+      if (k == n) return true;
+    return false;
+  };
+  Json saved;
+  try {
+    saved = Json::parse(saved_json);
+  } catch (const std::exception&) {
+    return {"hf_config: the checkpoint's model config cannot be read"};
+  }
+  if (!saved.is_object()) return {"hf_config: the checkpoint's model config is not a JSON object"};
+  const Json now = Json::parse(to_hf_config_json(m));
+  std::vector<std::string> out;
+  const auto text = [](const Json& v) {
+    const std::string s = v.dump();
+    return s.size() <= 80 ? s : s.substr(0, 80) + "...";
+  };
+  for (const auto& [key, value] : now.items()) {
+    if (skipped(key)) continue;
+    const auto it = saved.find(key);
+    if (it == saved.end()) continue;  // a key newer than the checkpoint: its default then
+    if (*it != value) out.push_back(fmt::format("model.{} {} in the checkpoint, {} here", key, text(*it), text(value)));
+  }
+  return out;
 }
 
 }  // namespace dstrain::config

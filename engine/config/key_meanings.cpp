@@ -237,6 +237,8 @@ const std::string& key_meaning(const std::string& path) {
        "auto (the newest checkpoint in dir that loads, if any), none, or a checkpoint file or directory"},
       {"checkpoint.allow_data_change",
        "resume a checkpoint on data with another tokenizer or vocabulary (refused otherwise)"},
+      {"checkpoint.allow_model_change",
+       "resume a checkpoint with model keys that change what it computes (rope_theta, rms_norm_eps, routing, ...) set otherwise than when it was saved (refused otherwise)"},
       {"checkpoint.async",
        "write to disk in the background after the gather"},
       {"monitor.metrics_file",

@@ -23,6 +23,12 @@ std::string to_yaml(const TrainConfig& cfg);
 
 // The model's Hugging Face config.json (docs/model.md §2 fields) as a JSON object.
 std::string to_hf_config_json(const ModelConfig& m);
+// The keys that change what the model computes and whose values in `saved_json` (a checkpoint's
+// hf_config) differ from m's, each as "model.rope_theta 10000.0 in the checkpoint, 50000.0
+// here"; none when they agree. Keys that only matter for training from scratch or for the loss
+// (initializer_range, aux_loss_alpha, bias_update_speed, mtp_loss_weight, attention_dropout,
+// the token ids, architectures) are not compared. An unreadable saved_json gives one entry.
+std::vector<std::string> model_changes(const std::string& saved_json, const ModelConfig& m);
 
 // World-size-independent checks and defaults that depend on other keys (validate.cpp).
 void validate(TrainConfig& cfg);

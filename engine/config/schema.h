@@ -218,6 +218,7 @@ void describe(V& v, CheckpointConfig& c) {
   v.field("resume", c.resume, non_empty());
   v.field("async", c.async);
   v.field("allow_data_change", c.allow_data_change);
+  v.field("allow_model_change", c.allow_model_change);
 }
 
 template <class V>

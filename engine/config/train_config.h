@@ -180,6 +180,7 @@ struct CheckpointConfig {
   std::string resume = "auto";  // auto | none | a checkpoint path
   bool async = false;
   bool allow_data_change = false;  // resume on data tokenized differently from the checkpoint's
+  bool allow_model_change = false;  // resume with model keys (rope_theta, ...) other than the checkpoint's
 };
 
 struct MonitorConfig {

@@ -1,6 +1,9 @@
 #include "engine/plan/parallel_plan.h"
 
+#include <algorithm>
+
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "engine/common/error.h"
 #include "engine/common/strings.h"
@@ -102,6 +105,63 @@ double ParallelPlan::rank_need(int pp) const {
 
 namespace {
 
+// Sizes the plan's 64-bit arithmetic can hold, checked in floating point before any count is
+// made: a tensor, the whole model, and one micro-batch's widest activations. Nothing real
+// comes near (DeepSeek-V3: 6.7e11 parameters, its largest tensor 9.3e8 elements).
+constexpr double kMaxTensorElements = 0x1p48;  // 2.8e14
+constexpr double kMaxModelElements = 0x1p50;   // 1.1e15
+constexpr double kMaxActivationElements = 0x1p53;
+
+// The model key with the largest value: where a size error most likely comes from.
+std::string largest_key(const config::ModelConfig& m) {
+  const std::pair<const char*, int64_t> keys[] = {
+      {"model.hidden_size", m.hidden_size},           {"model.intermediate_size", m.intermediate_size},
+      {"model.moe_intermediate_size", m.moe_intermediate_size}, {"model.vocab_size", m.vocab_size},
+      {"model.num_attention_heads", m.num_attention_heads}, {"model.kv_lora_rank", m.kv_lora_rank},
+      {"model.q_lora_rank", m.q_lora_rank.value_or(0)},  {"model.qk_nope_head_dim", m.qk_nope_head_dim},
+      {"model.qk_rope_head_dim", m.qk_rope_head_dim},  {"model.v_head_dim", m.v_head_dim},
+      {"model.n_routed_experts", m.num_routed()},      {"model.num_hidden_layers", m.num_hidden_layers}};
+  const auto* best = &keys[0];
+  for (const auto& k : keys)
+    if (k.second > best->second) best = &k;
+  return best->first;
+}
+
+void check_sizes(const config::TrainConfig& cfg, const std::vector<ParamInfo>& params, int64_t micro) {
+  const config::ModelConfig& m = cfg.model;
+  double total = 0;
+  for (const ParamInfo& p : params) {
+    double n = 1;
+    bool wrapped = false;  // a dimension that is itself a product of sizes may have wrapped around
+    for (int64_t d : p.shape) n *= double(d), wrapped |= d <= 0;
+    if (wrapped || n > kMaxTensorElements)
+      config::fail_at(cfg, largest_key(m),
+                      fmt::format("tensor {} would have {} elements, more than the {:.3g} a tensor may have; valid: "
+                                  "the sizes of a real model",
+                                  p.name, wrapped ? std::string("more than 2^63") : fmt::format("{:.3g}", n),
+                                  kMaxTensorElements));
+    total += n;
+  }
+  if (total > kMaxModelElements)
+    config::fail_at(cfg, largest_key(m),
+                    fmt::format("the model would have {:.3g} parameters, more than the {:.3g} dstrain plans for; "
+                                "valid: fewer or narrower layers or experts",
+                                total, kMaxModelElements));
+  const double tokens = double(micro) * double(cfg.seq_length);
+  const double width = std::max({double(m.hidden_size), double(m.vocab_size), double(m.intermediate_size),
+                                 double(m.moe_intermediate_size) * double(std::max<int64_t>(m.num_experts_per_tok, 1)),
+                                 double(m.num_attention_heads) * double(std::max(m.qk_head_dim(), m.v_head_dim))});
+  const double layers = double(m.num_hidden_layers + m.num_nextn_predict_layers + 2);
+  const double scores = double(micro) * double(m.num_attention_heads) * double(cfg.seq_length) * double(cfg.seq_length);
+  const double values = std::max(tokens * width * layers, scores);
+  if (values > kMaxActivationElements)
+    config::fail_at(cfg, "seq_length",
+                    fmt::format("{}: one micro-batch of {} x {} tokens would need about {:.3g} activation values, "
+                                "more than dstrain can count; valid: a smaller seq_length or "
+                                "train_micro_batch_size_per_gpu, or a narrower model",
+                                cfg.seq_length, micro, cfg.seq_length, values));
+}
+
 ParallelPlan make_fixed_plan(const config::TrainConfig& cfg, int world_size) {
   ParallelPlan plan;
   plan.config = cfg;
@@ -145,6 +205,7 @@ ParallelPlan make_fixed_plan(const config::TrainConfig& cfg, int world_size) {
                                 "valid: fewer layers or experts",
                                 entries, layers, m.num_routed(), with_commas(kMaxRegistryEntries)));
   plan.params = build_param_table(m);
+  check_sizes(cfg, plan.params, plan.batch.micro);
   plan.counts = count_params(m, plan.params);
   plan.flops = flops_per_token(m, cfg.seq_length);
   plan.stage_loads.assign(size_t(plan.degrees.pp), StageLoad{});

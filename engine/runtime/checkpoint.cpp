@@ -873,6 +873,10 @@ TrainState Checkpointer::load_local(const std::string& path, model::ParamStore& 
   } catch (const Error&) {
   }
   if (!s.data_tokenizer.empty()) s.data_vocab_size = count("data_vocab_size", 1e12);
+  try {
+    s.hf_config = f->attr_string("hf_config");
+  } catch (const Error&) {
+  }
   return s;
 }
 

@@ -44,6 +44,7 @@ struct TrainState {
   // in checkpoints that predate these attributes).
   std::string data_tokenizer;
   int64_t data_vocab_size = 0;
+  std::string hf_config;  // the model's config.json when it was saved (read at load; "" if absent)
 };
 
 class Checkpointer {

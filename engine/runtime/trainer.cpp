@@ -126,6 +126,15 @@ Trainer::Trainer(const plan::ParallelPlan& plan, RankGroups groups, int threads)
                         what + "; valid: the data the checkpoint was trained on, or true to resume on other data");
       if (rank_ == 0) spdlog::warn("{} (checkpoint.allow_data_change: true)", what);
     }
+    if (const std::vector<std::string> changes = config::model_changes(st.hf_config, cfg_.model);
+        !st.hf_config.empty() && !changes.empty()) {
+      const std::string what = fmt::format("checkpoint {} was saved with other model settings: {}", resumed->path,
+                                           join(changes, "; "));
+      if (!cfg_.checkpoint.allow_model_change)
+        config::fail_at(cfg_, "checkpoint.allow_model_change",
+                        what + "; valid: the checkpoint's values, or true to resume with the new ones");
+      if (rank_ == 0) spdlog::warn("{} (checkpoint.allow_model_change: true)", what);
+    }
     start_step_ = saved_step_ = st.step;
     saved_path_ = resumed->path;
     adam_->capture_master();  // the checkpoint's weights are the master weights (mixed precision)

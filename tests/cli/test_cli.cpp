@@ -375,7 +375,7 @@ TEST(CheckpointTool, InfoDiffAndHuggingFaceExport) {
   const std::string tool = std::string(DSTRAIN_CKPT_BIN);
   Result r = run(tool + " info " + dir + "/run");
   ASSERT_EQ(r.rc, 0) << r.err;
-  for (const char* s : {"format     dstrain-checkpoint version 1", "step       2 (1,024 tokens seen)",
+  for (const char* s : {"format     dstrain-checkpoint version 2 (end-to-end checksums)", "step       2 (1,024 tokens seen)",
                         "layout     tensor=1 pipeline=1 data=1 expert=1 world=1", "41 tensors, 125,668 elements",
                         "model.layers.1.mlp.experts.3.up_proj.weight", "train_steps: 2"})
     EXPECT_NE(r.out.find(s), std::string::npos) << s << "\n" << r.out;

@@ -3,8 +3,17 @@
 // --exclude / --num_nodes / --num_gpus choose hosts and slots (GPUs, made visible per host);
 // --bind pins ranks; .dstrain_env and the NCCL_* / OMP_* variables reach every rank; the exact
 // mpirun line is printed; bad hostfiles and specs are refused with a message that names them.
+#include <fcntl.h>
+#include <poll.h>
+#include <pty.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <thread>
 
 #include "tests/cli/cli_util.h"
@@ -121,6 +130,197 @@ TEST(Dsrun, BadHostfilesAndSpecsAreRefusedWithAMessage) {
   const Result r = run("cd " + cwd + " && " + kDsrun + " --dry-run -np 1 x.yaml");
   EXPECT_EQ(r.rc, 2);
   EXPECT_NE(r.err.find(".dstrain_env:2: \"this is not an assignment\": expected KEY=VALUE"), std::string::npos) << r.err;
+}
+
+}  // namespace
+}  // namespace dstrain::testing
+
+// ---- Stopping a dsrun job (issue 41): a stop saves, exits 0 within seconds and leaves no
+// process behind, whichever way the signal arrives.
+namespace dstrain::testing {
+namespace {
+
+// The processes whose command line names `tag` (the job's unique checkpoint directory).
+std::vector<pid_t> job_processes(const std::string& tag) {
+  std::vector<pid_t> out;
+  for (const auto& e : std::filesystem::directory_iterator("/proc")) {
+    const std::string name = e.path().filename().string();
+    if (name.find_first_not_of("0123456789") != std::string::npos) continue;
+    std::ifstream in(e.path() / "cmdline");
+    const std::string cmd((std::istreambuf_iterator<char>(in)), {});
+    std::ifstream st(e.path() / "stat");
+    std::string stat((std::istreambuf_iterator<char>(st)), {});
+    const size_t close = stat.rfind(')');
+    const bool zombie = close != std::string::npos && close + 2 < stat.size() && stat[close + 2] == 'Z';
+    if (!zombie && cmd.find(tag) != std::string::npos && pid_t(std::stol(name)) != ::getpid())
+      out.push_back(pid_t(std::stol(name)));
+  }
+  return out;
+}
+
+struct Job {
+  pid_t pid = -1;
+  int pty = -1;          // the terminal's master side, when run on one
+  std::string log, dir;  // output (file, or what the terminal showed); checkpoint directory
+};
+
+std::vector<std::string> job_args(const std::string& dir) {
+  return {kDsrun, "-np", "2", "configs/tiny.yaml", "--set", "train_steps=100000", "--set", "steps_per_print=1",
+          "--set", "data.eval_interval=0", "--set", "checkpoint.dir=" + dir, "--resume", "none"};
+}
+
+void exec_args(const std::vector<std::string>& args) {
+  std::vector<char*> argv;
+  for (const std::string& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+  argv.push_back(nullptr);
+  ::execv(argv[0], argv.data());
+  ::_exit(127);
+}
+
+// Starts the job with the signal dispositions a shell gives a foreground command, its output
+// into dir.log; on a new terminal (the job's session leader, as a shell's job is) with `pty`.
+Job start(const std::string& dir, bool pty) {
+  Job j;
+  j.dir = dir;
+  j.log = dir + ".log";
+  sigset_t none;
+  sigemptyset(&none);
+  if (pty) {
+    j.pid = ::forkpty(&j.pty, nullptr, nullptr, nullptr);
+    if (j.pid == 0) {
+      ::sigprocmask(SIG_SETMASK, &none, nullptr);
+      exec_args(job_args(dir));
+    }
+    return j;
+  }
+  j.pid = ::fork();
+  if (j.pid == 0) {
+    ::sigprocmask(SIG_SETMASK, &none, nullptr);
+    ::setpgid(0, 0);
+    const int fd = ::open(j.log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    ::dup2(fd, 1), ::dup2(fd, 2);
+    exec_args(job_args(dir));
+  }
+  return j;
+}
+
+// What the job printed so far (the terminal's output is read into the log as it comes).
+std::string output(Job& j) {
+  if (j.pty >= 0) {
+    char buf[4096];
+    for (;;) {
+      pollfd p{j.pty, POLLIN, 0};
+      if (::poll(&p, 1, 0) <= 0) break;
+      const ssize_t n = ::read(j.pty, buf, sizeof buf);
+      if (n <= 0) break;
+      std::ofstream(j.log, std::ios::app).write(buf, n);
+    }
+  }
+  return slurp(j.log);
+}
+
+bool wait_for(Job& j, const std::string& text, double seconds) {
+  for (auto end = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
+       std::chrono::steady_clock::now() < end;) {
+    if (output(j).find(text) != std::string::npos) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  return false;
+}
+
+// The job's exit status once it ends within `seconds`, else -1 (then killed).
+int finish(Job& j, double seconds, double* took) {
+  const auto t0 = std::chrono::steady_clock::now();
+  int status = 0;
+  while (::waitpid(j.pid, &status, WNOHANG) == 0) {
+    output(j);
+    if (std::chrono::steady_clock::now() - t0 > std::chrono::duration<double>(seconds)) {
+      for (pid_t p : job_processes(j.dir)) ::kill(p, SIGKILL);
+      ::kill(j.pid, SIGKILL);
+      ::waitpid(j.pid, &status, 0);
+      return -1;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  *took = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  output(j);
+  if (j.pty >= 0) ::close(j.pty);
+  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+}
+
+void expect_saved_and_gone(Job& j) {
+  const std::string out = output(j);
+  EXPECT_NE(out.find("saved checkpoint " + j.dir + "/step_"), std::string::npos) << out;
+  EXPECT_NE(out.find("checkpoint saved"), std::string::npos) << out;
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  EXPECT_TRUE(job_processes(j.dir).empty()) << "processes left behind";
+  std::ifstream latest(j.dir + "/latest");
+  std::string name;
+  EXPECT_TRUE(latest >> name) << "no latest in " << j.dir;
+}
+
+// A terminal's Ctrl-C: SIGINT to the terminal's foreground process group (dsrun's).
+TEST(DsrunStop, CtrlCOnATerminalSavesAndExitsAtOnce) {
+  const std::string dir = fresh_dir("dsrun_ctrl_c") + "/ckpt";
+  Job j = start(dir, true);
+  ASSERT_TRUE(wait_for(j, "step 3/", 90)) << output(j);
+  const char ctrl_c = 3;
+  ASSERT_EQ(::write(j.pty, &ctrl_c, 1), 1);
+  double took = 0;
+  EXPECT_EQ(finish(j, 60, &took), 0) << output(j);
+  EXPECT_LT(took, 20.0);
+  expect_saved_and_gone(j);
+}
+
+// A tool that signals a whole process tree (an IDE's stop button, a CI runner's cancel, a
+// process-group kill): SIGINT to dsrun, mpirun and every rank at once. Open MPI's mpirun, so
+// signalled, would wait out twice odls_base_sigkill_timeout (2 minutes under dsrun) and exit 1.
+TEST(DsrunStop, SignalToTheWholeProcessTreeSavesAndExitsAtOnce) {
+  const std::string dir = fresh_dir("dsrun_tree") + "/ckpt";
+  Job j = start(dir, false);
+  ASSERT_TRUE(wait_for(j, "step 3/", 90)) << output(j);
+  std::vector<pid_t> all = job_processes(dir);
+  all.push_back(j.pid);
+  EXPECT_GE(all.size(), 4u);  // dsrun, mpirun, two ranks
+  for (pid_t p : all) ::kill(p, SIGINT);
+  double took = 0;
+  EXPECT_EQ(finish(j, 100, &took), 0) << output(j);
+  EXPECT_LT(took, 20.0);
+  expect_saved_and_gone(j);
+}
+
+// dsrun killed outright (SIGKILL, nothing to trap): mpirun is told by its parent-death signal,
+// the ranks save and stop, and nothing is left running.
+TEST(DsrunStop, KilledLauncherLeavesNoJobBehind) {
+  const std::string dir = fresh_dir("dsrun_killed") + "/ckpt";
+  Job j = start(dir, false);
+  ASSERT_TRUE(wait_for(j, "step 3/", 90)) << output(j);
+  ::kill(j.pid, SIGKILL);
+  int status = 0;
+  ::waitpid(j.pid, &status, 0);
+  bool gone = false;
+  for (int i = 0; i < 400 && !gone; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    gone = job_processes(dir).empty();
+  }
+  EXPECT_TRUE(gone) << "the job outlived dsrun by 20 s";
+  for (pid_t p : job_processes(dir)) ::kill(p, SIGKILL);
+  EXPECT_NE(output(j).find("checkpoint saved"), std::string::npos) << output(j);
+}
+
+// Under a plain mpirun, SIGTERM gives the ranks 1 s before Open MPI kills them: the start-up
+// log says so once, and how to raise it; dsrun raises it, and says nothing.
+TEST(DsrunStop, PlainMpirunWarnsOfItsKillTimeout) {
+  const std::string dir = fresh_dir("mpirun_timeout");
+  Result r = run(mpirun(1) + train_cmd(dir, "a", 1, "--resume none"));
+  ASSERT_EQ(r.rc, 0) << r.err;
+  EXPECT_EQ(count(r.out, "started by mpirun with odls_base_sigkill_timeout 1 s"), 1) << r.out;
+  EXPECT_NE(r.out.find("give mpirun --mca odls_base_sigkill_timeout 60, or launch with dsrun"), std::string::npos);
+  r = run(kDsrun + " -np 1 " + train_cmd(dir, "b", 1, "--resume none").substr(kDstrain.size() + 1));
+  ASSERT_EQ(r.rc, 0) << r.err;
+  EXPECT_EQ(r.out.find("started by mpirun with"), std::string::npos) << r.out;
+  r = run(train_cmd(dir, "c", 1, "--resume none"));  // no mpirun at all
+  EXPECT_EQ(r.out.find("started by mpirun with"), std::string::npos) << r.out;
 }
 
 }  // namespace

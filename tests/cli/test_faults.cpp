@@ -9,6 +9,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <thread>
 
 #include "engine/io/hdf5_file.h"
@@ -395,6 +396,73 @@ TEST(Faults, ToolsAndMessagesSayWhatHappened) {
   EXPECT_EQ(r.rc, 1);
   EXPECT_EQ(r.err.find("terminate called"), std::string::npos) << r.err;
   EXPECT_NE(r.err.find("dstrain-bench: error:"), std::string::npos) << r.err;
+}
+
+// 11. The faults a hostile but realistic user finds (issue 41): each one a clear error or the
+// right recovery, nothing lost.
+TEST(Faults, HostileInputsAreRefusedAndLoseNothing) {
+  const std::string dir = fresh("hostile");
+  const std::string bin = std::string(DSTRAIN_BIN).substr(0, std::string(DSTRAIN_BIN).rfind('/'));
+  // --threads beyond the cores: capped with a warning, the run as usual.
+  Result r = run(train_cmd(dir, "threads", 1, "--resume none --threads 100000"));
+  EXPECT_EQ(r.rc, 0) << r.err;
+  EXPECT_NE(r.out.find("--threads 100000 is more than the"), std::string::npos) << r.out;
+  // dstrain-prep never writes over what it reads; a directory input and a stray
+  // --tokenizer-file are named.
+  const std::string prep = bin + "/dstrain-prep";
+  std::ofstream(dir + "/corpus.txt") << "to be or not to be, that is the question";
+  r = run(prep + " --input " + dir + "/corpus.txt --output " + dir + "/corpus.txt --force");
+  EXPECT_EQ(r.rc, 1);
+  EXPECT_NE(r.err.find("--input " + dir + "/corpus.txt is also an output"), std::string::npos) << r.err;
+  std::ifstream corpus(dir + "/corpus.txt");
+  EXPECT_EQ(std::string(std::istreambuf_iterator<char>(corpus), {}), "to be or not to be, that is the question");
+  r = run(prep + " --input " + dir + " --output " + dir + "/x.h5");
+  EXPECT_EQ(r.rc, 1);
+  EXPECT_NE(r.err.find("--input " + dir + ": is a directory"), std::string::npos) << r.err;
+  r = run(prep + " --input " + dir + "/corpus.txt --output " + dir + "/x.h5 --tokenizer-file " + dir + "/t.tok");
+  EXPECT_EQ(r.rc, 1);
+  EXPECT_NE(r.err.find("--tokenizer-file " + dir + "/t.tok is a BPE tokenizer, but the tokenizer is bytes"),
+            std::string::npos)
+      << r.err;
+  // compare-dumps with a TOL that is not a number.
+  r = run(kCkpt + " compare-dumps a.h5 b.h5 abc");
+  EXPECT_EQ(r.rc, 1);
+  EXPECT_NE(r.err.find("compare-dumps: TOL 'abc' is not a number >= 0"), std::string::npos) << r.err;
+  // A checkpoint that cannot be pruned (a non-empty directory named like one) is a warning; the
+  // new checkpoint is published and the run ends well.
+  fs::create_directories(dir + "/prune/step_00000001.h5/inside");
+  r = run(train_cmd(dir, "prune", 3, "--resume none --set checkpoint.interval=2 --set checkpoint.keep_last=1"));
+  EXPECT_EQ(r.rc, 0) << r.err;
+  EXPECT_NE(r.out.find("cannot remove the old checkpoint " + dir + "/prune/step_00000001.h5"), std::string::npos)
+      << r.out;
+  EXPECT_EQ(latest_name(dir + "/prune"), "step_00000003.h5");
+  EXPECT_FALSE(fs::exists(dir + "/prune/step_00000002.h5"));
+  // `latest` naming a file elsewhere, or with terminal escapes: refused, shown escaped, and the
+  // other run's checkpoint is never loaded.
+  for (const std::string& bad : {dir + "/prune/step_00000003.h5", std::string("../prune/step_00000003.h5"),
+                                 std::string("\x1b]0;owned\x07step_00000003.h5")}) {
+    fs::remove_all(dir + "/empty");
+    fs::create_directories(dir + "/empty");
+    std::ofstream(dir + "/empty/latest") << bad << "\n";
+    r = run(train_cmd(dir, "empty", 4, ""));
+    EXPECT_EQ(r.rc, 1) << bad;
+    EXPECT_NE(r.err.find("is not the file name of a checkpoint in this directory"), std::string::npos) << r.err;
+    EXPECT_EQ(r.out.find("resumed from"), std::string::npos) << r.out;
+    EXPECT_EQ((r.out + r.err).find('\x1b'), std::string::npos) << "a raw escape reached the terminal";
+    Result info = run(kCkpt + " info " + dir + "/empty");
+    EXPECT_EQ(info.rc, 1);
+    EXPECT_EQ((info.out + info.err).find('\x1b'), std::string::npos);
+  }
+  EXPECT_NE(r.err.find("\\x1b]0;owned\\x07step_00000003.h5"), std::string::npos) << r.err;
+  // A model key changed on resume: refused unless checkpoint.allow_model_change.
+  r = run(train_cmd(dir, "prune", 4, "--set model.rope_theta=50000"));
+  EXPECT_EQ(r.rc, 1);
+  EXPECT_NE(r.err.find("checkpoint.allow_model_change"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("model.rope_theta 10000.0 in the checkpoint, 50000.0 here"), std::string::npos) << r.err;
+  r = run(train_cmd(dir, "prune", 4, "--set model.rope_theta=50000 --set checkpoint.allow_model_change=true"));
+  EXPECT_EQ(r.rc, 0) << r.err;
+  EXPECT_NE(r.out.find("(checkpoint.allow_model_change: true)"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("resumed from " + dir + "/prune/step_00000003.h5 at step 3"), std::string::npos) << r.out;
 }
 
 }  // namespace

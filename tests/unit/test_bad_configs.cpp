@@ -3,6 +3,10 @@
 // exact substrings of the message.
 #include <gtest/gtest.h>
 
+#include <chrono>
+
+#include <fmt/format.h>
+
 #include "engine/plan/parallel_plan.h"
 #include "tests/unit/test_helpers.h"
 
@@ -154,6 +158,21 @@ std::vector<BadCase> cases() {
        {"--set seed.x=1: seed: invalid value {x: 1}: expected an integer"}},
       {"set_unknown_key", base(), {"parallel.tensr=2"}, 1,
        {"--set parallel.tensr=2: parallel.tensr: unknown key; did you mean 'parallel.tensor'?"}},
+      // Sizes the plan's 64-bit counts cannot hold: refused, never printed wrapped around.
+      {"hidden_size_overflows_the_counts", base(), {"model.hidden_size=4611686018427387904"}, 1,
+       {"--set model.hidden_size=4611686018427387904: model.hidden_size: tensor ",
+        "a tensor may have; valid: the sizes of a real model"}},
+      {"intermediate_size_overflows_the_counts", base(), {"model.intermediate_size=3e18"}, 1,
+       {"--set model.intermediate_size=3e18: model.intermediate_size: tensor model.layers.0.mlp.gate_proj.weight "
+        "would have 1.92e+20 elements"}},
+      {"hidden_size_at_int64_max", base(), {"model.hidden_size=9223372036854775807"}, 1,
+       {"model.hidden_size: tensor "}},
+      {"model_too_large_in_total", base(), {"model.n_routed_experts=100000", "model.moe_intermediate_size=100000",
+                                            "model.hidden_size=100000", "model.num_attention_heads=4"},
+       1, {"the model would have 3e+15 parameters, more than the 1.13e+15 dstrain plans for"}},
+      {"sequence_too_long_to_count", base(), {"seq_length=200000000", "model.max_position_embeddings=200000000",
+                                              "train_micro_batch_size_per_gpu=4"},
+       1, {"seq_length: 200000000: one micro-batch of 4 x 200000000 tokens would need about", "more than dstrain can count"}},
   };
 }
 
@@ -179,6 +198,39 @@ INSTANTIATE_TEST_SUITE_P(Table, BadConfig, ::testing::ValuesIn(cases()),
                          [](const auto& info) { return std::string(info.param.name); });
 
 TEST(BadConfigTable, HasAtLeast25Cases) { EXPECT_GE(cases().size(), 25u); }
+
+// Aliases nested in aliases (a "billion laughs") under a valid list key: refused before any
+// walk expands them, in well under a second, with a message of normal length.
+TEST(BadConfigFile, AliasBombIsRefusedQuickly) {
+  std::string yaml = base() + "a0: &a0 [1, 1, 1, 1, 1, 1, 1, 1, 1, 1]\n";
+  for (int i = 1; i < 9; ++i)
+    yaml += fmt::format("a{}: &a{} [*a{p}, *a{p}, *a{p}, *a{p}, *a{p}, *a{p}, *a{p}, *a{p}, *a{p}, *a{p}]\n", i, i,
+                        fmt::arg("p", i - 1));
+  yaml += "monitor:\n  trace_steps: *a8\n";
+  const auto t0 = std::chrono::steady_clock::now();
+  std::string message;
+  try {
+    testing::load(yaml);
+  } catch (const ConfigError& e) {
+    message = e.what();
+  }
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_NE(message.find("test.yaml: the config expands to more than 100,000 YAML nodes"), std::string::npos)
+      << message.substr(0, 300);
+  EXPECT_LT(message.size(), 400u);
+  EXPECT_LT(secs, 2.0);
+  // A value quoted in an error is cut short.
+  std::string list = "[";
+  for (int i = 0; i < 500; ++i) list += "100000, ";
+  list += "1]";
+  try {
+    testing::load(base() + "seed: " + list + "\n");
+    FAIL() << "accepted a list for seed";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("... (4003 characters)"), std::string::npos) << e.what();
+    EXPECT_LT(std::string(e.what()).size(), 400u);
+  }
+}
 
 TEST(BadConfigFile, MissingFileIsNamed) {
   try {

@@ -70,12 +70,14 @@ int info(const std::string& arg) {
   const Opened o = open_checkpoint(path);
   const H5File* f = o.file.get();
   std::printf("checkpoint %s (%s)\n", path.c_str(), dstrain::human_bytes(double(fs::file_size(path))).c_str());
-  std::printf("format     dstrain-checkpoint version %d\n", int(f->attr_double("format_version")));
+  std::printf("format     dstrain-checkpoint version %d%s\n", o.version,
+              o.version >= 2 ? " (end-to-end checksums)" : " (no end-to-end checksums)");
   std::printf("step       %s (%s tokens seen)\n", dstrain::with_commas(int64_t(f->attr_double("step"))).c_str(),
               dstrain::with_commas(int64_t(f->attr_double("tokens_seen"))).c_str());
-  std::printf("layout     %s\n", f->attr_string("layout").c_str());
+  // (text from the file is printed escaped: a crafted checkpoint reaches no terminal control)
+  std::printf("layout     %s\n", dstrain::printable(f->attr_string("layout")).c_str());
   std::printf("optimizer  %s (exp_avg, exp_avg_sq per parameter); loss scale %g\n",
-              f->attr_string("optimizer").c_str(), f->attr_double("loss_scale"));
+              dstrain::printable(f->attr_string("optimizer")).c_str(), f->attr_double("loss_scale"));
   int64_t count = 0, elements = 0;
   std::printf("tensors (model/, fp32, full shapes):\n");
   for (const std::string& name : f->list("model")) {
@@ -83,12 +85,17 @@ int info(const std::string& arg) {
     int64_t n = 1;
     for (int64_t d : s) n *= d;
     ++count, elements += n;
-    std::printf("  %-64s %-16s %s\n", name.c_str(), shape_text(s).c_str(), dstrain::human_bytes(4.0 * double(n)).c_str());
+    std::printf("  %-64s %-16s %s\n", dstrain::printable(name).c_str(), shape_text(s).c_str(),
+                dstrain::human_bytes(4.0 * double(n)).c_str());
   }
   std::printf("%s tensors, %s elements (%s); optimizer state %s tensors\n", dstrain::with_commas(count).c_str(),
               dstrain::with_commas(elements).c_str(), dstrain::human_bytes(4.0 * double(elements)).c_str(),
               dstrain::with_commas(int64_t(f->list("optimizer/exp_avg").size() * 2)).c_str());
-  std::printf("config:\n%s", f->attr_string("config_yaml").c_str());
+  std::string config;
+  for (const std::string& line : dstrain::split(f->attr_string("config_yaml"), '\n'))
+    config += dstrain::printable(line, 4096) + "\n";
+  while (config.size() >= 2 && config.substr(config.size() - 2) == "\n\n") config.pop_back();
+  std::printf("config:\n%s", config.c_str());
   return 0;
 }
 
@@ -133,7 +140,11 @@ int diff(const std::string& a_arg, const std::string& b_arg) {
 
 // Two --dump-grads files (the same model and batch, e.g. on two backends or layouts).
 int compare_dumps(const std::string& a_path, const std::string& b_path, const std::string& tol_arg) {
-  const double tol = std::stod(tol_arg);
+  char* end = nullptr;
+  const double tol = std::strtod(tol_arg.c_str(), &end);
+  if (tol_arg.empty() || *end != '\0' || !(tol >= 0) || !std::isfinite(tol))
+    throw dstrain::ConfigError(fmt::format("compare-dumps: TOL '{}' is not a number >= 0 (e.g. 1e-5)",
+                                           dstrain::printable(tol_arg, 40)));
   H5File a(a_path, H5File::Mode::kRead), b(b_path, H5File::Mode::kRead);
   int over = 0, missing = 0, tensors = 0;
   for (const char* group : {"weights", "grads"}) {
