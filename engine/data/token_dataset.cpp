@@ -41,6 +41,14 @@ std::vector<int32_t> read_prepared(const std::string& path, DatasetInfo& info) {
   info.vocab_size = int64_t(f.attr_double("vocab_size"));
   info.tokenizer = f.attr_string("tokenizer");
   info.tokenizer_file = f.attr_string("tokenizer_file");
+  // dstrain-prep writes the tokenizer next to the dataset and records its bare file name: a path
+  // (elsewhere, "..") is refused rather than read.
+  const std::string& tf = info.tokenizer_file;
+  if (!tf.empty() && (tf == "." || tf == ".." || tf.find('/') != std::string::npos ||
+                      std::any_of(tf.begin(), tf.end(), [](char c) { return static_cast<unsigned char>(c) < 0x20; })))
+    throw ConfigError(fmt::format("{}: its tokenizer_file attribute \"{}\" is not a file name next to the dataset "
+                                  "(dstrain-prep writes DATA.tokenizer beside DATA.h5); valid: a bare file name",
+                                  path, printable(tf, 120)));
   info.tokenizer_id = info.tokenizer;
   if (!info.tokenizer_file.empty()) {  // FNV-1a of the tokenizer file (next to the dataset)
     std::ifstream in(std::filesystem::path(path).parent_path() / info.tokenizer_file, std::ios::binary);

@@ -272,7 +272,9 @@ std::string Checkpointer::save(const TrainState& state, model::ParamStore& param
     try {
       fs::create_directories(cfg.checkpoint.dir);
       remove_quietly(tmp);  // a leftover of this same step (an earlier failed save)
-      if (!async) file = std::make_unique<io::H5File>(tmp, io::H5File::Mode::kCreate, io::H5File::Driver::kDirect);
+      error = room_for_a_checkpoint(cfg.checkpoint.dir);
+      if (error.empty() && !async)
+        file = std::make_unique<io::H5File>(tmp, io::H5File::Mode::kCreate, io::H5File::Driver::kDirect);
     } catch (const std::exception& e) {
       error = fmt::format("{}: {}", tmp, e.what());
     }
@@ -492,6 +494,27 @@ void Checkpointer::prepare_for_saves() {
   if (!error.empty()) throw ConfigError(fmt::format("checkpoint.dir {}: {}", c.dir, error));
 }
 
+double Checkpointer::checkpoint_bytes() const {
+  double bytes = 0;
+  for (const plan::ParamInfo& p : plan_.params) bytes += 4.0 * double(p.numel()) * (p.buffer ? 1 : 3);
+  return bytes;
+}
+
+// Before a save: "" when `dir` has room for one more checkpoint, else the one-line refusal. A
+// save that would fill the disk fails half-way and leaves the disk full for everyone else; this
+// refuses it before a byte is written (the previous checkpoint stays `latest`).
+std::string Checkpointer::room_for_a_checkpoint(const std::string& dir) const {
+  struct statvfs fsinfo {};
+  if (::statvfs(dir.c_str(), &fsinfo) != 0) return "";  // unknown: the write reports its own errors
+  const double free_bytes = double(fsinfo.f_bavail) * double(fsinfo.f_frsize);
+  const double need = checkpoint_bytes() * 1.01 + double(1 << 20);  // (HDF5's metadata: well under 1%)
+  if (free_bytes >= need) return "";
+  return fmt::format("{} has {} free, but a checkpoint takes about {}: not saved (refused before writing, so the "
+                     "disk is not filled); the previous checkpoint stays `latest`; valid: free space there, or another "
+                     "checkpoint.dir",
+                     dir, human_bytes(free_bytes), human_bytes(need));
+}
+
 // Rank 0's part of prepare_for_saves: "" when the directory is ready, else what is wrong.
 std::string Checkpointer::lock_and_check_dir() {
   const std::string dir = plan_.config.checkpoint.dir;
@@ -541,14 +564,13 @@ std::string Checkpointer::lock_and_check_dir() {
   ::unlink(probe.c_str());
   if (!wrote) return fmt::format("cannot be written: {}; valid: a writable directory", std::strerror(write_errno));
   // Room for one more checkpoint (a new one is complete before older ones are pruned).
-  double bytes = 0;
-  for (const plan::ParamInfo& p : plan_.params) bytes += 4.0 * double(p.numel()) * (p.buffer ? 1 : 3);
+  const double bytes = checkpoint_bytes();
   struct statvfs fsinfo {};
   if (::statvfs(dir.c_str(), &fsinfo) == 0) {
     const double free_bytes = double(fsinfo.f_bavail) * double(fsinfo.f_frsize);
     if (free_bytes < bytes)
-      spdlog::warn("checkpoint.dir {} has {} free, but a checkpoint takes about {}: saves will fail when the disk "
-                   "is full (each failed save is reported and removed; the previous checkpoint stays `latest`)",
+      spdlog::warn("checkpoint.dir {} has {} free, but a checkpoint takes about {}: saves will be refused while the "
+                   "disk has no room for one (each refusal is reported; the previous checkpoint stays `latest`)",
                    dir, human_bytes(free_bytes), human_bytes(bytes));
   }
   spdlog::info("checkpoints go to {} ({} per checkpoint, {})", dir, human_bytes(bytes),

@@ -106,6 +106,8 @@ class Checkpointer {
                           const std::string& name, int k, std::vector<float>& gathered) const;
   void finish_file(const std::string& tmp, const std::string& path) const;
   std::string lock_and_check_dir();
+  double checkpoint_bytes() const;  // the tensors' bytes in one checkpoint file
+  std::string room_for_a_checkpoint(const std::string& dir) const;
 
   const plan::ParallelPlan& plan_;
   std::unique_ptr<comm::Communicator> comm_;

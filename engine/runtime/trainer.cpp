@@ -798,7 +798,9 @@ TrainSummary Trainer::run() {
     int stop = g_stop_signal.load();
     stop = int(comm::all_reduce_value(*world_, int64_t(stop), comm::ReduceOp::kMax));  // stop together
     const bool interval = cfg_.checkpoint.interval > 0 && (step + 1) % cfg_.checkpoint.interval == 0;
-    if (interval || (last_step && cfg_.checkpoint.save_at_end) || stop) {
+    // A stop signal saves as the end of the run would: not with save_at_end: false (a benchmark's
+    // or the GPU check's run, whose state nobody wants and may not fit on the disk).
+    if (interval || ((last_step || stop) && cfg_.checkpoint.save_at_end)) {
       const auto t = Clock::now();
       save_checkpoint(step + 1);
       excluded += seconds_since(t);
@@ -806,7 +808,14 @@ TrainSummary Trainer::run() {
     step_scope.reset();
     if (tracing && step + 1 == trace_last && trace::recording()) write_trace();
     if (stop) {
-      if (rank_ == 0) spdlog::info("stopped by signal {} after step {}; checkpoint saved", stop, step + 1);
+      if (rank_ == 0) {
+        if (cfg_.checkpoint.save_at_end || interval)
+          spdlog::info("stopped by signal {} after step {}; checkpoint saved", stop, step + 1);
+        else
+          spdlog::info("stopped by signal {} after step {}; no checkpoint saved (checkpoint.save_at_end: false){}", stop,
+                       step + 1,
+                       saved_step_ >= 0 ? fmt::format("; the newest is {} (step {})", saved_path_, saved_step_) : "");
+      }
       out.stopped = true;
       out.steps = step + 1;
       break;

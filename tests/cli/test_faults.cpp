@@ -49,6 +49,14 @@ void corrupt(const std::string& path, double at = 0.5) {
   f.write(junk.data(), std::streamsize(junk.size()));
 }
 
+std::vector<std::string> list_files(const std::string& dir, const std::string& extension) {
+  std::vector<std::string> out;
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(dir, ec))
+    if (e.path().extension() == extension) out.push_back(e.path().string());
+  return out;
+}
+
 std::string fresh(const std::string& name) {
   const std::string dir = ::testing::TempDir() + "/faults_" + name;
   fs::remove_all(dir);
@@ -160,9 +168,10 @@ TEST(Faults, CorruptNewestCheckpointFallsBackLoudly) {
   EXPECT_EQ(r.out.find("step 1/12"), std::string::npos) << "trained from scratch";
 }
 
-// 5. A full disk (a 3 MiB tmpfs): a warning at start-up, each failed save reported with the
-// system's reason and removed, exit 1, no crash. Needs mount (root in a container that allows
-// it); the write-error test in test_cli.cpp covers the same path with a file-size limit.
+// 5. A full disk (a 3 MiB tmpfs): a warning at start-up, and a save the disk has no room for is
+// refused before a byte is written (the disk is not filled for everyone else), exit 1, no
+// crash. Needs mount (root in a container that allows it); the write-error test in
+// test_cli.cpp covers a write that fails half-way (a file-size limit), with the system's reason.
 TEST(Faults, DiskFullIsReportedNotACrash) {
   const std::string dir = fresh("diskfull");
   fs::create_directories(dir + "/small");
@@ -173,8 +182,23 @@ TEST(Faults, DiskFullIsReportedNotACrash) {
   const Result r = run(cmd);
   ::umount((dir + "/small").c_str());
   EXPECT_EQ(r.rc, 1) << r.err;  // not 139
-  EXPECT_NE(r.out.find("saves will fail when the disk is full"), std::string::npos) << r.out;
-  EXPECT_NE(r.err.find("No space left on device"), std::string::npos) << r.err;
+  EXPECT_NE(r.out.find("saves will be refused while the disk has no room for one"), std::string::npos) << r.out;
+  // Refused before a byte is written: the disk is not filled.
+  EXPECT_NE(r.err.find("free, but a checkpoint takes about"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("not saved (refused before writing, so the disk is not filled)"), std::string::npos) << r.err;
+}
+
+// 5a. A stop signal with checkpoint.save_at_end: false (a benchmark's run, the GPU check's) saves
+// nothing: the run stops after its step, exits 0 and says so.
+TEST(Faults, StopSignalWithoutSaveAtEndSavesNothing) {
+  const std::string dir = fresh("signal_no_save");
+  const std::string cmd = train_cmd(dir, "run", 100000, "--resume none --set checkpoint.interval=0 "
+                                                        "--set checkpoint.save_at_end=false");
+  const Result r = run("(" + cmd + " & pid=$!; sleep 2; kill -TERM $pid; wait $pid)");
+  EXPECT_EQ(r.rc, 0) << r.err;
+  EXPECT_NE(r.out.find("no checkpoint saved (checkpoint.save_at_end: false)"), std::string::npos) << r.out;
+  EXPECT_EQ(r.out.find("saved checkpoint"), std::string::npos) << r.out;
+  EXPECT_TRUE(list_files(dir + "/run", ".h5").empty());
 }
 
 // 5b. A checkpoint directory that cannot be created or written is refused at start-up with the
@@ -422,6 +446,20 @@ TEST(Faults, HostileInputsAreRefusedAndLoseNothing) {
   r = run(prep + " --input " + dir + "/corpus.txt --output " + dir + "/x.h5 --tokenizer-file " + dir + "/t.tok");
   EXPECT_EQ(r.rc, 1);
   EXPECT_NE(r.err.find("--tokenizer-file " + dir + "/t.tok is a BPE tokenizer, but the tokenizer is bytes"),
+            std::string::npos)
+      << r.err;
+  // A dataset whose tokenizer_file attribute points out of its directory: refused, not read.
+  ASSERT_EQ(run(prep + " --input " + dir + "/corpus.txt --output " + dir + "/bpe.h5 --tokenizer bpe --vocab-size 260")
+                .rc,
+            0);
+  {
+    dstrain::io::H5File f(dir + "/bpe.h5", dstrain::io::H5File::Mode::kReadWrite);
+    f.set_attr("tokenizer_file", std::string("../../../../etc/passwd"));
+  }
+  r = run(train_cmd(dir, "escape", 1, "--resume none --set data.path=" + dir + "/bpe.h5 --set model.vocab_size=260"));
+  EXPECT_EQ(r.rc, 1);
+  EXPECT_NE(r.err.find("its tokenizer_file attribute \"../../../../etc/passwd\" is not a file name next to the "
+                       "dataset"),
             std::string::npos)
       << r.err;
   // compare-dumps with a TOL that is not a number.
