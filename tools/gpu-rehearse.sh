@@ -31,5 +31,15 @@ trap 'umount "$root/usr/local/cuda" "$root/proc" "$root/dev" "$root/sys" 2>/dev/
 rc=0
 chroot "$root" /usr/bin/env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin HOME=/root DSTRAIN_GPU_REHEARSAL=1 \
   /bin/bash -c "cd /work && tests/gpu/run.sh /tmp/rehearsal-out" || rc=$?
-echo "rehearsal: exit $rc (logs in $root/tmp/rehearsal-out)"
+# What the device tool brings back: at most 8 files of at most 16 MiB from $OUT, and the last
+# 12,000 characters of output, which must hold the whole summary (6,000 at most).
+o=$root/tmp/rehearsal-out
+files=$(find "$o" -type f | wc -l)
+big=$(find "$o" -type f -size +16M | wc -l)
+chars=$(wc -c <"$o/summary.txt" 2>/dev/null || echo 99999)
+echo "rehearsal: $files files in the output ($big over 16 MiB), summary $chars characters"
+[ "$files" -le 8 ] && [ "$big" -eq 0 ] && [ "$chars" -le 6000 ] || { echo "rehearsal: the output would not come back whole"; rc=1; }
+grep -q "^timeout_probe: ok (stopped by its time limit, as meant; nothing left behind)" "$o/summary.txt" ||
+  { echo "rehearsal: the timed-out step left something behind, or did not run into its limit"; rc=1; }
+echo "rehearsal: exit $rc (the archive is $o/gpu-check.tar.gz)"
 exit $rc

@@ -5,8 +5,8 @@
 #
 #   tests/gpu/run.sh [OUT_DIR]        (default: $OUT, else /tmp/dstrain-gpu-out)
 #
-# Steps, each logged to OUT_DIR/<step>.log, each under its own time limit, and all of them
-# within 470 s (a step with no time left is skipped and counted as failed):
+# Steps, each logged to its own log, each under its own time limit, and all of them within 470 s
+# (a step with no time left is skipped and counted as failed):
 #   env      the GPU, driver and libraries; every library the binaries need resolves;
 #            dstrain-report (versions, CPU, GPUs, topology advice for configs/h200.yaml)
 #   kernels  dstrain-gpu-check --bench: every CUDA op against the CPU backend, determinism, the
@@ -23,14 +23,24 @@
 #   h200     the same for configs/h200.yaml (4 x 2048), with the time that is left
 #   sdpa     cuDNN's fused attention and PyTorch's other SDPA kernels at MLA's shapes, fwd + bwd,
 #            beside the kernels step's timing of dstrain's own (tools/gpu/sdpa_baseline.py)
-# Exit status 0 when every step passed. The figures are the last lines of each log.
+# Exit status 0 when every step passed. What comes back: the device machine returns at most 8
+# files from $OUT and the last 12,000 characters of output, so OUT_DIR holds two files — the
+# archive gpu-check.tar.gz (every log, the report, the dumps' comparisons, the trace, the metrics)
+# and summary.txt — and the output ends with the summary (under 6,000 characters): a line per
+# step with its verdict, time and figures, and the first error lines of a failed step.
+# Hygiene: each step runs in a process group of its own under `timeout -k` (SIGTERM, then SIGKILL
+# 10 s later), and whatever it left — a process, a process on the GPU, a checkpoint directory —
+# is removed before the next step (said in the summary). dstrain's commands see the bundle's
+# libraries (LD_LIBRARY_PATH is set only for them, by wrappers on PATH); PyTorch's steps see the
+# machine's own environment.
 # DSTRAIN_GPU_REHEARSAL=1 (tools/gpu-rehearse.sh, in a clean root without a GPU) runs the same
 # steps on the CPU backend — the checker against a second CPU backend, the benchmark as a dry
 # run — so that everything but the CUDA execution itself is known to work before a GPU is lent.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-out=${1:-${OUT:-/tmp/dstrain-gpu-out}}
-mkdir -p "$out"
+final=${1:-${OUT:-/tmp/dstrain-gpu-out}}
+mkdir -p "$final"
+out=$(mktemp -d /tmp/dstrain-gpu-logs.XXXXXX)  # the logs, archived into $final at the end
 bundle=.gpu-bundle/dstrain-gpu.tar.gz
 [ -f "$bundle" ] || { echo "no $bundle: run tools/gpu-bundle.sh here first, and carry .gpu-bundle" >&2; exit 2; }
 root=${DSTRAIN_GPU_ROOT:-/tmp/dstrain-gpu-root}
@@ -39,24 +49,49 @@ tar -C "$root" -xzf "$bundle" || { echo "cannot unpack $bundle" >&2; exit 2; }
 B=$root/dstrain-gpu
 [ -x "$B/bin/dstrain" ] || { echo "$bundle holds no bin/dstrain" >&2; exit 2; }
 
+# Probed before anything of the bundle is on any path: PyTorch and transformers as installed.
+have_torch=0 have_hf=0
+python3 -c "import torch" 2>/dev/null && have_torch=1
+python3 -c "import torch, transformers" 2>/dev/null && have_hf=1
+
 # The CUDA libraries come from the machine: the toolkit's, else the pip wheels PyTorch brought.
 cuda_dirs=""
 for d in /usr/local/cuda/lib64 /usr/local/cuda/lib /usr/local/cuda/targets/x86_64-linux/lib \
          $(python3 -c 'import nvidia, os; r = nvidia.__path__[0]; print(" ".join(os.path.join(r, d, "lib") for d in os.listdir(r)))' 2>/dev/null); do
   [ -d "$d" ] && cuda_dirs="$cuda_dirs:$d"
 done
-export LD_LIBRARY_PATH="$B/lib$cuda_dirs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+# dstrain's executables through wrappers that give them (and only them) the bundle's libraries
+# and Open MPI: python3 and PyTorch keep the machine's own.
+wrap=$root/wrap
+mkdir -p "$wrap"
+for f in "$B"/bin/*; do
+  cat >"$wrap/$(basename "$f")" <<WRAP
+#!/usr/bin/env bash
+export LD_LIBRARY_PATH="$B/lib$cuda_dirs\${LD_LIBRARY_PATH:+:\$LD_LIBRARY_PATH}"
 export OPAL_PREFIX="$B/ompi" OMPI_MCA_ess_singleton_isolated=1 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
-export PATH="$B/bin:$PATH"
+exec "$f" "\$@"
+WRAP
+  chmod +x "$wrap/$(basename "$f")"
+done
+export PATH="$wrap:$PATH"
+export DSTRAIN_GPU_LIBS="$B/lib$cuda_dirs"  # (for ldd in the env step)
 status=0
 failed=""
 dev=cuda
 [ "${DSTRAIN_GPU_REHEARSAL:-0}" = 1 ] && dev=cpu
 export dev
 
-# step NAME SECONDS COMMAND...: runs it with a time limit (never past the whole check's 470 s),
-# logs to OUT/NAME.log. A step skipped for want of time fails the check, unless OPTIONAL=1 (a
-# measurement taken only if time is left).
+# The processes on the GPU (none without one).
+gpu_pids() { nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null | tr -d ' ' | grep -E '^[0-9]+$' || true; }
+# The summary: a line per step (and what failed steps said first).
+summary=$out/summary.txt
+: >"$summary"
+note() { echo "$*" >>"$summary"; }
+
+# step NAME SECONDS COMMAND...: runs it with a time limit (never past the whole check's 470 s) in
+# a process group of its own, logs to NAME.log. A step skipped for want of time fails the check,
+# unless OPTIONAL=1 (a measurement taken only if time is left). The step's figures are the lines
+# of its log that start with "figure:" or match FIGURES (a grep -E pattern), at most 6.
 deadline=470
 step() {
   local name=$1 secs=$2
@@ -64,31 +99,69 @@ step() {
   local left=$((deadline - SECONDS))
   if [ $left -lt 20 ]; then
     echo "== $name: skipped, the check's time is spent"
+    note "$name: SKIPPED (no time left)"
     if [ "${OPTIONAL:-0}" != 1 ]; then failed="$failed $name(no-time)"; status=1; fi
     return
   fi
   [ $secs -gt $left ] && secs=$left
   echo "== $name (limit ${secs} s)"
   local t0=$SECONDS
-  timeout "$secs" bash -o pipefail -c "$*" >"$out/$name.log" 2>&1
+  setsid timeout -k 10 "$secs" bash -o pipefail -c "$*" >"$out/$name.log" 2>&1 &
+  local pid=$!
+  wait $pid
   local rc=$?
-  tail -n 25 "$out/$name.log"
-  echo "== $name: exit $rc after $((SECONDS - t0)) s"
-  if [ $rc -ne 0 ]; then status=1; failed="$failed $name"; fi
+  # What the step left behind: its process group, anything on the GPU, its run directories.
+  local left_over=""
+  if kill -0 -- -$pid 2>/dev/null; then kill -KILL -- -$pid 2>/dev/null; left_over="$left_over processes"; fi
+  local g
+  for g in $(gpu_pids); do kill -KILL "$g" 2>/dev/null && left_over="$left_over gpu-process:$g"; done
+  for g in /tmp/dstrain-gpu-$name /tmp/dstrain-gpu-$name-*; do
+    [ -e "$g" ] || continue
+    if find "$g" -name '*.h5*' | grep -q .; then left_over="$left_over checkpoint"; fi
+    rm -rf "$g"
+  done
+  local took=$((SECONDS - t0)) verdict=ok
+  [ $rc -eq 124 ] || [ $rc -eq 137 ] && verdict="TIMED OUT"
+  [ $rc -ne 0 ] && [ "$verdict" = ok ] && verdict="FAILED (exit $rc)"
+  # EXPECT_TIMEOUT=1: a step meant to be stopped by its limit, which must leave nothing behind.
+  if [ "${EXPECT_TIMEOUT:-0}" = 1 ]; then
+    if [ "$verdict" = "TIMED OUT" ] && [ -z "$left_over" ]; then
+      verdict="ok (stopped by its time limit, as meant; nothing left behind)" rc=0
+    elif [ "$verdict" = "TIMED OUT" ]; then
+      rc=1
+    else
+      verdict="FAILED (meant to run into its time limit: exit $rc)" rc=1
+    fi
+  fi
+  echo "== $name: $verdict after $took s${left_over:+; removed:$left_over}"
+  note "$name: $verdict in $took s${left_over:+ (removed:$left_over)}"
+  grep -E "^figure: ${FIGURES:+|$FIGURES}" "$out/$name.log" | sed 's/^figure: //' | cut -c1-240 | head -6 | sed 's/^/    /' >>"$summary"
+  if [ $rc -ne 0 ]; then
+    status=1; failed="$failed $name"
+    grep -iE "error|fail|mismatch|differ|not found|assert|abort|what\(\)" "$out/$name.log" | cut -c1-240 | head -5 |
+      sed 's/^/    ! /' >>"$summary"
+  fi
 }
 
-step env 30 '
+FIGURES="^dstrain revision|^NVIDIA|^name,|unresolved|GEMM peak" step env 30 '
   echo "dstrain revision $(cat '"$B"'/REVISION)"
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv || true
-  missing=$(for f in '"$B"'/bin/* '"$B"'/lib/libdstrain_*.so; do ldd "$f"; done | grep "not found" | sort -u)
+  missing=$(for f in '"$B"'/bin/* '"$B"'/lib/libdstrain_*.so; do LD_LIBRARY_PATH=$DSTRAIN_GPU_LIBS ldd "$f"; done | grep "not found" | sort -u)
   if [ -n "$missing" ]; then echo "unresolved libraries:"; echo "$missing"; exit 1; fi
-  for f in '"$B"'/bin/* '"$B"'/lib/libdstrain_*.so; do ldd "$f" | grep -E "cudart|cublas|nccl"; done | sort -u
+  for f in '"$B"'/bin/* '"$B"'/lib/libdstrain_*.so; do LD_LIBRARY_PATH=$DSTRAIN_GPU_LIBS ldd "$f" | grep -E "cudart|cublas|nccl"; done | sort -u
   dstrain-report configs/h200.yaml > '"$out"'/report.txt; rc=$?
   grep -E "NCCL|CUDA runtime|cuBLASLt|cuDNN|GEMM peak|GPU [0-9]|advice" '"$out"'/report.txt
   exit $rc'
 
+# The rehearsal also proves that a step its limit stops leaves no process and no checkpoint.
+if [ $dev = cpu ]; then
+  EXPECT_TIMEOUT=1 step timeout_probe 12 '
+    dstrain configs/small.yaml --resume none --set train_steps=100000 --set steps_per_print=1 --set data.eval_interval=0 \
+      --set checkpoint.save_at_end=false --set checkpoint.dir=/tmp/dstrain-gpu-timeout_probe'
+fi
+
 if [ $dev = cuda ]; then
-  step kernels 90 'dstrain-gpu-check --bench'
+  FIGURES="TFLOP/s|cases? (passed|failed)|mismatch|max rel" step kernels 90 'dstrain-gpu-check --bench'
 else  # no GPU: the libraries load and the check says so (77), and the checker passes CPU against CPU
   step kernels 90 'dstrain-gpu-check; rc=$?; [ $rc -eq 77 ] || exit 1; dstrain-gpu-check --against-cpu | tail -3'
 fi
@@ -99,7 +172,7 @@ else
   step nccl 40 'dstrain-nccl-check; [ $? -eq 77 ]'
 fi
 
-step dump 60 '
+FIGURES="tensors compared" step dump 60 '
   set -e
   dstrain configs/tiny.yaml --resume none --set device=$dev --dump-grads '"$out"'/tiny_fp32_cuda.h5 | tail -2
   dstrain-ckpt compare-dumps '"$B"'/expected/tiny_fp32.h5 '"$out"'/tiny_fp32_cuda.h5 1e-4
@@ -109,7 +182,7 @@ step dump 60 '
   dstrain configs/tiny.yaml --resume none --set device=$dev --set bf16.enabled=true --dump-grads '"$out"'/tiny_bf16_cuda.h5 | tail -2
   dstrain-ckpt compare-dumps '"$B"'/expected/tiny_bf16.h5 '"$out"'/tiny_bf16_cuda.h5 5e-2'
 
-step train 90 '
+FIGURES="^loss at the first step" step train 90 '
   set -e
   rm -rf /tmp/dstrain-gpu-train
   dstrain configs/small.yaml --set device=$dev --resume none --set train_steps=50 --set steps_per_print=1 \
@@ -123,7 +196,7 @@ step train 90 '
 
 dry=""
 [ $dev = cpu ] && dry="--dry-run"
-step bench 100 '
+FIGURES="step 6/|peak|memory per rank" step bench 100 '
   rm -rf /tmp/dstrain-gpu-bench
   dstrain configs/medium.yaml '"$dry"' --set device=$dev --resume none --set bf16.enabled=true --set train_steps=6 \
     --set train_batch_size=8 --set train_micro_batch_size_per_gpu=8 --set seq_length=2048 \
@@ -131,12 +204,12 @@ step bench 100 '
     --set checkpoint.dir=/tmp/dstrain-gpu-bench --set monitor.peak_tflops=989 --set monitor.tensorboard=null \
     | grep -E "step [0-9]+/|memory|backend|peak|micro-batch|tokens" | tail -12'
 
-if [ $dev = cuda ] && python3 -c "import torch, transformers" 2>/dev/null; then
-  step hf 80 'python3 tools/gpu/hf_baseline.py configs/medium.yaml --batch 8 --seq 2048 --steps 6'
+if [ $dev = cuda ] && [ $have_hf = 1 ]; then
+  FIGURES="tokens/s|TFLOP" step hf 80 'python3 tools/gpu/hf_baseline.py configs/medium.yaml --batch 8 --seq 2048 --steps 6'
 fi
 
 # The preset that fills one H200 (DeepSeek-V2-Lite shapes, 8 layers), with whatever time is left.
-step h200 110 '
+FIGURES="step 4/|peak|memory per rank" step h200 110 '
   rm -rf /tmp/dstrain-gpu-h200
   dstrain configs/h200.yaml '"$dry"' --set device=$dev --resume none --set train_steps=4 --set steps_per_print=1 \
     --set data.eval_interval=0 --set checkpoint.save_at_end=false --set checkpoint.dir=/tmp/dstrain-gpu-h200 \
@@ -145,9 +218,15 @@ step h200 110 '
 
 # cuDNN's fused attention (and PyTorch's other SDPA kernels) at the shapes the kernels step timed
 # dstrain's own attention on (tools/gpu/sdpa_baseline.py), if time is left.
-if [ $dev = cuda ] && python3 -c "import torch" 2>/dev/null; then
-  OPTIONAL=1 step sdpa 45 'python3 tools/gpu/sdpa_baseline.py'
+if [ $dev = cuda ] && [ $have_torch = 1 ]; then
+  FIGURES="ms|TFLOP" OPTIONAL=1 step sdpa 45 'python3 tools/gpu/sdpa_baseline.py'
 fi
 
-if [ -n "$failed" ]; then echo "GPU check: failed:$failed; logs in $out"; else echo "GPU check: every step passed; logs in $out"; fi
+if [ -n "$failed" ]; then note "GPU check: failed:$failed"; else note "GPU check: every step passed"; fi
+# One archive of everything, and the summary beside it (cut to 6,000 characters).
+tar -C "$out" -czf "$final/gpu-check.tar.gz" . 2>/dev/null || echo "cannot write $final/gpu-check.tar.gz" >&2
+head -c 6000 "$summary" >"$final/summary.txt"
+rm -rf "$out"
+echo "==== summary (also $final/summary.txt; every log in $final/gpu-check.tar.gz)"
+cat "$final/summary.txt"
 exit $status

@@ -250,9 +250,9 @@ TEST(CheckpointDamage, EveryMetadataByteAndASampleOfDataFlippedIsRefusedOrReadBi
   }
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   const int64_t data_flipped = std::count_if(offsets.begin(), offsets.end(), [&](uint64_t i) { return is_data[i]; });
-  std::printf("flipped one bit in each of %zu bytes (every %s of %lld metadata bytes: %lld; %lld of %lld data "
+  std::printf("flipped one bit in each of %zu bytes (%s of %lld metadata bytes: %lld; %lld of %lld data "
               "bytes) in %.1f s: %lld refused, %lld read back intact\n",
-              offsets.size(), (stride == 1 ? std::string("one") : fmt::format("{}th", stride)).c_str(),
+              offsets.size(), (stride == 1 ? std::string("every one") : fmt::format("one in {}", stride)).c_str(),
               static_cast<long long>(metadata), static_cast<long long>(int64_t(offsets.size()) - data_flipped),
               static_cast<long long>(data_flipped), static_cast<long long>(data_bytes), secs,
               static_cast<long long>(refused), static_cast<long long>(intact));
