@@ -10,6 +10,7 @@
 #include <mutex>
 
 #include "engine/comm/nccl_communicator.h"
+#include "engine/comm/watchdog.h"
 #include "engine/common/error.h"
 
 namespace dstrain::comm {
@@ -17,7 +18,7 @@ namespace {
 
 struct Plugin {
   std::string error;  // why it is not there
-  Communicator* (*make)(Communicator*, void*, const char*, double, std::string*) = nullptr;
+  Communicator* (*make)(Communicator*, void*, const char*, double, const NcclHooks*, std::string*) = nullptr;
   void (*version)(std::string*) = nullptr;
 };
 
@@ -75,12 +76,18 @@ bool nccl_available(std::string* why) {
   return p.make != nullptr;
 }
 
-std::unique_ptr<Communicator> make_nccl_communicator(Communicator& bootstrap, void* compute_stream, std::string name,
-                                                     CommOptions options) {
+std::unique_ptr<Communicator> make_nccl_communicator(
+    Communicator& bootstrap, void* compute_stream, std::string name, CommOptions options,
+    std::function<void(const void*, std::shared_ptr<kernels::StreamUse>)> record_use) {
   const Plugin& p = plugin();
   if (!p.make) throw CommError("group " + name + ": " + p.error);
+  NcclHooks hooks;
+  hooks.record_use = std::move(record_use);
+  hooks.watch = [](std::string what, double timeout_s, std::function<int(std::string*)> poll) {
+    Watchdog::instance().add(std::move(what), timeout_s, std::move(poll));
+  };
   std::string error;
-  Communicator* c = p.make(&bootstrap, compute_stream, name.c_str(), options.timeout_s, &error);
+  Communicator* c = p.make(&bootstrap, compute_stream, name.c_str(), options.timeout_s, &hooks, &error);
   if (!c) throw CommError(error);
   return std::unique_ptr<Communicator>(c);
 }

@@ -155,10 +155,23 @@ struct MappedOp {
   const char* what = "";
 };
 
+// The StreamUse of one operation's buffers: finished once the operation is seen complete.
+class MappedUse final : public kernels::StreamUse {
+ public:
+  explicit MappedUse(std::shared_ptr<MappedOp> op) : op_(std::move(op)) {}
+  bool finished() override { return op_->done; }
+
+ private:
+  std::shared_ptr<MappedOp> op_;
+};
+
 class MappedCommunicator final : public Communicator {
  public:
-  MappedCommunicator(std::unique_ptr<Communicator> inner, std::function<void*(const void*)> to_host, double timeout_s)
-      : in_(std::move(inner)), to_host_(std::move(to_host)), timeout_s_(timeout_s) {
+  using RecordUse = std::function<void(const void*, std::shared_ptr<kernels::StreamUse>)>;
+  MappedCommunicator(std::unique_ptr<Communicator> inner, std::function<void*(const void*)> to_host, double timeout_s,
+                     RecordUse record_use)
+      : in_(std::move(inner)), to_host_(std::move(to_host)), timeout_s_(timeout_s),
+        record_use_(std::move(record_use)) {
     mapped_registry().push_back(this);
   }
   ~MappedCommunicator() override {
@@ -317,20 +330,32 @@ class MappedCommunicator final : public Communicator {
     op->what = what;
     if (depth_ == 0) batches_.emplace_back();
     batches_.back().ops.push_back(op);
+    if (record_use_ && !touched_.empty()) {
+      auto use = std::make_shared<MappedUse>(op);
+      for (const void* p : touched_) record_use_(p, use);
+    }
+    touched_.clear();
     if (depth_ == 0) advance();
     return std::make_unique<MappedWork>(this, op);
   }
+  // The host address of device buffer p, noted as a buffer of the operation being added.
   template <class T>
-  T* map(T* p, const char* op) const {
+  T* map(T* p, const char* op) {
     if (!p) return nullptr;
     void* h = to_host_(p);
-    if (!h) throw CommError(fmt::format("group {} {}: {} is not device memory", in_->name(), op, static_cast<const void*>(p)));
+    if (!h) {
+      touched_.clear();
+      throw CommError(fmt::format("group {} {}: {} is not device memory", in_->name(), op, static_cast<const void*>(p)));
+    }
+    touched_.push_back(p);
     return static_cast<T*>(h);
   }
 
   std::unique_ptr<Communicator> in_;
   std::function<void*(const void*)> to_host_;
   double timeout_s_;
+  RecordUse record_use_;
+  std::vector<const void*> touched_;  // the buffers of the operation being added
   std::deque<Batch> batches_;
   int depth_ = 0;
   uint64_t seq_ = 0;
@@ -344,9 +369,10 @@ std::unique_ptr<Communicator> make_routing_communicator(std::unique_ptr<Communic
   return std::make_unique<RoutingCommunicator>(std::move(host), std::move(device), std::move(on_device));
 }
 
-std::unique_ptr<Communicator> make_mapped_communicator(std::unique_ptr<Communicator> inner,
-                                                       std::function<void*(const void*)> to_host, double timeout_s) {
-  return std::make_unique<MappedCommunicator>(std::move(inner), std::move(to_host), timeout_s);
+std::unique_ptr<Communicator> make_mapped_communicator(
+    std::unique_ptr<Communicator> inner, std::function<void*(const void*)> to_host, double timeout_s,
+    std::function<void(const void*, std::shared_ptr<kernels::StreamUse>)> record_use) {
+  return std::make_unique<MappedCommunicator>(std::move(inner), std::move(to_host), timeout_s, std::move(record_use));
 }
 
 }  // namespace dstrain::comm

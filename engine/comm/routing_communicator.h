@@ -14,6 +14,7 @@
 #include <memory>
 #include <string>
 
+#include "dstrain/kernels/backend.h"
 #include "engine/comm/communicator.h"
 
 namespace dstrain::comm {
@@ -31,9 +32,12 @@ std::unique_ptr<Communicator> make_routing_communicator(std::unique_ptr<Communic
 // a schedule that would hang on NCCL fails here — a wait past `timeout_s` throws CommError
 // saying why — where MPI's independent progress would let it pass. Like NCCL it maps no peer
 // memory (register_peer_memory is false). to_host(p) of a pointer it cannot map (nullptr) is
-// refused with CommError.
-std::unique_ptr<Communicator> make_mapped_communicator(std::unique_ptr<Communicator> inner,
-                                                       std::function<void*(const void*)> to_host,
-                                                       double timeout_s = 600);
+// refused with CommError. Each operation's buffers are recorded with record_use (the backend's
+// Backend::record_use; may be empty) as one kernels::StreamUse that finishes with the operation,
+// as the NCCL communicator records its completion events: the device-check backend's pool then
+// keeps a block freed before the operation has finished out of reuse.
+std::unique_ptr<Communicator> make_mapped_communicator(
+    std::unique_ptr<Communicator> inner, std::function<void*(const void*)> to_host, double timeout_s = 600,
+    std::function<void(const void*, std::shared_ptr<kernels::StreamUse>)> record_use = {});
 
 }  // namespace dstrain::comm

@@ -20,6 +20,7 @@ struct Entry {
   std::string what;
   Clock::time_point start, deadline;
   double timeout_s = 0;
+  Watchdog::Poll poll;  // empty: removed by remove()
 };
 
 double seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
@@ -48,24 +49,37 @@ struct Watchdog::Impl {
     while (!stopping) {
       cv.wait_for(lock, std::chrono::milliseconds(250));
       if (stopping) break;
+      for (auto it = entries.begin(); it != entries.end();) {
+        std::string why;
+        const int state = it->second.poll ? it->second.poll(&why) : 0;
+        if (state < 0) {
+          it->second.what += ": " + why;
+          abort_job(it->second, Clock::now(), /*failed=*/true);  // does not return
+        }
+        it = state > 0 ? entries.erase(it) : std::next(it);
+      }
       const auto now = Clock::now();
       for (const auto& [id, e] : entries)
-        if (now >= e.deadline) abort_job(e, now);  // does not return
+        if (now >= e.deadline) abort_job(e, now, false);  // does not return
     }
   }
 
   // Runs on the watchdog thread while the main thread may be inside MPI (initialised for one
   // thread): it makes no MPI call but MPI_Abort, and arms an alarm first, whose default action
   // ends the process should MPI_Abort not return or not act.
-  [[noreturn]] void abort_job(const Entry& late, Clock::time_point now) const {
+  [[noreturn]] void abort_job(const Entry& late, Clock::time_point now, bool failed) const {
     const char* env_rank = std::getenv("OMPI_COMM_WORLD_RANK");
     if (!env_rank) env_rank = std::getenv("PMI_RANK");
     const int rank = env_rank ? std::atoi(env_rank) : 0;
-    const std::string text = fmt::format(
-        "dstrain watchdog: world rank {}: {} did not complete within {:.0f} s — a rank skipped or "
-        "reordered a collective, died, or is stuck. Operations outstanding on this rank:\n{}"
-        "Aborting the job (parallel.comm_timeout_s sets the deadline).\n",
-        rank, late.what, late.timeout_s, report_locked(now));
+    const std::string text =
+        failed ? fmt::format("dstrain watchdog: world rank {}: {} failed. Operations outstanding on this rank:\n{}"
+                             "Aborting the job.\n",
+                             rank, late.what, report_locked(now))
+               : fmt::format(
+                     "dstrain watchdog: world rank {}: {} did not complete within {:.0f} s — a rank skipped or "
+                     "reordered a collective, died, or is stuck. Operations outstanding on this rank:\n{}"
+                     "Aborting the job (parallel.comm_timeout_s sets the deadline).\n",
+                     rank, late.what, late.timeout_s, report_locked(now));
     std::fputs(text.c_str(), stderr);
     std::fflush(stderr);
     alarm(10);
@@ -93,7 +107,9 @@ Watchdog::~Watchdog() {
   delete impl_;
 }
 
-uint64_t Watchdog::add(std::string what, double timeout_s) {
+uint64_t Watchdog::add(std::string what, double timeout_s) { return add(std::move(what), timeout_s, Poll{}); }
+
+uint64_t Watchdog::add(std::string what, double timeout_s, Poll poll) {
   const auto now = Clock::now();
   int initialized = 0;
   MPI_Initialized(&initialized);
@@ -103,7 +119,7 @@ uint64_t Watchdog::add(std::string what, double timeout_s) {
   impl_->entries.emplace(
       id, Entry{std::move(what), now,
                 now + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_s)),
-                timeout_s});
+                timeout_s, std::move(poll)});
   return id;
 }
 

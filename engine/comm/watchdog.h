@@ -7,6 +7,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <string>
 
 namespace dstrain::comm {
@@ -17,6 +18,12 @@ class Watchdog {
 
   // Registers an operation ("group dp all_reduce #12 (rank 0 of 2)"); returns its id.
   uint64_t add(std::string what, double timeout_s);
+  // An operation that completes where no host call sees it (an NCCL collective the compute
+  // stream waits for on the device): the watchdog's thread calls poll about every 250 ms —
+  // 1: finished (the entry is dropped), 0: still running, -1: failed (why in *why: the job is
+  // aborted at once with the report).
+  using Poll = std::function<int(std::string* why)>;
+  uint64_t add(std::string what, double timeout_s, Poll poll);
   void remove(uint64_t id);
   // What add() registered and is still outstanding, one line each (for reports and tests).
   std::string outstanding() const;

@@ -215,10 +215,13 @@ std::unique_ptr<comm::Communicator> make_communicator(const comm::ProcessGroup& 
   kernels::Backend* b = &be;
   std::unique_ptr<comm::Communicator> device;
   if (device_memory_check()) {  // the device-check backend: its device memory is host memory elsewhere
-    device = comm::make_mapped_communicator(g.communicator(name, options),
-                                            [b](const void* p) { return b->host_mapping(p); }, options.timeout_s);
+    device = comm::make_mapped_communicator(
+        g.communicator(name, options), [b](const void* p) { return b->host_mapping(p); }, options.timeout_s,
+        [b](const void* p, std::shared_ptr<kernels::StreamUse> u) { b->record_use(p, std::move(u)); });
   } else {
-    device = comm::make_nccl_communicator(*host, be.native_stream(), name, options);
+    device = comm::make_nccl_communicator(
+        *host, be.native_stream(), name, options,
+        [b](const void* p, std::shared_ptr<kernels::StreamUse> u) { b->record_use(p, std::move(u)); });
     if (comm::log_new_communicators()) device = comm::make_logged_communicator(std::move(device), "NCCL");
   }
   return comm::make_routing_communicator(std::move(host), std::move(device),

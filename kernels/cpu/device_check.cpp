@@ -6,7 +6,18 @@
 // it, and calls the inner backend. Host data crosses only through copy_to_host /
 // copy_from_host. The engine runs on it when DSTRAIN_DEVICE_MEMORY_CHECK=1, which is how tests
 // without a GPU prove the engine is device-clean for the CUDA backend.
+//
+// Its memory behaves as the CUDA pool's does where the CPU's would hide a fault: freed blocks are
+// cached and handed out again (the same block to the next request of its size class), every block
+// handed out is poisoned — all bytes 0xFF, a NaN in fp32, bf16 and fp16, -1 as an int32 — so
+// a read of memory nothing wrote shows as NaN or a refused index instead of the zeros of fresh
+// pages; and a freed block that a device communicator's operation still uses (record_use) is
+// not handed out until that operation has finished (docs/design.md §6.11).
 #include <cstdint>
+#include <algorithm>
+#include <cstring>
+#include <map>
+#include <mutex>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -22,6 +33,10 @@ constexpr uintptr_t kDeviceBit = uintptr_t(1) << 62;
 class DeviceCheckBackend final : public Backend {
  public:
   explicit DeviceCheckBackend(std::unique_ptr<Backend> inner) : in_(std::move(inner)) {}
+  ~DeviceCheckBackend() override {
+    for (auto& [size, b] : free_) in_->deallocate(b.p);
+    for (auto& [a, b] : live_) in_->deallocate(b.p);
+  }
 
   std::string name() const override { return in_->name() + " behind checked device memory"; }
   int num_threads() const override { return in_->num_threads(); }
@@ -34,12 +49,54 @@ class DeviceCheckBackend final : public Backend {
   }
   int64_t device_memory_free() override { return in_->device_memory_free(); }  // host memory, really
 
+  // The CUDA pool's policy (kernels/cuda/cuda_backend.cu): the smallest cached block of at least
+  // the size and at most twice it whose recorded uses have finished, else a new one; poisoned.
   void* allocate(int64_t bytes) override {
-    void* p = in_->allocate(bytes);
-    return reinterpret_cast<void*>(reinterpret_cast<uintptr_t>(p) | kDeviceBit);
+    const int64_t size = (std::max<int64_t>(bytes, 1) + 63) / 64 * 64;
+    std::lock_guard<std::mutex> lock(mu_);
+    Block got{};
+    for (auto it = free_.lower_bound(size); it != free_.end() && it->first <= 2 * size; ++it) {
+      if (!settled(it->second)) continue;
+      got = it->second;
+      cached_ -= got.size;
+      free_.erase(it);
+      break;
+    }
+    if (!got.p) got = Block{in_->allocate(size), size, {}};
+    std::memset(got.p, 0xFF, size_t(got.size));
+    live_[reinterpret_cast<uintptr_t>(got.p)] = got;
+    return reinterpret_cast<void*>(reinterpret_cast<uintptr_t>(got.p) | kDeviceBit);
   }
   void deallocate(void* p) override {
-    if (p) in_->deallocate(h(p, "deallocate"));
+    if (!p) return;
+    void* inner = h(p, "deallocate");
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = live_.find(reinterpret_cast<uintptr_t>(inner));
+    if (it == live_.end()) throw std::invalid_argument("deallocate of a pointer this backend did not hand out");
+    Block b = std::move(it->second);
+    live_.erase(it);
+    cached_ += b.size;
+    free_.emplace(b.size, std::move(b));
+    // Bounded: beyond kMaxCached, blocks nothing uses any more go back to the inner backend.
+    for (auto f = free_.begin(); cached_ > kMaxCached && f != free_.end();) {
+      if (!settled(f->second)) {
+        ++f;
+        continue;
+      }
+      cached_ -= f->second.size;
+      in_->deallocate(f->second.p);
+      f = free_.erase(f);
+    }
+  }
+  void record_use(const void* p, std::shared_ptr<StreamUse> use) override {
+    const auto a = reinterpret_cast<uintptr_t>(p);
+    if (!(a & kDeviceBit) || !use) return;
+    const uintptr_t inner = a & ~kDeviceBit;
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = live_.upper_bound(inner);
+    if (it == live_.begin()) return;
+    --it;
+    if (inner < it->first + uintptr_t(it->second.size)) it->second.uses.push_back(std::move(use));
   }
   void copy_to_host(void* host, const void* src, int64_t bytes) override {
     if (bytes > 0) in_->copy_to_host(host, h(src, "copy_to_host"), bytes);
@@ -320,7 +377,23 @@ class DeviceCheckBackend final : public Backend {
   }
   static ConstView v(ConstView x, const char* op) { return {h(x.data, op), x.dtype}; }
 
+  struct Block {
+    void* p = nullptr;  // the inner backend's address
+    int64_t size = 0;
+    std::vector<std::shared_ptr<StreamUse>> uses;  // operations elsewhere that touch it
+  };
+  // Drops the finished uses; true when none is left (the block may be handed out).
+  static bool settled(Block& b) {
+    std::erase_if(b.uses, [](const std::shared_ptr<StreamUse>& u) { return u->finished(); });
+    return b.uses.empty();
+  }
+  static constexpr int64_t kMaxCached = int64_t(256) << 20;
+
   std::unique_ptr<Backend> in_;
+  std::mutex mu_;
+  std::map<uintptr_t, Block> live_;      // handed out, by inner address
+  std::multimap<int64_t, Block> free_;   // cached, by size
+  int64_t cached_ = 0;
 };
 
 }  // namespace

@@ -1004,8 +1004,8 @@ class CudaBackend final : public Backend {
     deallocate(workspace_);
     deallocate(partials_);
     if (plan_buf_) deallocate(plan_buf_);
-    for (auto& [size, p] : free_) cudaFree(p);
-    for (auto& [p, size] : used_) cudaFree(p);
+    for (auto& [size, b] : free_) cudaFree(b.p);
+    for (auto& [p, b] : used_) cudaFree(p);
     cudaStreamDestroy(stream_);
   }
 
@@ -1021,45 +1021,65 @@ class CudaBackend final : public Backend {
 
   // Caching pool. Sizes round up to 512 bytes (2 MiB above 1 MiB); a request takes the smallest
   // cached block of at least its size and at most twice it, else cudaMalloc — after freeing the
-  // whole cache and trying again when the device is full.
+  // whole cache and trying again when the device is full. A cached block that operations on
+  // other streams used (record_use: NCCL's) is handed out only once they have finished, or
+  // with the compute stream made to wait for them (cudaStreamWaitEvent): never to a kernel
+  // that could run while a collective still reads or writes it. DSTRAIN_CUDA_POISON=1 fills
+  // every block handed out with 0xFF bytes (NaN in fp32, bf16 and fp16), so a read of memory
+  // nothing wrote shows as NaN instead of a previous tensor's values.
   void* allocate(int64_t bytes) override {
     std::lock_guard<std::mutex> lock(mu_);
     const int64_t want = std::max<int64_t>(bytes, 1);
     const int64_t size = want > (1 << 20) ? (want + (2 << 20) - 1) / (2 << 20) * (2 << 20) : (want + 511) / 512 * 512;
-    auto it = free_.lower_bound(size);
     void* p = nullptr;
     int64_t got = size;
-    if (it != free_.end() && it->first <= 2 * size) {
-      p = it->second, got = it->first;
+    for (auto it = free_.lower_bound(size); it != free_.end() && it->first <= 2 * size; ++it) {
+      if (!ordered_after_uses(it->second)) continue;
+      p = it->second.p, got = it->first;
       cached_ -= got;
       free_.erase(it);
-    } else {
+      break;
+    }
+    if (!p) {
       if (cudaMalloc(&p, size_t(size)) != cudaSuccess) {
         cudaGetLastError();
-        DS_CUDA(cudaStreamSynchronize(stream_));
-        for (auto& [s, q] : free_) cudaFree(q);
-        free_.clear();
-        cached_ = 0;
+        release_cache();
         DS_CUDA(cudaMalloc(&p, size_t(size)));
       }
       ++mallocs_;
     }
-    used_[p] = got;
+    used_[p] = Block{p, got, {}};
     in_use_ += got;
     peak_ = std::max(peak_, in_use_);
+    if (poison_) DS_CUDA(cudaMemsetAsync(p, 0xFF, size_t(got), stream_));
     return p;
   }
   // Stream-ordered: the block goes back to the cache at once — later ops on the same stream
-  // that reuse it run after the ops that used it.
+  // that reuse it run after the ops that used it; the uses recorded on it from other streams
+  // go with it (allocate orders after them).
   void deallocate(void* p) override {
     if (!p) return;
     std::lock_guard<std::mutex> lock(mu_);
     auto it = used_.find(p);
     if (it == used_.end()) throw std::invalid_argument("cuda backend: deallocate of a pointer it did not allocate");
-    in_use_ -= it->second;
-    cached_ += it->second;
-    free_.emplace(it->second, p);
+    Block b = std::move(it->second);
     used_.erase(it);
+    in_use_ -= b.size;
+    cached_ += b.size;
+    b.uses.erase(std::remove_if(b.uses.begin(), b.uses.end(),
+                                [](const std::shared_ptr<StreamUse>& u) { return u->finished(); }),
+                 b.uses.end());
+    const int64_t size = b.size;
+    free_.emplace(size, std::move(b));
+  }
+  void record_use(const void* p, std::shared_ptr<StreamUse> use) override {
+    if (!p || !use) return;
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = used_.upper_bound(const_cast<void*>(p));
+    if (it == used_.begin()) return;
+    --it;
+    if (static_cast<const char*>(p) < static_cast<const char*>(it->first) + it->second.size)
+      it->second.uses.push_back(std::move(use));
   }
   CudaPoolStats pool_stats() {
     std::lock_guard<std::mutex> lock(mu_);
@@ -1785,8 +1805,41 @@ class CudaBackend final : public Backend {
   int64_t scratch_floats_ = 0;
 
   std::mutex mu_;
-  std::multimap<int64_t, void*> free_;
-  std::map<void*, int64_t> used_;
+  struct Block {
+    void* p = nullptr;
+    int64_t size = 0;
+    std::vector<std::shared_ptr<StreamUse>> uses;  // work on other streams that touched it
+  };
+  // Whether a cached block may be handed out now: every recorded use finished, or the compute
+  // stream made to wait for it (false while one is not launched yet: its group is still open).
+  bool ordered_after_uses(Block& b) {
+    for (auto& u : b.uses)
+      if (!u->finished() && !u->order_before(stream_)) return false;
+    b.uses.clear();
+    return true;
+  }
+  // The device is full: every cached block goes back to CUDA — once what uses it has finished
+  // (the compute stream ordered after it, then synchronised); blocks of groups not launched yet
+  // stay cached.
+  void release_cache() {
+    for (auto& [s, b] : free_) (void)ordered_after_uses(b);
+    DS_CUDA(cudaStreamSynchronize(stream_));
+    for (auto it = free_.begin(); it != free_.end();) {
+      if (!it->second.uses.empty()) {
+        ++it;
+        continue;
+      }
+      cudaFree(it->second.p);
+      cached_ -= it->first;
+      it = free_.erase(it);
+    }
+  }
+  bool poison_ = [] {
+    const char* v = std::getenv("DSTRAIN_CUDA_POISON");
+    return v && std::string(v) == "1";
+  }();
+  std::multimap<int64_t, Block> free_;
+  std::map<void*, Block> used_;
   int64_t mallocs_ = 0, in_use_ = 0, peak_ = 0, cached_ = 0;
 };
 

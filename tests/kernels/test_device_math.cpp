@@ -532,5 +532,57 @@ TEST(DeviceCheck, ItsMemoryIsNotHostMemoryAndItsOpsRefuseHostPointers) {
   EXPECT_DEATH({ std::printf("%f\n", static_cast<volatile float*>(dev)[3]); }, "");
 }
 
+
+// Every block the check hands out is poisoned (0xFF bytes: NaN in fp32, bf16 and fp16; -1 as an
+// int32), the first time and again when a freed block is reused — memory nothing wrote reads
+// as NaN, as the CUDA pool's dirty blocks would, not as the zeros of fresh pages.
+TEST(DeviceCheck, EveryBlockHandedOutIsPoisonedFreshOrReused) {
+  auto be = make_device_check_backend(make_cpu_backend(1));
+  const int64_t n = 1000;
+  std::vector<uint32_t> bits(static_cast<size_t>(n));
+  void* first = nullptr;
+  {
+    DeviceBuffer a(*be, n * 4);
+    first = a.data();
+    be->copy_to_host(bits.data(), a.data(), n * 4);
+    for (uint32_t b : bits) ASSERT_EQ(b, 0xFFFFFFFFu);
+    float f = 0;
+    be->copy_to_host(&f, a.data(), 4);
+    EXPECT_TRUE(std::isnan(f));
+    be->fill(a.as<float>(), 2.0f, n);  // written, then freed
+  }
+  DeviceBuffer b(*be, n * 4 - 100);  // the same size class: the cached block again
+  EXPECT_EQ(b.data(), first);
+  be->copy_to_host(bits.data(), b.data(), (n * 4 - 100) / 4 * 4);
+  for (int64_t i = 0; i < (n * 4 - 100) / 4; ++i) ASSERT_EQ(bits[size_t(i)], 0xFFFFFFFFu) << i;
+  uint16_t half = 0;
+  be->copy_to_host(&half, b.data(), 2);
+  EXPECT_EQ(half, 0xFFFFu);  // a NaN as bf16 and as fp16
+}
+
+// A block freed while an operation elsewhere (a communicator's stream) still uses it — recorded
+// through record_use, at any address inside the block — is not handed out again until that
+// operation has finished; then it is.
+struct FakeUse final : StreamUse {
+  bool done = false;
+  bool finished() override { return done; }
+};
+TEST(DeviceCheck, AFreedBlockAnOperationStillUsesIsNotReusedUntilItFinishes) {
+  auto be = make_device_check_backend(make_cpu_backend(1));
+  auto use = std::make_shared<FakeUse>();
+  void* held = nullptr;
+  {
+    DeviceBuffer a(*be, 4096);
+    held = a.data();
+    be->record_use(a.as<char>() + 1000, use);  // an interior pointer: the block holding it
+    be->record_use(&use, use);                 // a host pointer: ignored
+  }
+  DeviceBuffer b(*be, 4096);
+  EXPECT_NE(b.data(), held) << "a block an unfinished operation uses was handed out";
+  use->done = true;
+  DeviceBuffer c(*be, 4096);
+  EXPECT_EQ(c.data(), held) << "the block once its operation finished";
+}
+
 }  // namespace
 }  // namespace dstrain::kernels

@@ -8,6 +8,7 @@
 #include <chrono>
 #include <thread>
 
+#include "dstrain/kernels/backend.h"
 #include "engine/comm/mpi_communicator.h"
 #include "engine/comm/routing_communicator.h"
 #include "engine/comm/watchdog.h"
@@ -310,6 +311,50 @@ TEST(RoutingCommunicator, EmptyBuffersGoToTheDeviceAndMixedBuffersAreRefused) {
   c.barrier()->wait();
 }
 
+
+// Stream-ordered frees across streams, on the device-check backend (the CPU standing in for a
+// GPU): a device buffer freed while its receive is still pending is not handed out again — the
+// next buffer of its size is another block, which the late message does not overwrite — and the
+// held block returns to the pool once the receive has completed.
+TEST(RoutingCommunicator, ABufferFreedBeforeItsReceiveCompletesIsNotReusedMeanwhile) {
+  if (world()->size() < 2) GTEST_SKIP() << "needs two ranks";
+  auto be = kernels::make_device_check_backend(kernels::make_cpu_backend(1));
+  kernels::Backend* b = be.get();
+  auto c = make_mapped_communicator(
+      make_mpi_communicator(MPI_COMM_WORLD, "held"), [b](const void* p) { return b->host_mapping(p); }, 30.0,
+      [b](const void* p, std::shared_ptr<kernels::StreamUse> u) { b->record_use(p, std::move(u)); });
+  const int r = c->rank();
+  const int64_t n = 4096;
+  if (r == 1) {
+    std::unique_ptr<Work> rx;
+    void* freed = nullptr;
+    {
+      kernels::DeviceBuffer a(*b, n * 4);
+      freed = a.data();
+      rx = c->recv(a.as<float>(), n, 0);
+    }  // freed before the message came
+    kernels::DeviceBuffer mine(*b, n * 4);
+    EXPECT_NE(mine.data(), freed) << "the block of a pending receive was handed out again";
+    b->fill(mine.as<float>(), 1.0f, n);
+    MPI_Barrier(MPI_COMM_WORLD);  // rank 0 sends only now
+    rx->wait();
+    std::vector<float> got(static_cast<size_t>(n));
+    b->copy_to_host(got.data(), mine.data(), n * 4);
+    EXPECT_EQ(got.front(), 1.0f);
+    EXPECT_EQ(got.back(), 1.0f) << "the late message overwrote a buffer allocated after the free";
+    rx.reset();
+    kernels::DeviceBuffer again(*b, n * 4);
+    EXPECT_EQ(again.data(), freed) << "the held block once its receive completed";
+  } else {
+    MPI_Barrier(MPI_COMM_WORLD);
+    if (r == 0) {
+      kernels::DeviceBuffer out(*b, n * 4);
+      b->fill(out.as<float>(), 7.0f, n);
+      c->send(out.as<float>(), n, 1)->wait();
+    }
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
+}
 
 // NCCL's ordering on the mapped communicator: two ranks that each send a message too large to
 // be buffered and then receive one complete when the send and the receive are one group (each

@@ -144,6 +144,15 @@ void run_checks(Communicator& c) {
     cudaMemcpyAsync(d, ones.data(), size_t(m) * 4, cudaMemcpyHostToDevice, compute);
     c.all_reduce(d, m, ReduceOp::kSum)->wait();
     expect(to_host(d, size_t(m))[size_t(m - 1)] == float(size), "ordered after the compute stream's copy (64 MiB)");
+    // wait() is stream-side: a copy queued on the compute stream after it, synchronised on that
+    // stream alone, sees the reduced values.
+    cudaMemcpyAsync(d, ones.data(), size_t(m) * 4, cudaMemcpyHostToDevice, compute);
+    c.all_reduce(d, m, ReduceOp::kSum)->wait();
+    std::vector<float> back(static_cast<size_t>(m));
+    cudaMemcpyAsync(back.data(), d, size_t(m) * 4, cudaMemcpyDeviceToHost, compute);
+    cudaStreamSynchronize(compute);
+    expect(back[size_t(m - 1)] == float(size) && back[0] == float(size),
+           "wait() orders the compute stream after the collective (64 MiB, compute stream synchronised alone)");
     cudaFree(d);
   }
 }
@@ -154,6 +163,7 @@ void bandwidth(Communicator& c) {
   cudaMalloc(&d, size_t(n) * 4);
   cudaMemset(d, 0, size_t(n) * 4);
   c.all_reduce(d, n, ReduceOp::kSum)->wait();
+  cudaStreamSynchronize(compute);
   const auto t0 = std::chrono::steady_clock::now();
   for (int i = 0; i < 5; ++i) c.all_reduce(d, n, ReduceOp::kSum)->wait();
   const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / 5;

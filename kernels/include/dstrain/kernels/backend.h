@@ -84,6 +84,24 @@ struct AdamWParams {
   float l2 = 0.0f;           // L2-regularised Adam: g = grad * grad_scale + l2 * param
 };
 
+// Work outside the backend's own stream that reads or writes memory the backend allocated — a
+// collective on a communicator's stream (docs/design.md §6.11, "Stream-ordered frees"). A block
+// freed while such work may still touch it stays out of the backend's pool until the work has
+// finished, or until what the backend issues next is ordered after it.
+class StreamUse {
+ public:
+  virtual ~StreamUse() = default;
+  // Whether the work has finished (a query: never blocks).
+  virtual bool finished() = 0;
+  // Makes `stream` (the backend's) wait for the work without the host waiting; false where that
+  // cannot be done — the work is not launched yet (inside an open communication group), or
+  // there are no streams — and the block stays held.
+  virtual bool order_before(void* stream) {
+    (void)stream;
+    return false;
+  }
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -111,7 +129,17 @@ class Backend {
   virtual int64_t device_memory_free() = 0;
   // Device memory (host memory on the CPU backend), 64-byte aligned, uninitialised; bytes may be 0.
   virtual void* allocate(int64_t bytes) = 0;
+  // Stream-ordered: ops issued before the free may still be running; the block is handed out
+  // again only to ops ordered after them — and after every StreamUse recorded on it.
   virtual void deallocate(void* p) = 0;
+  // Records that `use` reads or writes the block of this backend's memory holding p (a device
+  // communicator calls it for every buffer of an operation it issues): freeing the block before
+  // the use has finished keeps it out of reuse until then. Memory the backend did not allocate
+  // is ignored; so is everything on a backend whose ops complete before they return (the CPU).
+  virtual void record_use(const void* p, std::shared_ptr<StreamUse> use) {
+    (void)p;
+    (void)use;
+  }
   // The only way the host reads or writes device memory: waits for the ops before it.
   virtual void copy_to_host(void* host, const void* src, int64_t bytes) = 0;
   virtual void copy_from_host(void* dst, const void* host, int64_t bytes) = 0;
