@@ -87,7 +87,47 @@ void validate_router(const TrainConfig& cfg) {
                         to_string(m.scoring_func), to_string(m.topk_method)));
 }
 
+// Every integer size of the model at most 2^24 (sixteen million; DeepSeek-V3's largest, its
+// vocabulary, is 129,280): the plan multiplies at most two of them into a tensor dimension
+// (plan/param_table.cpp), which so stays below 2^50, far from where int64 wraps, and checks the
+// products of dimensions in floating point (plan/parallel_plan.cpp check_sizes).
+constexpr int64_t kMaxModelSize = int64_t(1) << 24;
+
+void check_model_sizes(const TrainConfig& cfg) {
+  const ModelConfig& m = cfg.model;
+  const std::vector<std::pair<const char*, std::optional<int64_t>>> sizes = {
+      {"model.vocab_size", m.vocab_size},
+      {"model.hidden_size", m.hidden_size},
+      {"model.intermediate_size", m.intermediate_size},
+      {"model.moe_intermediate_size", m.moe_intermediate_size},
+      {"model.num_hidden_layers", m.num_hidden_layers},
+      {"model.num_attention_heads", m.num_attention_heads},
+      {"model.num_key_value_heads", m.num_key_value_heads},
+      {"model.q_lora_rank", m.q_lora_rank},
+      {"model.kv_lora_rank", m.kv_lora_rank},
+      {"model.qk_nope_head_dim", m.qk_nope_head_dim},
+      {"model.qk_rope_head_dim", m.qk_rope_head_dim},
+      {"model.v_head_dim", m.v_head_dim},
+      {"model.n_routed_experts", m.n_routed_experts},
+      {"model.n_shared_experts", m.n_shared_experts},
+      {"model.num_experts_per_tok", m.num_experts_per_tok},
+      {"model.first_k_dense_replace", m.first_k_dense_replace},
+      {"model.moe_layer_freq", m.moe_layer_freq},
+      {"model.n_group", m.n_group},
+      {"model.topk_group", m.topk_group},
+      {"model.max_position_embeddings", m.max_position_embeddings},
+      {"model.num_nextn_predict_layers", m.num_nextn_predict_layers},
+      {"seq_length", cfg.seq_length}};
+  for (const auto& [key, value] : sizes)
+    if (value && *value > kMaxModelSize)
+      fail_at(cfg, key,
+              fmt::format("{} is more than the {} a model size may be (the plan's 64-bit counts must not wrap); "
+                          "valid: 1 to {}",
+                          *value, with_commas(kMaxModelSize), with_commas(kMaxModelSize)));
+}
+
 void validate_model(const TrainConfig& cfg) {
+  check_model_sizes(cfg);
   const ModelConfig& m = cfg.model;
   if (m.num_key_value_heads != m.num_attention_heads)
     fail_at(cfg, "model.num_key_value_heads",

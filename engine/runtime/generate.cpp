@@ -11,6 +11,7 @@
 #include <random>
 
 #include "engine/common/error.h"
+#include "engine/common/strings.h"
 #include "engine/config/load_config.h"
 #include "engine/data/token_dataset.h"
 #include "engine/data/tokenizer.h"
@@ -46,21 +47,23 @@ Generated generate(const std::string& path, const GenerateOptions& o) {
   if (o.prompt.empty()) throw ConfigError("generate: --prompt is empty; give the text to continue");
   std::string checkpoint = path;
   if (std::filesystem::is_directory(path)) {  // a checkpoint directory: the one `latest` names
-    std::ifstream in(std::filesystem::path(path) / "latest");
-    std::string name;
-    if (!(in >> name))
-      throw ConfigError(fmt::format("generate: {} is a directory without a `latest` file (no checkpoint saved there)", path));
-    checkpoint = (std::filesystem::path(path) / name).string();
+    // (a bare file name inside the directory, as the writer writes it: checkpoint.cpp read_latest)
+    checkpoint = latest_checkpoint(path);
+    if (checkpoint.empty())
+      throw ConfigError(fmt::format("generate: {} is a directory without a `latest` file (no checkpoint saved there)",
+                                    printable(path, 200)));
   }
   if (!std::filesystem::is_regular_file(checkpoint))
-    throw ConfigError(fmt::format("generate: {} is not a checkpoint file (give a step_*.h5 of checkpoint.dir)", checkpoint));
+    throw ConfigError(fmt::format("generate: {} is not a checkpoint file (give a step_*.h5 of checkpoint.dir)",
+                                  printable(checkpoint, 200)));
   std::string yaml;
   Generated out;
   out.checkpoint = checkpoint;
   {
-    io::H5File f(checkpoint, io::H5File::Mode::kRead);
-    yaml = f.attr_string("config_yaml");
-    out.step = int64_t(f.attr_double("step"));
+    // Probed in a child and the root attributes' checksum checked before anything is read.
+    const std::unique_ptr<io::H5File> f = open_checkpoint_file(checkpoint);
+    yaml = f->attr_string("config_yaml");
+    out.step = int64_t(f->attr_double("step"));
   }
   // The model as trained, on one process, fp32, one sequence at a time.
   // (Without its learning-rate schedule, which generation does not use.)

@@ -116,6 +116,26 @@ TEST(Faults, SigtermToDsrunSurvivesASlowSave) {
   EXPECT_LT(secs, 60);
 }
 
+// Under plain mpirun (no dsrun), a SIGTERM during a long save: Open MPI kills the ranks 1 s after
+// forwarding it, so the save is cut short — and loses nothing: `latest` still names the previous
+// checkpoint, which verifies and resumes; the start-up lines said how to give a save more time.
+TEST(Faults, SigtermToPlainMpirunDuringASaveKeepsTheLastCheckpoint) {
+  const std::string dir = fresh("mpirun_term");
+  const std::string cmd = "DSTRAIN_FAULT_INJECT=slow_save:8 " + mpirun(2) +
+                          train_cmd(dir, "run", 100000, "--resume none --set checkpoint.interval=1 --threads 1");
+  // The signal once the first checkpoint is published: the second save (or the one the stop
+  // itself asks for) is then under way and takes 8 s.
+  const Result r = run("(" + cmd + " & pid=$!; for i in $(seq 300); do [ -f " + dir +
+                       "/run/latest ] && break; sleep 0.2; done; sleep 1; kill -TERM $pid; wait $pid)");
+  EXPECT_NE(r.out.find("odls_base_sigkill_timeout"), std::string::npos) << r.out;
+  EXPECT_EQ(latest_name(dir + "/run"), "step_00000001.h5") << r.out << r.err;
+  EXPECT_EQ(run(kCkpt + " verify " + dir + "/run").rc, 0);
+  const Result resumed = run(train_cmd(dir, "run", 2, ""));
+  EXPECT_EQ(resumed.rc, 0) << resumed.err;
+  EXPECT_NE(resumed.out.find("resumed from " + dir + "/run/step_00000001.h5 at step 1"), std::string::npos)
+      << resumed.out;
+}
+
 // SIGUSR1 to mpirun (what Slurm's --signal sends): forwarded at once, save and stop, exit 0.
 TEST(Faults, SigusrOneToMpirunSavesAndStops) {
   const std::string dir = fresh("mpirun_usr1");
@@ -490,8 +510,26 @@ TEST(Faults, HostileInputsAreRefusedAndLoseNothing) {
     Result info = run(kCkpt + " info " + dir + "/empty");
     EXPECT_EQ(info.rc, 1);
     EXPECT_EQ((info.out + info.err).find('\x1b'), std::string::npos);
+    // `dstrain generate DIR` takes `latest` by the same rule.
+    const Result gen = run(kDstrain + " generate " + dir + "/empty --prompt x --max-new-tokens 1");
+    EXPECT_EQ(gen.rc, 1) << bad;
+    EXPECT_NE(gen.err.find("is not the file name of a checkpoint in this directory"), std::string::npos) << gen.err;
+    EXPECT_EQ(gen.out.find("ROMEO"), std::string::npos);
+    EXPECT_EQ((gen.out + gen.err).find('\x1b'), std::string::npos) << "a raw escape reached the terminal";
   }
   EXPECT_NE(r.err.find("\\x1b]0;owned\\x07step_00000003.h5"), std::string::npos) << r.err;
+  // `dstrain generate` checks the run attributes' checksum before it reads the config they hold.
+  fs::copy_file(dir + "/prune/step_00000003.h5", dir + "/attr.h5");
+  {
+    dstrain::io::H5File f(dir + "/attr.h5", dstrain::io::H5File::Mode::kReadWrite);
+    f.set_attr("config_yaml", f.attr_string("config_yaml") + "\n# edited\n");
+  }
+  r = run(kDstrain + " generate " + dir + "/attr.h5 --prompt x --max-new-tokens 1");
+  EXPECT_EQ(r.rc, 1);
+  EXPECT_NE(r.err.find("checkpoint " + dir + "/attr.h5: its run attributes (step, seed, config, ...) do not match "
+                       "their checksum"),
+            std::string::npos)
+      << r.err;
   // A model key changed on resume: refused unless checkpoint.allow_model_change.
   r = run(train_cmd(dir, "prune", 4, "--set model.rope_theta=50000"));
   EXPECT_EQ(r.rc, 1);

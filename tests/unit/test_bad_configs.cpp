@@ -160,19 +160,28 @@ std::vector<BadCase> cases() {
        {"--set parallel.tensr=2: parallel.tensr: unknown key; did you mean 'parallel.tensor'?"}},
       // Sizes the plan's 64-bit counts cannot hold: refused, never printed wrapped around.
       {"hidden_size_overflows_the_counts", base(), {"model.hidden_size=4611686018427387904"}, 1,
-       {"--set model.hidden_size=4611686018427387904: model.hidden_size: tensor ",
-        "a tensor may have; valid: the sizes of a real model"}},
+       {"--set model.hidden_size=4611686018427387904: model.hidden_size: 4611686018427387904 is more than the "
+        "16,777,216 a model size may be (the plan's 64-bit counts must not wrap); valid: 1 to 16,777,216"}},
       {"intermediate_size_overflows_the_counts", base(), {"model.intermediate_size=3e18"}, 1,
-       {"--set model.intermediate_size=3e18: model.intermediate_size: tensor model.layers.0.mlp.gate_proj.weight "
-        "would have 1.92e+20 elements"}},
+       {"--set model.intermediate_size=3e18: model.intermediate_size: 3000000000000000000 is more than the "
+        "16,777,216 a model size may be"}},
       {"hidden_size_at_int64_max", base(), {"model.hidden_size=9223372036854775807"}, 1,
-       {"model.hidden_size: tensor "}},
+       {"model.hidden_size: 9223372036854775807 is more than the 16,777,216"}},
+      // Two sizes whose product wraps int64 to a small positive number (2^32 + 1 squared): refused
+      // by their own bound, before any product is formed.
+      {"shared_expert_width_wraps", base(), {"model.n_shared_experts=4294967297", "model.moe_intermediate_size=4294967297"},
+       1, {"model.moe_intermediate_size: 4294967297 is more than the 16,777,216 a model size may be"}},
+      {"tensor_too_large", base(), {"model.hidden_size=16777216", "model.v_head_dim=16777216"}, 1,
+       {"would have", "elements, more than the 2.81e+14 a tensor may have; valid: the sizes of a real model"}},
       {"model_too_large_in_total", base(), {"model.n_routed_experts=100000", "model.moe_intermediate_size=100000",
                                             "model.hidden_size=100000", "model.num_attention_heads=4"},
        1, {"the model would have 3e+15 parameters, more than the 1.13e+15 dstrain plans for"}},
-      {"sequence_too_long_to_count", base(), {"seq_length=200000000", "model.max_position_embeddings=200000000",
-                                              "train_micro_batch_size_per_gpu=4"},
-       1, {"seq_length: 200000000: one micro-batch of 4 x 200000000 tokens would need about", "more than dstrain can count"}},
+      {"sequence_too_long_to_count", base(), {"seq_length=16777216", "model.max_position_embeddings=16777216",
+                                              "train_micro_batch_size_per_gpu=8", "model.num_attention_heads=8",
+                                              "model.num_key_value_heads=8"},
+       1, {"seq_length: 16777216: one micro-batch of 8 x 16777216 tokens would need about", "more than dstrain can count"}},
+      {"sequence_beyond_any_model_size", base(), {"seq_length=200000000", "model.max_position_embeddings=200000000"},
+       1, {"model.max_position_embeddings: 200000000 is more than the 16,777,216 a model size may be"}},
   };
 }
 
@@ -202,23 +211,32 @@ TEST(BadConfigTable, HasAtLeast25Cases) { EXPECT_GE(cases().size(), 25u); }
 // Aliases nested in aliases (a "billion laughs") under a valid list key: refused before any
 // walk expands them, in well under a second, with a message of normal length.
 TEST(BadConfigFile, AliasBombIsRefusedQuickly) {
-  std::string yaml = base() + "a0: &a0 [1, 1, 1, 1, 1, 1, 1, 1, 1, 1]\n";
-  for (int i = 1; i < 9; ++i)
-    yaml += fmt::format("a{}: &a{} [*a{p}, *a{p}, *a{p}, *a{p}, *a{p}, *a{p}, *a{p}, *a{p}, *a{p}, *a{p}]\n", i, i,
-                        fmt::arg("p", i - 1));
-  yaml += "monitor:\n  trace_steps: *a8\n";
-  const auto t0 = std::chrono::steady_clock::now();
-  std::string message;
-  try {
-    testing::load(yaml);
-  } catch (const ConfigError& e) {
-    message = e.what();
+  // The anchors under keys of their own, and (the case) all of them inside the valid
+  // list key monitor.trace_steps, where nothing else is wrong with the config.
+  std::string outside = base() + "a0: &a0 [1, 1, 1, 1, 1, 1, 1, 1, 1, 1]\n";
+  std::string inside = base() + "monitor:\n  trace_steps: [&a0 [1, 1, 1, 1, 1, 1, 1, 1, 1, 1]";
+  for (int i = 1; i < 9; ++i) {
+    const std::string list =
+        fmt::format("[*a{p}, *a{p}, *a{p}, *a{p}, *a{p}, *a{p}, *a{p}, *a{p}, *a{p}, *a{p}]", fmt::arg("p", i - 1));
+    outside += fmt::format("a{}: &a{} {}\n", i, i, list);
+    inside += fmt::format(", &a{} {}", i, list);
   }
-  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  EXPECT_NE(message.find("test.yaml: the config expands to more than 100,000 YAML nodes"), std::string::npos)
-      << message.substr(0, 300);
-  EXPECT_LT(message.size(), 400u);
-  EXPECT_LT(secs, 2.0);
+  outside += "monitor:\n  trace_steps: *a8\n";
+  inside += "]\n";
+  for (const std::string& yaml : {outside, inside}) {
+    const auto t0 = std::chrono::steady_clock::now();
+    std::string message;
+    try {
+      testing::load(yaml);
+    } catch (const ConfigError& e) {
+      message = e.what();
+    }
+    const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    EXPECT_NE(message.find("test.yaml: the config expands to more than 100,000 YAML nodes"), std::string::npos)
+        << message.substr(0, 300);
+    EXPECT_LT(message.size(), 400u);
+    EXPECT_LT(secs, 2.0);
+  }
   // A value quoted in an error is cut short.
   std::string list = "[";
   for (int i = 0; i < 500; ++i) list += "100000, ";
