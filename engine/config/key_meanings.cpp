@@ -257,6 +257,8 @@ const std::string& key_meaning(const std::string& path) {
        "Chrome / Perfetto trace (JSON) of monitor.trace_steps, every rank's events merged by rank 0; empty disables"},
       {"monitor.trace_steps",
        "[first, last]: the steps traced (1-based, inclusive)"},
+      {"monitor.op_breakdown",
+       "time every kernel op of each step (CUDA events on the GPU, the host clock on the CPU; the device waits at the end of each step) and print rank 0's mean per step by op at the end of the run, the first step left out"},
   };
   static const std::string none;
   const auto it = meanings.find(path);

@@ -231,6 +231,7 @@ void describe(V& v, MonitorConfig& c) {
   v.field("comm_log", c.comm_log);
   v.field("trace", c.trace);
   v.field("trace_steps", c.trace_steps, at_least(1));
+  v.field("op_breakdown", c.op_breakdown);
 }
 
 template <class V>

@@ -192,6 +192,9 @@ struct MonitorConfig {
   bool comm_log = false;                // per-collective counts, bytes, times, bandwidths (DeepSpeed's comms logger)
   std::string trace;                    // Chrome / Perfetto trace file of trace_steps; "" disables
   std::vector<int64_t> trace_steps = {2, 3};  // first and last step traced (1-based, inclusive)
+  // Time per kernel op of each step (CUDA events on the GPU, the host clock on the CPU), averaged
+  // over the steps after the first and printed at the end of the run (docs/design.md §6.12)
+  bool op_breakdown = false;
 };
 
 struct TrainConfig {

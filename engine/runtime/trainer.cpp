@@ -661,6 +661,59 @@ void Trainer::report_comm_log(int64_t steps) {
   metrics_.write_line(j.dump());
 }
 
+void Trainer::add_op_times(int64_t step, Clock::time_point t0) {
+  kernels::Backend& be = *engine_.backend;
+  const std::vector<kernels::OpTime> times = be.take_op_times();  // (waits for the step's ops)
+  be.set_op_timing(false);  // validation and checkpoints are not the step's
+  if (step == start_step_) return;  // the first step warms up (allocations, plans, first touches)
+  if (op_steps_ == 0) op_first_ = step + 1;
+  ++op_steps_;
+  op_step_s_ += seconds_since(t0);
+  for (const kernels::OpTime& t : times) {
+    kernels::OpTime& sum = op_times_[t.op];
+    sum.op = t.op;
+    sum.calls += t.calls;
+    sum.ms += t.ms;
+  }
+}
+
+void Trainer::report_op_breakdown() {
+  const kernels::Backend& be = *engine_.backend;
+  if (be.op_timing_clock().empty()) {
+    spdlog::warn("monitor.op_breakdown: the {} backend cannot time its ops", be.name());
+    return;
+  }
+  if (op_steps_ == 0) {
+    spdlog::info("op breakdown: no step after the run's first to average (train 2 steps or more)");
+    return;
+  }
+  std::vector<kernels::OpTime> ops;
+  double total = 0;
+  for (const auto& [name, t] : op_times_) ops.push_back(t), total += t.ms;
+  std::stable_sort(ops.begin(), ops.end(), [](const kernels::OpTime& a, const kernels::OpTime& b) { return a.ms > b.ms; });
+  const double n = double(op_steps_), step_ms = 1e3 * op_step_s_ / n;
+  std::string table = fmt::format("  {:<24} {:>10} {:>10} {:>7}", "op", "calls/step", "ms/step", "share");
+  std::string top;
+  for (const kernels::OpTime& t : ops) {
+    table += fmt::format("\n  {:<24} {:>10.1f} {:>10.3f} {:>6.1f}%", t.op, double(t.calls) / n, t.ms / n,
+                         100.0 * t.ms / total);
+    if (top.size() < 160) top += fmt::format("{}{} {:.1f}%", top.empty() ? "" : ", ", t.op, 100.0 * t.ms / total);
+  }
+  spdlog::info("op breakdown of rank 0 ({}), mean of steps {} to {}:\n{}", be.op_timing_clock(), op_first_,
+               op_first_ + op_steps_ - 1, table);
+  spdlog::info("op time per step: {:.2f} ms in ops of a {:.2f} ms step ({:.1f}%): {}", total / n, step_ms,
+               100.0 * total / n / step_ms, top);
+  nlohmann::ordered_json j;
+  j["op_breakdown"] = nlohmann::ordered_json::array();
+  for (const kernels::OpTime& t : ops)
+    j["op_breakdown"].push_back({{"op", t.op}, {"calls_per_step", double(t.calls) / n}, {"ms_per_step", t.ms / n}});
+  j["rank"] = 0;
+  j["steps"] = op_steps_;
+  j["step_ms"] = step_ms;
+  j["clock"] = be.op_timing_clock();
+  metrics_.write_line(j.dump());
+}
+
 TrainSummary Trainer::run() {
   const data::DatasetInfo& d = dataset_->info();
   if (rank_ == 0) {
@@ -747,6 +800,8 @@ TrainSummary Trainer::run() {
     if (tracing && step + 1 == std::max(trace_first, start_step_ + 1) && step + 1 <= trace_last) trace::start(rank_);
     std::optional<trace::Scope> step_scope;
     step_scope.emplace("step", "step", step + 1);
+    const auto step_t0 = Clock::now();
+    if (cfg_.monitor.op_breakdown) engine_.backend->set_op_timing(true);  // the step's ops alone
     try {
       last = train_step(step);
     } catch (const AgreedError&) {
@@ -754,6 +809,7 @@ TrainSummary Trainer::run() {
     } catch (const Error& e) {  // e.g. expert-parallel ranks disagreeing on their exchange
       throw Error(fmt::format("step {}: {}", step + 1, e.what()));
     }
+    if (cfg_.monitor.op_breakdown) add_op_times(step, step_t0);
     ++window_steps;
     if (step == start_step_ && rank_ == 0) {
       // What the first step allocated against what the plan said (docs/design.md §6.7).
@@ -825,6 +881,7 @@ TrainSummary Trainer::run() {
   checkpointer_->wait();
   if (tracing && trace::recording()) write_trace();  // the run ended inside the traced steps
   if (cfg_.monitor.comm_log) report_comm_log(out.steps);
+  if (cfg_.monitor.op_breakdown && rank_ == 0) report_op_breakdown();
   out.final_loss = last.loss.ce;
   out.seconds = seconds_since(start);
   out.tokens_per_sec = double((out.steps - start_step_) * plan_.batch.tokens_per_step()) / out.seconds;

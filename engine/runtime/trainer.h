@@ -14,7 +14,9 @@
 #pragma once
 
 #include <chrono>
+#include <map>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "engine/comm/communicator.h"
@@ -116,6 +118,11 @@ class Trainer {
   void write_trace();
   // Rank 0: the comms log's table in the log, and its records in the metrics file.
   void report_comm_log(int64_t steps);
+  // monitor.op_breakdown: the op times of the step begun at t0 (waiting for the device), added to
+  // the run's unless it is the run's first step; op timing off until the next step.
+  void add_op_times(int64_t step, std::chrono::steady_clock::time_point t0);
+  // Rank 0: the mean op time per step, by op (monitor.op_breakdown).
+  void report_op_breakdown();
 
   const plan::ParallelPlan plan_;  // owned: the parameter store's views point into its registry
   const config::TrainConfig& cfg_;
@@ -140,6 +147,10 @@ class Trainer {
   int64_t skip_sync_step_ = 0;  // fault injection (Fault::kSkipGradSync)
   int64_t inf_grad_step_ = 0;   // fault injection (Fault::kInfGradient)
   std::optional<LossScaler> scaler_;  // fp16
+  // monitor.op_breakdown: this rank's op times summed over the steps after the run's first.
+  std::map<std::string, kernels::OpTime> op_times_;
+  int64_t op_steps_ = 0, op_first_ = 0;
+  double op_step_s_ = 0;
 };
 
 }  // namespace dstrain::runtime

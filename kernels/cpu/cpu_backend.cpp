@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "dstrain/kernels/backend.h"
+#include "dstrain/kernels/op_times.h"
 #include "kernels/cpu/amx.h"
 #include "kernels/cpu/attention_lp.h"
 #include "kernels/cpu/blas_gemm.h"
@@ -51,6 +52,9 @@ class CpuBackend final : public Backend {
     return std::string("cpu (") + to_string(gemm_) + ", " + std::to_string(threads_) + " threads)";
   }
   int num_threads() const override { return threads_; }
+  std::string op_timing_clock() const override { return "the host clock"; }
+  void set_op_timing(bool on) override { times_.set(on); }
+  std::vector<OpTime> take_op_times() override { return times_.take(); }
 
   void* allocate(int64_t bytes) override {
     const size_t n = size_t((std::max<int64_t>(bytes, 1) + 63) / 64 * 64);
@@ -60,18 +64,22 @@ class CpuBackend final : public Backend {
   }
   void deallocate(void* p) override { std::free(p); }
   void copy_to_host(void* host, const void* src, int64_t bytes) override {
+    const HostOpTimes::Scope op_scope(times_, "copy_to_host");
     if (bytes > 0) std::memcpy(host, src, size_t(bytes));
   }
   void copy_from_host(void* dst, const void* host, int64_t bytes) override {
+    const HostOpTimes::Scope op_scope(times_, "copy_from_host");
     if (bytes > 0) std::memcpy(dst, host, size_t(bytes));
   }
   void copy(void* dst, const void* src, int64_t bytes) override {
+    const HostOpTimes::Scope op_scope(times_, "copy");
     if (bytes > 0) std::memcpy(dst, src, size_t(bytes));
   }
   bool host_addressable() const override { return true; }
   int64_t device_memory_free() override { return -1; }
   void synchronize() override {}  // every op has finished when it returns
   void sum_squares(double* out, const float* x, int64_t n, bool accumulate) override {
+    const HostOpTimes::Scope op_scope(times_, "sum_squares");
     double sum = 0;
 #pragma omp parallel for simd reduction(+ : sum) schedule(static)
     for (int64_t i = 0; i < n; ++i) sum += double(x[i]) * double(x[i]);
@@ -79,6 +87,7 @@ class CpuBackend final : public Backend {
   }
 
   void convert(View dst, ConstView src, int64_t n) override {
+    const HostOpTimes::Scope op_scope(times_, "convert");
     if (n <= 0) return;
     if (dst.dtype == src.dtype) {
       std::memcpy(dst.data, src.data, size_t(n * dtype_size(src.dtype)));
@@ -104,6 +113,7 @@ class CpuBackend final : public Backend {
 
   void gemm(float* C, ConstView A, ConstView B, int64_t M, int64_t N, int64_t K, bool ta, bool tb, float alpha,
             float beta) override {
+    const HostOpTimes::Scope op_scope(times_, "gemm");
     if (A.dtype != B.dtype)
       throw std::invalid_argument(std::string("gemm: inputs of two types, ") + to_string(A.dtype) + " and " +
                                   to_string(B.dtype));
@@ -144,6 +154,7 @@ class CpuBackend final : public Backend {
   void gemm_grouped(float* const* C, const void* const* A, const void* const* B, DType dtype, const int64_t* M,
                     const int64_t* N, const int64_t* K, int64_t count, bool ta, bool tb, float alpha,
                     float beta) override {
+    const HostOpTimes::Scope op_scope(times_, "gemm_grouped");
     if (dtype == DType::kF32)
       return gemm_grouped(C, reinterpret_cast<const float* const*>(A), reinterpret_cast<const float* const*>(B), M,
                           N, K, count, ta, tb, alpha, beta);
@@ -184,6 +195,7 @@ class CpuBackend final : public Backend {
 
   void gemm(float* C, const float* A, const float* B, int64_t M, int64_t N, int64_t K, bool ta,
             bool tb, float alpha, float beta) override {
+    const HostOpTimes::Scope op_scope(times_, "gemm");
     if (M == 0 || N == 0) return;
     if (K == 0) {  // BLAS leaves C untouched for K = 0; C = beta * C is what the math says
       for (int64_t i = 0; i < M * N; ++i) C[i] = beta == 0.0f ? 0.0f : beta * C[i];
@@ -201,6 +213,7 @@ class CpuBackend final : public Backend {
   void gemm_grouped(float* const* C, const float* const* A, const float* const* B,
                     const int64_t* M, const int64_t* N, const int64_t* K, int64_t count, bool ta,
                     bool tb, float alpha, float beta) override {
+    const HostOpTimes::Scope op_scope(times_, "gemm_grouped");
     // Many small problems: one per thread at a time (the BLAS runs single-threaded inside an
     // OpenMP region), largest first. Few problems: one after the other, each with all threads.
     if (count < 2 * threads_) {
@@ -213,25 +226,30 @@ class CpuBackend final : public Backend {
 
   void rmsnorm_forward(float* y, float* rstd, const float* x, const float* w, int64_t rows,
                        int64_t C, float eps) override {
+    const HostOpTimes::Scope op_scope(times_, "rmsnorm_forward");
     cpu::rmsnorm_forward(y, rstd, x, w, rows, C, eps);
   }
   void rmsnorm_forward(View y, float* rstd, const float* x, const float* w, int64_t rows, int64_t C,
                        float eps) override {
+    const HostOpTimes::Scope op_scope(times_, "rmsnorm_forward");
     if (y.dtype == DType::kF32) return cpu::rmsnorm_forward(static_cast<float*>(y.data), rstd, x, w, rows, C, eps);
     rows_rounded(y, rows, C, [&](int64_t r, float* row) { cpu::rmsnorm_row(row, rstd + r, x + r * C, w, C, eps); });
   }
   void rmsnorm_backward(float* dx, float* dw, const float* dy, const float* x, const float* w,
                         const float* rstd, int64_t rows, int64_t C) override {
+    const HostOpTimes::Scope op_scope(times_, "rmsnorm_backward");
     cpu::rmsnorm_backward(dx, dw, dy, x, w, rstd, rows, C);
   }
   void rope_forward(float* out, int64_t out_ts, int64_t out_hs, const float* in, int64_t in_ts,
                     int64_t in_hs, const float* cos, const float* sin, int64_t N, int64_t S,
                     int64_t heads, int64_t dr, bool interleave) override {
+    const HostOpTimes::Scope op_scope(times_, "rope_forward");
     cpu::rope_forward(out, out_ts, out_hs, in, in_ts, in_hs, cos, sin, N, S, heads, dr, interleave);
   }
   void rope_backward(float* din, int64_t in_ts, int64_t in_hs, const float* dout, int64_t out_ts,
                      int64_t out_hs, const float* cos, const float* sin, int64_t N, int64_t S,
                      int64_t heads, int64_t dr, bool interleave, bool accumulate) override {
+    const HostOpTimes::Scope op_scope(times_, "rope_backward");
     check_rope_backward(in_hs, heads, dr, accumulate);
     cpu::rope_backward(din, in_ts, in_hs, dout, out_ts, out_hs, cos, sin, N, S, heads, dr,
                        interleave, accumulate);
@@ -239,6 +257,7 @@ class CpuBackend final : public Backend {
   void rope_forward(View out, int64_t out_ts, int64_t out_hs, const float* in, int64_t in_ts, int64_t in_hs,
                     const float* cos, const float* sin, int64_t N, int64_t S, int64_t heads, int64_t dr,
                     bool interleave) override {
+    const HostOpTimes::Scope op_scope(times_, "rope_forward");
     if (out.dtype == DType::kF32)
       return cpu::rope_forward(static_cast<float*>(out.data), out_ts, out_hs, in, in_ts, in_hs, cos, sin, N, S, heads,
                                dr, interleave);
@@ -251,6 +270,7 @@ class CpuBackend final : public Backend {
   void rope_backward(View din, int64_t in_ts, int64_t in_hs, const float* dout, int64_t out_ts, int64_t out_hs,
                      const float* cos, const float* sin, int64_t N, int64_t S, int64_t heads, int64_t dr,
                      bool interleave, bool accumulate) override {
+    const HostOpTimes::Scope op_scope(times_, "rope_backward");
     check_rope_backward(din.dtype, in_hs, heads, dr, accumulate);
     if (din.dtype == DType::kF32)
       return cpu::rope_backward(static_cast<float*>(din.data), in_ts, in_hs, dout, out_ts, out_hs, cos, sin, N, S,
@@ -289,6 +309,7 @@ class CpuBackend final : public Backend {
   }
   void attention_forward(float* O, float* lse, ConstView Q, ConstView K, ConstView V, int64_t B, int64_t S,
                          int64_t nh, int64_t dqk, int64_t dv, float scale) override {
+    const HostOpTimes::Scope op_scope(times_, "attention_forward");
     if (Q.dtype == DType::kF32)
       return attention_forward(O, lse, static_cast<const float*>(Q.data), static_cast<const float*>(K.data),
                                static_cast<const float*>(V.data), B, S, nh, dqk, dv, scale);
@@ -308,6 +329,7 @@ class CpuBackend final : public Backend {
   void attention_backward(float* dQ, float* dK, float* dV, const float* dO, ConstView dO_lp, ConstView Q, ConstView K,
                           ConstView V, const float* O, const float* lse, int64_t B, int64_t S, int64_t nh,
                           int64_t dqk, int64_t dv, float scale) override {
+    const HostOpTimes::Scope op_scope(times_, "attention_backward");
     if (Q.dtype == DType::kF32)
       return attention_backward(dQ, dK, dV, dO, static_cast<const float*>(Q.data), static_cast<const float*>(K.data),
                                 static_cast<const float*>(V.data), O, lse, B, S, nh, dqk, dv, scale);
@@ -345,6 +367,7 @@ class CpuBackend final : public Backend {
   void attention_forward(float* O, float* lse, const float* Q, const float* K, const float* V,
                          int64_t B, int64_t S, int64_t nh, int64_t dqk, int64_t dv,
                          float scale) override {
+    const HostOpTimes::Scope op_scope(times_, "attention_forward");
     check_attention(S);
     cpu::attention_forward(O, lse, Q, K, V, B, S, nh, dqk, dv, scale, attention_ws_.data(), threads_);
   }
@@ -352,37 +375,45 @@ class CpuBackend final : public Backend {
                           const float* K, const float* V, const float* O, const float* lse,
                           int64_t B, int64_t S, int64_t nh, int64_t dqk, int64_t dv,
                           float scale) override {
+    const HostOpTimes::Scope op_scope(times_, "attention_backward");
     check_attention(S);
     cpu::attention_backward(dQ, dK, dV, dO, Q, K, V, O, lse, B, S, nh, dqk, dv, scale, attention_ws_.data(),
                             threads_);
   }
   void swiglu_forward(float* M, const float* GU, int64_t N, int64_t I) override {
+    const HostOpTimes::Scope op_scope(times_, "swiglu_forward");
     cpu::swiglu_forward(M, GU, N, I);
   }
   void swiglu_forward(View M, const float* GU, int64_t N, int64_t I) override {
+    const HostOpTimes::Scope op_scope(times_, "swiglu_forward");
     if (M.dtype == DType::kF32) return cpu::swiglu_forward(static_cast<float*>(M.data), GU, N, I);
     rows_rounded(M, N, I, [&](int64_t t, float* row) { cpu::swiglu_row(row, GU + t * 2 * I, I); });
   }
   void swiglu_backward(View dGU, const float* dM, const float* GU, int64_t N, int64_t I) override {
+    const HostOpTimes::Scope op_scope(times_, "swiglu_backward");
     if (dGU.dtype == DType::kF32) return cpu::swiglu_backward(static_cast<float*>(dGU.data), dM, GU, N, I);
     rows_rounded(dGU, N, 2 * I,
                  [&](int64_t t, float* row) { cpu::swiglu_backward_row(row, dM + t * I, GU + t * 2 * I, I); });
   }
   void swiglu_backward(float* dGU, const float* dM, const float* GU, int64_t N, int64_t I) override {
+    const HostOpTimes::Scope op_scope(times_, "swiglu_backward");
     cpu::swiglu_backward(dGU, dM, GU, N, I);
   }
   void router_forward(int32_t* idx, float* w, float* scores, const float* logits, const float* bias,
                       int64_t N, const RouterParams& p) override {
+    const HostOpTimes::Scope op_scope(times_, "router_forward");
     if (p.num_experts > 1024) throw std::invalid_argument("router: more than 1024 experts");
     cpu::router_forward(idx, w, scores, logits, bias, N, p);
   }
   void router_backward(float* dlogits, const float* dw, const float* dscores_extra,
                        const float* scores, const int32_t* idx, int64_t N,
                        const RouterParams& p) override {
+    const HostOpTimes::Scope op_scope(times_, "router_backward");
     cpu::router_backward(dlogits, dw, dscores_extra, scores, idx, N, p);
   }
   void moe_plan(int32_t* pos, int32_t* src, int32_t* counts, const int32_t* idx, int64_t N, int64_t k,
                 int64_t E) override {
+    const HostOpTimes::Scope op_scope(times_, "moe_plan");
     std::fill(counts, counts + E, 0);
     for (int64_t i = 0; i < N * k; ++i) {
       if (idx[i] < 0 || idx[i] >= E)
@@ -406,6 +437,7 @@ class CpuBackend final : public Backend {
     return g;
   }
   void moe_balance_stats(float* stats, const int32_t* idx, const float* scores, const BalanceShape& b) override {
+    const HostOpTimes::Scope op_scope(times_, "moe_balance_stats");
     std::vector<double> acc(size_t(2 * b.groups * b.E), 0.0);
     double* f = acc.data();
     double* P = f + b.groups * b.E;
@@ -421,6 +453,7 @@ class CpuBackend final : public Backend {
   }
   void moe_balance_grad(float* dscores, float* aux, const float* stats, const float* scores, const BalanceShape& b,
                         double weight, double grad_scale) override {
+    const HostOpTimes::Scope op_scope(times_, "moe_balance_grad");
     const float* f = stats;
     const float* P = stats + b.groups * b.E;
     if (aux) {
@@ -444,9 +477,11 @@ class CpuBackend final : public Backend {
     }
   }
   void gather_rows(float* out, const float* in, const int32_t* src, int64_t n, int64_t H) override {
+    const HostOpTimes::Scope op_scope(times_, "gather_rows");
     cpu::gather_rows(out, in, src, n, H);
   }
   void gather_rows(View out, const float* in, const int32_t* src, int64_t n, int64_t H) override {
+    const HostOpTimes::Scope op_scope(times_, "gather_rows");
     if (out.dtype == DType::kF32) return cpu::gather_rows(static_cast<float*>(out.data), in, src, n, H);
     const cpu::LowPrecision lp = low(out.dtype);
     uint16_t* o = static_cast<uint16_t*>(out.data);
@@ -455,14 +490,17 @@ class CpuBackend final : public Backend {
   }
   void moe_combine(float* out, const float* Y, const float* w, const int32_t* pos, int64_t N,
                    int64_t k, int64_t H) override {
+    const HostOpTimes::Scope op_scope(times_, "moe_combine");
     cpu::moe_combine(out, Y, w, pos, N, k, H);
   }
   void moe_combine_backward(float* dY, float* dw, const float* dout, const float* Y, const float* w,
                             const int32_t* pos, int64_t N, int64_t k, int64_t H) override {
+    const HostOpTimes::Scope op_scope(times_, "moe_combine_backward");
     cpu::moe_combine_backward(dY, dw, dout, Y, w, pos, N, k, H);
   }
   void moe_combine_backward(View dY, float* dw, const float* dout, const float* Y, const float* w,
                             const int32_t* pos, int64_t N, int64_t k, int64_t H) override {
+    const HostOpTimes::Scope op_scope(times_, "moe_combine_backward");
     if (dY.dtype == DType::kF32)
       return cpu::moe_combine_backward(static_cast<float*>(dY.data), dw, dout, Y, w, pos, N, k, H);
     const cpu::LowPrecision lp = low(dY.dtype);
@@ -481,40 +519,49 @@ class CpuBackend final : public Backend {
   }
   void moe_dispatch_backward(float* dx, const float* dXp, const int32_t* pos, int64_t N, int64_t k,
                              int64_t H) override {
+    const HostOpTimes::Scope op_scope(times_, "moe_dispatch_backward");
     cpu::moe_dispatch_backward(dx, dXp, pos, N, k, H);
   }
   void cross_entropy(float* loss, float* logits, const int32_t* target, int64_t rows, int64_t V,
                      float grad_scale) override {
+    const HostOpTimes::Scope op_scope(times_, "cross_entropy");
     cpu::cross_entropy(loss, logits, target, rows, V, grad_scale);
   }
   void cross_entropy_row_max(float* row_max, const float* logits, int64_t rows, int64_t V) override {
+    const HostOpTimes::Scope op_scope(times_, "cross_entropy_row_max");
     cpu::cross_entropy_row_max(row_max, logits, rows, V);
   }
   void cross_entropy_row_sums(float* sums, const float* logits, const float* row_max, const int32_t* target,
                               int64_t v0, int64_t rows, int64_t V) override {
+    const HostOpTimes::Scope op_scope(times_, "cross_entropy_row_sums");
     cpu::cross_entropy_row_sums(sums, logits, row_max, target, v0, rows, V);
   }
   void cross_entropy_finish(float* loss, float* logits, const float* row_max, const float* sums,
                             const int32_t* target, int64_t v0, int64_t rows, int64_t V,
                             float grad_scale) override {
+    const HostOpTimes::Scope op_scope(times_, "cross_entropy_finish");
     cpu::cross_entropy_finish(loss, logits, row_max, sums, target, v0, rows, V, grad_scale);
   }
   void embedding_forward(float* out, const float* table, const int32_t* ids, int64_t N,
                          int64_t H) override {
+    const HostOpTimes::Scope op_scope(times_, "embedding_forward");
     cpu::embedding_forward(out, table, ids, N, H);
   }
   void embedding_backward(float* dtable, const float* dout, const int32_t* ids, int64_t N,
                           int64_t H, int64_t V) override {
+    const HostOpTimes::Scope op_scope(times_, "embedding_backward");
     cpu::embedding_backward(dtable, dout, ids, N, H, V);
   }
   void adamw(float* param, const float* grad, float* m, float* v, int64_t n,
              const AdamWParams& p) override {
+    const HostOpTimes::Scope op_scope(times_, "adamw");
     cpu::adamw(param, grad, m, v, n, p);
   }
   // One pass: each block of 4096 elements is updated, rounded and widened while it is in cache
   // (the unfused three read and write the master weights and the copies three times).
   void adamw_round(float* param, const float* grad, float* m, float* v, int64_t n, const AdamWParams& p, View half,
                    float* widened) override {
+    const HostOpTimes::Scope op_scope(times_, "adamw_round");
     if (n <= 0) return;
     if (half.dtype == DType::kF32)
       throw std::invalid_argument("adamw_round: the compute copy must be bf16 or fp16, not fp32");
@@ -531,16 +578,22 @@ class CpuBackend final : public Backend {
       if (widened) cpu::convert_from(widened + i, h + i, len, lp);
     }
   }
-  void add(float* y, const float* x, int64_t n) override { cpu::add(y, x, n); }
+  void add(float* y, const float* x, int64_t n) override {
+    const HostOpTimes::Scope op_scope(times_, "add");
+    cpu::add(y, x, n);
+  }
   void fill(float* y, float value, int64_t n) override {
+    const HostOpTimes::Scope op_scope(times_, "fill");
 #pragma omp parallel for schedule(static)
     for (int64_t i = 0; i < n; ++i) y[i] = value;
   }
   void copy_strided(float* dst, int64_t ds, const float* src, int64_t ss, int64_t rows,
                     int64_t cols) override {
+    const HostOpTimes::Scope op_scope(times_, "copy_strided");
     cpu::copy_strided(dst, ds, src, ss, rows, cols);
   }
   void copy_strided(View dst, int64_t ds, const float* src, int64_t ss, int64_t rows, int64_t cols) override {
+    const HostOpTimes::Scope op_scope(times_, "copy_strided");
     if (dst.dtype == DType::kF32) return cpu::copy_strided(static_cast<float*>(dst.data), ds, src, ss, rows, cols);
     const cpu::LowPrecision lp = low(dst.dtype);
     uint16_t* o = static_cast<uint16_t*>(dst.data);
@@ -549,6 +602,7 @@ class CpuBackend final : public Backend {
   }
   void add_strided(float* dst, int64_t ds, const float* src, int64_t ss, int64_t rows,
                    int64_t cols) override {
+    const HostOpTimes::Scope op_scope(times_, "add_strided");
     cpu::add_strided(dst, ds, src, ss, rows, cols);
   }
 
@@ -591,6 +645,7 @@ class CpuBackend final : public Backend {
   }
 
   int threads_ = 1;
+  HostOpTimes times_;  // monitor.op_breakdown
   GemmLibrary gemm_;
   mutable cpu::LowPrecisionGemm lowp_;  // (const queries may measure which path is faster, once)
   std::vector<float> attention_ws_;  // per-thread score blocks (reserve_attention)

@@ -42,6 +42,9 @@ class DeviceCheckBackend final : public Backend {
   int num_threads() const override { return in_->num_threads(); }
   bool host_addressable() const override { return false; }
   void* native_stream() override { return in_->native_stream(); }
+  std::string op_timing_clock() const override { return in_->op_timing_clock(); }
+  void set_op_timing(bool on) override { in_->set_op_timing(on); }
+  std::vector<OpTime> take_op_times() override { return in_->take_op_times(); }
   bool is_device_memory(const void* p) const override { return (reinterpret_cast<uintptr_t>(p) & kDeviceBit) != 0; }
   void* host_mapping(const void* p) const override {
     const uintptr_t a = reinterpret_cast<uintptr_t>(p);

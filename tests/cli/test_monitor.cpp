@@ -124,6 +124,42 @@ std::map<std::pair<std::string, std::string>, double> planned(int np, const std:
   return out;
 }
 
+// monitor.op_breakdown: the mean time per step of every kernel op, the run's first step left
+// out, in the log and the metrics file; the ops' time is part of the step's (never more), and
+// the same on the device-memory check backend (the CUDA backend's stand-in here).
+TEST(Monitor, OpBreakdownTimesEveryOpOfTheStepsAfterTheFirst) {
+  const std::string dir = fresh_dir("op_breakdown");
+  for (const std::string env : {"", "DSTRAIN_DEVICE_MEMORY_CHECK=1 "}) {
+    const std::string name = env.empty() ? "cpu" : "check";
+    const Result r = run(env + train_cmd(dir, name, 4, "--resume none --set checkpoint.interval=2 "
+                                                       "--set monitor.op_breakdown=true --set data.eval_interval=2"));
+    ASSERT_EQ(r.rc, 0) << r.err;
+    EXPECT_NE(r.out.find("op breakdown of rank 0 (the host clock), mean of steps 2 to 4:"), std::string::npos) << r.out;
+    std::smatch m;
+    ASSERT_TRUE(std::regex_search(r.out, m, std::regex(R"(op time per step: ([0-9.]+) ms in ops of a ([0-9.]+) ms step)")))
+        << r.out;
+    const double ops = std::stod(m[1]), step = std::stod(m[2]);
+    EXPECT_GT(ops, 0);
+    EXPECT_LE(ops, step * 1.001) << "ops overlap in the totals";
+    // The table: the model's ops, each with its calls per step.
+    for (const std::string op : {"gemm", "attention_forward", "attention_backward", "rmsnorm_forward", "adamw",
+                                 "moe_dispatch_backward", "cross_entropy"})
+      EXPECT_TRUE(std::regex_search(r.out, std::regex("\\n  " + op + " +[0-9]+\\.[0-9] +[0-9]+\\.[0-9]{3} +[0-9.]+%")))
+          << op << " missing from\n" << r.out;
+    // The metrics file's record.
+    bool recorded = false;
+    std::ifstream metrics(dir + "/" + name + ".jsonl");
+    for (std::string line; std::getline(metrics, line);) {
+      const auto j = nlohmann::json::parse(line);
+      if (!j.contains("op_breakdown")) continue;
+      recorded = true;
+      EXPECT_EQ(j["steps"], 3);
+      EXPECT_GT(j["op_breakdown"].size(), 10u);
+    }
+    EXPECT_TRUE(recorded);
+  }
+}
+
 TEST(Monitor, CommLogBytesEqualThePlan) {
   const std::string dir = fresh_dir("comm_log");
   struct Case {

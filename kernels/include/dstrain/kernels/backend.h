@@ -18,6 +18,7 @@
 #include <memory>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 namespace dstrain::kernels {
 
@@ -102,11 +103,27 @@ class StreamUse {
   }
 };
 
+// The time a backend's ops took, per op name (monitor.op_breakdown, docs/design.md §6.12).
+struct OpTime {
+  std::string op;
+  int64_t calls = 0;
+  double ms = 0;  // summed
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;
   virtual std::string name() const = 0;
   virtual int num_threads() const = 0;
+
+  // Per-op timing (monitor.op_breakdown): while on, every op adds the time it took on the device
+  // to its name's total — measured by CUDA events on the GPU, by the host clock where ops finish
+  // before they return (the CPU); an op made of other ops counts once, under its own name. The
+  // clock's description ("" where the backend cannot time its ops).
+  virtual std::string op_timing_clock() const { return ""; }
+  virtual void set_op_timing(bool on) { (void)on; }
+  // The totals since the last call, largest first (waits for the device); clears them.
+  virtual std::vector<OpTime> take_op_times() { return {}; }
 
   // Whether the host may address this backend's memory directly (the CPU backend: it is host
   // memory, and the engine keeps the parameter buffers in shared memory that data-parallel peers
