@@ -11,8 +11,8 @@
 #              libgcc_s (the device machine's own are newer, and the CUDA libraries use them) and
 #              the CUDA toolkit's (cudart, cuBLASLt, NCCL: the device machine's own, same major version)
 #   ompi/      Open MPI's plugins, help files and defaults in the layout OPAL_PREFIX relocates
-#   expected/  outputs computed here by the CPU backend (--dump-grads of the tiny preset in fp32
-#              and bf16) for the CUDA runs to match
+#   expected/  outputs computed here by the CPU backend (--dump-grads of tiny and of tiny with
+#              16-wide RoPE, fp32 and bf16; the losses of 50 steps of small) for the CUDA runs to match
 # Then rehearses the bundle (tools/gpu-rehearse.sh) unless DSTRAIN_GPU_REHEARSE=0.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -41,6 +41,7 @@ mkdir -p "$b/bin" "$b/lib" "$b/expected"
 cp build-bundle/bin/dstrain build-bundle/bin/dstrain-gpu-check build-bundle/bin/dstrain-nccl-check build-bundle/bin/dstrain-ckpt \
    build-bundle/bin/dstrain-report "$b/bin/"
 cp build-bundle/lib/libdstrain_cuda.so build-bundle/lib/libdstrain_nccl.so "$b/lib/"  # the plugins (dlopen'ed from bin/../lib)
+if [ -f build-bundle/lib/libdstrain_cudnn.so ]; then cp build-bundle/lib/libdstrain_cudnn.so "$b/lib/"; fi  # (where cuDNN was found)
 
 # Open MPI: Debian's prefix is /usr; OPAL_PREFIX=$b/ompi moves every install directory under it.
 pkglib=$(ompi_info --path pkglibdir --parsable | sed 's/^path:pkglibdir://')
@@ -63,13 +64,22 @@ skip='^(libc|libm|libdl|librt|libpthread|libutil|ld-linux-x86-64|libstdc\+\+|lib
   [ -e "$b/lib/$name" ] || cp -L "$path" "$b/lib/$name"
 done
 
-# Expected outputs, from the CPU backend.
+# Expected outputs, from the CPU backend: --dump-grads of tiny and of tiny16 (16-wide RoPE at
+# S = 100, so that bf16 takes the tiled attention on the GPU) in fp32 and bf16, and the losses of
+# the train step's 50 steps of small (the same run, on the CPU).
+tiny16="--set model.qk_rope_head_dim=16 --set seq_length=100"
 for p in fp32 bf16; do
   extra=""
   [ $p = bf16 ] && extra="--set bf16.enabled=true"
   # (--resume none: a checkpoint left in checkpoints/tiny here would otherwise be what is dumped)
   build-bundle/bin/dstrain configs/tiny.yaml --resume none --set device=cpu $extra --dump-grads "$b/expected/tiny_$p.h5" >/dev/null
+  build-bundle/bin/dstrain configs/tiny.yaml --resume none --set device=cpu $extra $tiny16 \
+    --dump-grads "$b/expected/tiny16_$p.h5" >/dev/null
 done
+build-bundle/bin/dstrain configs/small.yaml --set device=cpu --resume none --set train_steps=50 --set steps_per_print=1 \
+  --set data.eval_interval=0 --set checkpoint.save_at_end=false --set checkpoint.dir="$stage/small-ckpt" \
+  --set monitor.metrics_file="$b/expected/small_losses.jsonl" --set monitor.tensorboard=null >/dev/null
+rm -rf "$stage/small-ckpt"
 git rev-parse --short HEAD >"$b/REVISION" 2>/dev/null || echo unknown >"$b/REVISION"
 mkdir -p .gpu-bundle
 rm -f .gpu-bundle/dstrain-gpu.tar.*

@@ -14,13 +14,17 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <cub/device/device_radix_sort.cuh>
+#include <dlfcn.h>
 #include <mma.h>
 #include <nvtx3/nvToolsExt.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <climits>
 #include <cstdio>
 #include <cstdlib>
 #include <map>
+#include <atomic>
 #include <mutex>
 #include <stdexcept>
 #include <string>
@@ -30,7 +34,12 @@
 
 #include "dstrain/kernels/backend.h"
 #include "dstrain/kernels/cuda.h"
+#include "kernels/cuda/cudnn_attention.h"
 #include "kernels/cuda/device_math.h"
+
+#ifndef DSTRAIN_CUDNN_PLUGIN_NAME  // (set by kernels/CMakeLists.txt where the plugin is built)
+#define DSTRAIN_CUDNN_PLUGIN_NAME "libdstrain_cudnn.so"
+#endif
 
 namespace dstrain::kernels {
 
@@ -50,6 +59,80 @@ void lt_ok(cublasStatus_t s, const char* what, const char* file, int line) {
 #define DS_LT(x) lt_ok((x), #x, __FILE__, __LINE__)
 // A launch's configuration errors surface at the next call; check right after it.
 #define DS_LAUNCHED() DS_CUDA(cudaGetLastError())
+
+// ---- The cuDNN attention plugin (DSTRAIN_CUDA_ATTENTION=cudnn) -------------------------------
+
+// libdstrain_cudnn.so (kernels/cuda/cudnn_attention.cpp), loaded on first use as this plugin is
+// by its loader: from $DSTRAIN_CUDNN_PLUGIN, else beside this library (bin/../lib in the build
+// and the GPU bundle), else beside the executable's bin/../lib, else the loader's search path.
+// Only it maps libcudnn; where it does not load, `error` keeps why (one line).
+struct CudnnPlugin {
+  void* handle = nullptr;
+  std::string error;
+  decltype(&dstrain_cudnn_open) open = nullptr;
+  decltype(&dstrain_cudnn_close) close = nullptr;
+  decltype(&dstrain_cudnn_attention_prepare) prepare = nullptr;
+  decltype(&dstrain_cudnn_attention_run) run = nullptr;
+};
+
+std::string directory_of(const std::string& path) {
+  const size_t slash = path.rfind('/');
+  return slash == std::string::npos ? std::string(".") : path.substr(0, slash);
+}
+
+const CudnnPlugin& cudnn_plugin() {
+  static CudnnPlugin p;
+  static std::once_flag once;
+  std::call_once(once, [] {
+    std::vector<std::string> paths;
+    if (const char* env = std::getenv("DSTRAIN_CUDNN_PLUGIN"); env && *env) paths.push_back(env);
+    Dl_info self{};
+    if (dladdr(&p, &self) && self.dli_fname && *self.dli_fname)  // (p: an object of this library)
+      paths.push_back(directory_of(self.dli_fname) + "/" + DSTRAIN_CUDNN_PLUGIN_NAME);
+    char exe[PATH_MAX];
+    const ssize_t n = readlink("/proc/self/exe", exe, sizeof exe - 1);
+    if (n > 0) paths.push_back(directory_of(directory_of(std::string(exe, size_t(n)))) + "/lib/" +
+                               DSTRAIN_CUDNN_PLUGIN_NAME);
+    paths.push_back(DSTRAIN_CUDNN_PLUGIN_NAME);
+    std::string tried;
+    for (size_t i = 0; i < paths.size() && !p.handle; ++i) {
+      if (std::find(paths.begin(), paths.begin() + long(i), paths[i]) != paths.begin() + long(i)) continue;
+      p.handle = dlopen(paths[i].c_str(), RTLD_NOW | RTLD_LOCAL);
+      if (p.handle) break;
+      const char* why = dlerror();
+      tried += (tried.empty() ? "" : "; ") + std::string(why ? why : paths[i].c_str());
+    }
+    if (!p.handle) {
+      p.error = "cuDNN attention plugin unavailable (" + tried + ")";
+      return;
+    }
+    const auto abi = reinterpret_cast<int (*)()>(dlsym(p.handle, "dstrain_cudnn_plugin_abi"));
+    p.open = reinterpret_cast<decltype(p.open)>(dlsym(p.handle, "dstrain_cudnn_open"));
+    p.close = reinterpret_cast<decltype(p.close)>(dlsym(p.handle, "dstrain_cudnn_close"));
+    p.prepare = reinterpret_cast<decltype(p.prepare)>(dlsym(p.handle, "dstrain_cudnn_attention_prepare"));
+    p.run = reinterpret_cast<decltype(p.run)>(dlsym(p.handle, "dstrain_cudnn_attention_run"));
+    if (!abi || !p.open || !p.close || !p.prepare || !p.run || abi() != kCudnnPluginAbi) {
+      p.error = std::string("cuDNN attention plugin unavailable (interface ") +
+                (abi ? std::to_string(abi()) : "missing") + ", expected " + std::to_string(kCudnnPluginAbi) + ")";
+      p.open = nullptr, p.close = nullptr, p.prepare = nullptr, p.run = nullptr;
+    }
+  });
+  return p;
+}
+
+// DSTRAIN_CUDA_ATTENTION, read per call (so a check can run every path): the tensor-core tiles
+// where they apply (unset or `tiled`), the rows kernels (`rows`), or cuDNN's fused attention
+// for bf16 / fp16 inputs (`cudnn`; fp32 inputs run the rows kernels whatever the choice).
+enum class AttentionChoice { kTiled, kRows, kCudnn };
+AttentionChoice attention_choice() {
+  const char* choice = std::getenv("DSTRAIN_CUDA_ATTENTION");
+  if (!choice || std::string(choice) == "tiled") return AttentionChoice::kTiled;
+  if (std::string(choice) == "rows") return AttentionChoice::kRows;
+  if (std::string(choice) == "cudnn") return AttentionChoice::kCudnn;
+  throw std::invalid_argument(std::string("DSTRAIN_CUDA_ATTENTION=") + choice +
+                              ": valid: tiled, rows, cudnn (cudnn: cuDNN's fused attention for bf16 / fp16 inputs; "
+                              "fp32 inputs run the rows kernels whatever the choice)");
+}
 
 constexpr int kThreads = 256;
 constexpr int kMaxHeadDim = 256;   // attention's dqk and dv (device_math.h MAXD)
@@ -978,6 +1061,96 @@ struct GroupArgs {
   std::vector<const void*> ptrs;  // A' (our B), B' (our A), C: one block each
 };
 
+// monitor.op_breakdown on the GPU (Backend::set_op_timing): a pair of CUDA events recorded on the
+// stream around each op, read back by take() once the stream has finished. As on the CPU
+// (dstrain/kernels/op_times.h), a Scope counts only when no other is open, so an op built of
+// other ops counts once, under its own name. Off, a Scope costs one relaxed load.
+class EventOpTimes {
+ public:
+  cudaStream_t stream = nullptr;  // the backend's
+  ~EventOpTimes() {
+    for (const Record& r : records_) cudaEventDestroy(r.start), cudaEventDestroy(r.end);
+    for (cudaEvent_t e : pool_) cudaEventDestroy(e);
+  }
+  void set(bool on) { on_.store(on, std::memory_order_relaxed); }
+
+  // The device time per op of the ops timed since the last call, largest first (waits for them).
+  std::vector<OpTime> take() {
+    DS_CUDA(cudaStreamSynchronize(stream));
+    std::lock_guard<std::mutex> lock(mu_);
+    std::map<std::string, OpTime> totals;
+    for (const Record& r : records_) {
+      float ms = 0;
+      DS_CUDA(cudaEventElapsedTime(&ms, r.start, r.end));
+      OpTime& t = totals[r.op];
+      t.op = r.op;
+      ++t.calls;
+      t.ms += double(ms);
+      pool_.push_back(r.start), pool_.push_back(r.end);
+    }
+    records_.clear();
+    std::vector<OpTime> out;
+    for (const auto& [op, t] : totals) out.push_back(t);
+    std::stable_sort(out.begin(), out.end(), [](const OpTime& a, const OpTime& b) { return a.ms > b.ms; });
+    return out;
+  }
+
+  class Scope {
+   public:
+    Scope(EventOpTimes& t, const char* op) {
+      if (!t.on_.load(std::memory_order_relaxed)) return;
+      open_ = &t.open_;
+      if (open_->fetch_add(1) > 0) return;  // inside another op: that one counts
+      t_ = &t;
+      op_ = op;
+      start_ = t.event();
+      DS_CUDA(cudaEventRecord(start_, t.stream));
+    }
+    ~Scope() {
+      if (!open_) return;
+      if (t_) {
+        const cudaEvent_t end = t_->event();
+        if (cudaEventRecord(end, t_->stream) == cudaSuccess) t_->add(op_, start_, end);  // (no throw here)
+      }
+      open_->fetch_sub(1);
+    }
+    Scope(const Scope&) = delete;
+    Scope& operator=(const Scope&) = delete;
+
+   private:
+    EventOpTimes* t_ = nullptr;
+    std::atomic<int>* open_ = nullptr;
+    const char* op_ = nullptr;
+    cudaEvent_t start_ = nullptr;
+  };
+
+ private:
+  struct Record {
+    const char* op;  // (the ops' names are literals)
+    cudaEvent_t start, end;
+  };
+  cudaEvent_t event() {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (pool_.empty()) {
+      cudaEvent_t e = nullptr;
+      DS_CUDA(cudaEventCreate(&e));
+      return e;
+    }
+    const cudaEvent_t e = pool_.back();
+    pool_.pop_back();
+    return e;
+  }
+  void add(const char* op, cudaEvent_t start, cudaEvent_t end) {
+    std::lock_guard<std::mutex> lock(mu_);
+    records_.push_back({op, start, end});
+  }
+  std::atomic<bool> on_{false};
+  std::atomic<int> open_{0};
+  std::mutex mu_;
+  std::vector<Record> records_;
+  std::vector<cudaEvent_t> pool_;
+};
+
 class CudaBackend final : public Backend {
  public:
   explicit CudaBackend(int device) : device_(device) {
@@ -989,6 +1162,7 @@ class CudaBackend final : public Backend {
     cc_major_ = prop.major;
     smem_optin_ = int64_t(prop.sharedMemPerBlockOptin);
     DS_CUDA(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+    times_.stream = stream_;
     DS_LT(cublasLtCreate(&lt_));
     DS_LT(cublasCreate(&blas_));
     DS_LT(cublasSetStream(blas_, stream_));
@@ -997,6 +1171,7 @@ class CudaBackend final : public Backend {
   }
   ~CudaBackend() override {
     cudaStreamSynchronize(stream_);
+    if (cudnn_) cudnn_plugin().close(cudnn_);
     for (auto& [key, plan] : plans_) destroy(plan);
     cublasLtDestroy(lt_);
     cublasDestroy(blas_);
@@ -1018,6 +1193,9 @@ class CudaBackend final : public Backend {
            v(runtime) + ", cuBLASLt " + std::to_string(cublasLtGetVersion()) + ")";
   }
   int num_threads() const override { return sms_; }
+  std::string op_timing_clock() const override { return "CUDA events"; }
+  void set_op_timing(bool on) override { times_.set(on); }
+  std::vector<OpTime> take_op_times() override { return times_.take(); }
 
   // Caching pool. Sizes round up to 512 bytes (2 MiB above 1 MiB); a request takes the smallest
   // cached block of at least its size and at most twice it, else cudaMalloc — after freeing the
@@ -1087,16 +1265,19 @@ class CudaBackend final : public Backend {
   }
 
   void copy_to_host(void* host, const void* src, int64_t bytes) override {
+    const EventOpTimes::Scope op_scope(times_, "copy_to_host");
     if (bytes <= 0) return;
     DS_CUDA(cudaMemcpyAsync(host, src, size_t(bytes), cudaMemcpyDeviceToHost, stream_));
     DS_CUDA(cudaStreamSynchronize(stream_));
   }
   void copy_from_host(void* dst, const void* host, int64_t bytes) override {
+    const EventOpTimes::Scope op_scope(times_, "copy_from_host");
     if (bytes <= 0) return;
     DS_CUDA(cudaMemcpyAsync(dst, host, size_t(bytes), cudaMemcpyHostToDevice, stream_));
     DS_CUDA(cudaStreamSynchronize(stream_));  // the caller may free or reuse `host` when this returns
   }
   void copy(void* dst, const void* src, int64_t bytes) override {
+    const EventOpTimes::Scope op_scope(times_, "copy");
     if (bytes > 0) DS_CUDA(cudaMemcpyAsync(dst, src, size_t(bytes), cudaMemcpyDeviceToDevice, stream_));
   }
   bool host_addressable() const override { return false; }
@@ -1118,12 +1299,14 @@ class CudaBackend final : public Backend {
   void synchronize() override { DS_CUDA(cudaStreamSynchronize(stream_)); }
   // Two passes with a fixed grid (the same partial sums, in the same order, every time).
   void sum_squares(double* out, const float* x, int64_t n, bool accumulate) override {
+    const EventOpTimes::Scope op_scope(times_, "sum_squares");
     sum_squares_partial_kernel<<<kSumBlocks, kThreads, 0, stream_>>>(partials_, x, n);
     sum_squares_final_kernel<<<1, kThreads, 0, stream_>>>(out, partials_, accumulate);
     DS_LAUNCHED();
   }
 
   void convert(View dst, ConstView src, int64_t n) override {
+    const EventOpTimes::Scope op_scope(times_, "convert");
     if (n <= 0) return;
     if (dst.dtype == src.dtype) {
       DS_CUDA(cudaMemcpyAsync(dst.data, src.data, size_t(n * dtype_size(src.dtype)), cudaMemcpyDeviceToDevice,
@@ -1144,10 +1327,12 @@ class CudaBackend final : public Backend {
 
   void gemm(float* C, const float* A, const float* B, int64_t M, int64_t N, int64_t K, bool ta, bool tb, float alpha,
             float beta) override {
+    const EventOpTimes::Scope op_scope(times_, "gemm");
     gemm(C, ConstView{A, DType::kF32}, ConstView{B, DType::kF32}, M, N, K, ta, tb, alpha, beta);
   }
   void gemm_grouped(float* const* C, const float* const* A, const float* const* B, const int64_t* M, const int64_t* N,
                     const int64_t* K, int64_t count, bool ta, bool tb, float alpha, float beta) override {
+    const EventOpTimes::Scope op_scope(times_, "gemm_grouped");
     if (grouped_call(C, reinterpret_cast<const void* const*>(A), reinterpret_cast<const void* const*>(B), DType::kF32,
                      M, N, K, count, ta, tb, alpha, beta))
       return;
@@ -1156,6 +1341,7 @@ class CudaBackend final : public Backend {
   void gemm_grouped(float* const* C, const void* const* A, const void* const* B, DType dtype, const int64_t* M,
                     const int64_t* N, const int64_t* K, int64_t count, bool ta, bool tb, float alpha,
                     float beta) override {
+    const EventOpTimes::Scope op_scope(times_, "gemm_grouped");
     if (grouped_call(C, A, B, dtype, M, N, K, count, ta, tb, alpha, beta)) return;
     for (int64_t i = 0; i < count; ++i)
       gemm(C[i], ConstView{A[i], dtype}, ConstView{B[i], dtype}, M[i], N[i], K[i], ta, tb, alpha, beta);
@@ -1250,6 +1436,7 @@ class CudaBackend final : public Backend {
   // B and its second A, with m = N, n = M.
   void gemm(float* C, ConstView A, ConstView B, int64_t M, int64_t N, int64_t K, bool ta, bool tb, float alpha,
             float beta) override {
+    const EventOpTimes::Scope op_scope(times_, "gemm");
     if (A.dtype != B.dtype)
       throw std::invalid_argument(std::string("gemm: inputs of two types, ") + to_string(A.dtype) + " and " +
                                   to_string(B.dtype));
@@ -1271,10 +1458,12 @@ class CudaBackend final : public Backend {
 
   void rmsnorm_forward(float* y, float* rstd, const float* x, const float* w, int64_t rows, int64_t C,
                        float eps) override {
+    const EventOpTimes::Scope op_scope(times_, "rmsnorm_forward");
     rmsnorm_forward(View{y, DType::kF32}, rstd, x, w, rows, C, eps);
   }
   void rmsnorm_forward(View y, float* rstd, const float* x, const float* w, int64_t rows, int64_t C,
                        float eps) override {
+    const EventOpTimes::Scope op_scope(times_, "rmsnorm_forward");
     if (rows <= 0) return;
     with_storage(y, [&](auto kind, auto* p) {
       rmsnorm_forward_kernel<decltype(kind)::value><<<unsigned(rows), kThreads, 0, stream_>>>(p, rstd, x, w, C, eps);
@@ -1283,6 +1472,7 @@ class CudaBackend final : public Backend {
   }
   void rmsnorm_backward(float* dx, float* dw, const float* dy, const float* x, const float* w, const float* rstd,
                         int64_t rows, int64_t C) override {
+    const EventOpTimes::Scope op_scope(times_, "rmsnorm_backward");
     if (rows <= 0 || C <= 0) return;
     rmsnorm_backward_dx_kernel<<<unsigned(rows), kThreads, 0, stream_>>>(dx, dy, x, w, rstd, C);
     DS_LAUNCHED();
@@ -1299,11 +1489,13 @@ class CudaBackend final : public Backend {
   void rope_forward(float* out, int64_t out_ts, int64_t out_hs, const float* in, int64_t in_ts, int64_t in_hs,
                     const float* cos, const float* sin, int64_t N, int64_t S, int64_t heads, int64_t dr,
                     bool interleave) override {
+    const EventOpTimes::Scope op_scope(times_, "rope_forward");
     rope_forward(View{out, DType::kF32}, out_ts, out_hs, in, in_ts, in_hs, cos, sin, N, S, heads, dr, interleave);
   }
   void rope_forward(View out, int64_t out_ts, int64_t out_hs, const float* in, int64_t in_ts, int64_t in_hs,
                     const float* cos, const float* sin, int64_t N, int64_t S, int64_t heads, int64_t dr,
                     bool interleave) override {
+    const EventOpTimes::Scope op_scope(times_, "rope_forward");
     const int64_t n = N * heads * (dr / 2);
     if (n <= 0) return;
     with_storage(out, [&](auto kind, auto* p) {
@@ -1315,12 +1507,14 @@ class CudaBackend final : public Backend {
   void rope_backward(float* din, int64_t in_ts, int64_t in_hs, const float* dout, int64_t out_ts, int64_t out_hs,
                      const float* cos, const float* sin, int64_t N, int64_t S, int64_t heads, int64_t dr,
                      bool interleave, bool accumulate) override {
+    const EventOpTimes::Scope op_scope(times_, "rope_backward");
     rope_backward(View{din, DType::kF32}, in_ts, in_hs, dout, out_ts, out_hs, cos, sin, N, S, heads, dr, interleave,
                   accumulate);
   }
   void rope_backward(View din, int64_t in_ts, int64_t in_hs, const float* dout, int64_t out_ts, int64_t out_hs,
                      const float* cos, const float* sin, int64_t N, int64_t S, int64_t heads, int64_t dr,
                      bool interleave, bool accumulate) override {
+    const EventOpTimes::Scope op_scope(times_, "rope_backward");
     const int64_t n = N * heads * (dr / 2);
     if (n <= 0) return;
     check_rope_backward(din.dtype, in_hs, heads, dr, accumulate);
@@ -1341,20 +1535,27 @@ class CudaBackend final : public Backend {
   void reserve_attention(int64_t S) override { attention_s_ = std::max(attention_s_, S); }
   void attention_forward(float* O, float* lse, const float* Q, const float* K, const float* V, int64_t B, int64_t S,
                          int64_t nh, int64_t dqk, int64_t dv, float scale) override {
+    const EventOpTimes::Scope op_scope(times_, "attention_forward");
     attention_forward(O, lse, f32(Q), f32(K), f32(V), B, S, nh, dqk, dv, scale);
   }
   void attention_backward(float* dQ, float* dK, float* dV, const float* dO, const float* Q, const float* K,
                           const float* V, const float* O, const float* lse, int64_t B, int64_t S, int64_t nh,
                           int64_t dqk, int64_t dv, float scale) override {
+    const EventOpTimes::Scope op_scope(times_, "attention_backward");
     attention_backward(dQ, dK, dV, dO, f32(dO), f32(Q), f32(K), f32(V), O, lse, B, S, nh, dqk, dv, scale);
   }
   bool low_precision_attention(DType) const override { return true; }
   void attention_forward(float* O, float* lse, ConstView Q, ConstView K, ConstView V, int64_t B, int64_t S,
                          int64_t nh, int64_t dqk, int64_t dv, float scale) override {
+    const EventOpTimes::Scope op_scope(times_, "attention_forward");
     check_attention(Q, K, V, S, dqk, dv);
     const dev::AttnShape a{B, S, nh, dqk, dv, scale};
     const int64_t rows = B * nh * S;
     if (rows <= 0) return;
+    if (Q.dtype != DType::kF32 && attention_choice() == AttentionChoice::kCudnn) {
+      cudnn_attention_forward(O, lse, Q, K, V, B, S, nh, dqk, dv, scale);
+      return;
+    }
     if (tiled_attention(Q.dtype, B, nh, dqk, dv)) {
       const dim3 grid(unsigned((S + dev::kFlashRows - 1) / dev::kFlashRows), unsigned(nh), unsigned(B));
       const int64_t bytes = FlashFwdLayout(dqk, dv).bytes;
@@ -1381,6 +1582,7 @@ class CudaBackend final : public Backend {
   void attention_backward(float* dQ, float* dK, float* dV, const float* dO, ConstView dO_lp, ConstView Q, ConstView K,
                           ConstView V, const float* O, const float* lse, int64_t B, int64_t S, int64_t nh,
                           int64_t dqk, int64_t dv, float scale) override {
+    const EventOpTimes::Scope op_scope(times_, "attention_backward");
     check_attention(Q, K, V, S, dqk, dv);
     if (dO_lp.dtype != Q.dtype)
       throw std::invalid_argument(std::string("attention_backward: dO in ") + to_string(dO_lp.dtype) +
@@ -1388,6 +1590,10 @@ class CudaBackend final : public Backend {
     const dev::AttnShape a{B, S, nh, dqk, dv, scale};
     const int64_t rows = B * nh * S;
     if (rows <= 0) return;
+    if (Q.dtype != DType::kF32 && attention_choice() == AttentionChoice::kCudnn) {
+      cudnn_attention_backward(dQ, dK, dV, dO_lp, Q, K, V, O, lse, B, S, nh, dqk, dv, scale);
+      return;
+    }
     float* D = scratch(rows);
     const int grid = int((rows + kAttnWarps - 1) / kAttnWarps), threads = 32 * kAttnWarps;
     attention_rowsum_kernel<<<grid, threads, 0, stream_>>>(D, dO, O, a);
@@ -1431,9 +1637,11 @@ class CudaBackend final : public Backend {
   }
 
   void swiglu_forward(float* M, const float* GU, int64_t N, int64_t I) override {
+    const EventOpTimes::Scope op_scope(times_, "swiglu_forward");
     swiglu_forward(View{M, DType::kF32}, GU, N, I);
   }
   void swiglu_forward(View M, const float* GU, int64_t N, int64_t I) override {
+    const EventOpTimes::Scope op_scope(times_, "swiglu_forward");
     if (N * I <= 0) return;
     const int blocks = blocks_for(N * I);
     with_storage(M, [&](auto kind, auto* p) {
@@ -1442,9 +1650,11 @@ class CudaBackend final : public Backend {
     DS_LAUNCHED();
   }
   void swiglu_backward(float* dGU, const float* dM, const float* GU, int64_t N, int64_t I) override {
+    const EventOpTimes::Scope op_scope(times_, "swiglu_backward");
     swiglu_backward(View{dGU, DType::kF32}, dM, GU, N, I);
   }
   void swiglu_backward(View dGU, const float* dM, const float* GU, int64_t N, int64_t I) override {
+    const EventOpTimes::Scope op_scope(times_, "swiglu_backward");
     if (N * I <= 0) return;
     const int blocks = blocks_for(N * I);
     with_storage(dGU, [&](auto kind, auto* p) {
@@ -1455,6 +1665,7 @@ class CudaBackend final : public Backend {
 
   void router_forward(int32_t* idx, float* w, float* scores, const float* logits, const float* bias, int64_t N,
                       const RouterParams& p) override {
+    const EventOpTimes::Scope op_scope(times_, "router_forward");
     check_router(p);
     if (N <= 0) return;
     router_forward_kernel<<<blocks_for(N, 128), 128, 0, stream_>>>(idx, w, scores, logits, bias, N, p);
@@ -1462,6 +1673,7 @@ class CudaBackend final : public Backend {
   }
   void router_backward(float* dlogits, const float* dw, const float* dscores_extra, const float* scores,
                        const int32_t* idx, int64_t N, const RouterParams& p) override {
+    const EventOpTimes::Scope op_scope(times_, "router_backward");
     check_router(p);
     if (N <= 0) return;
     router_backward_kernel<<<blocks_for(N, 128), 128, 0, stream_>>>(dlogits, dw, dscores_extra, scores, idx, N, p);
@@ -1472,6 +1684,7 @@ class CudaBackend final : public Backend {
   // then scattered into pos / src; counts by binary search in the sorted experts.
   void moe_plan(int32_t* pos, int32_t* src, int32_t* counts, const int32_t* idx, int64_t N, int64_t k,
                 int64_t E) override {
+    const EventOpTimes::Scope op_scope(times_, "moe_plan");
     if (E <= 0) return;
     const int64_t n = N * k;
     if (n <= 0) {
@@ -1488,6 +1701,7 @@ class CudaBackend final : public Backend {
     DS_LAUNCHED();
   }
   void moe_balance_stats(float* stats, const int32_t* idx, const float* scores, const BalanceShape& b) override {
+    const EventOpTimes::Scope op_scope(times_, "moe_balance_stats");
     if (b.groups * b.E <= 0) return;
     double* rowsum = reinterpret_cast<double*>(scratch(2 * std::max<int64_t>(b.n, 1)));
     if (b.n > 0) {
@@ -1499,6 +1713,7 @@ class CudaBackend final : public Backend {
   }
   void moe_balance_grad(float* dscores, float* aux, const float* stats, const float* scores, const BalanceShape& b,
                         double weight, double grad_scale) override {
+    const EventOpTimes::Scope op_scope(times_, "moe_balance_grad");
     if (aux) {
       balance_aux_kernel<<<1, 32, 0, stream_>>>(aux, stats, b, weight);
       DS_LAUNCHED();
@@ -1509,9 +1724,11 @@ class CudaBackend final : public Backend {
   }
 
   void gather_rows(float* out, const float* in, const int32_t* src, int64_t n, int64_t H) override {
+    const EventOpTimes::Scope op_scope(times_, "gather_rows");
     gather_rows(View{out, DType::kF32}, in, src, n, H);
   }
   void gather_rows(View out, const float* in, const int32_t* src, int64_t n, int64_t H) override {
+    const EventOpTimes::Scope op_scope(times_, "gather_rows");
     if (n * H <= 0) return;
     const int blocks = blocks_for(n * H);
     with_storage(out, [&](auto kind, auto* p) {
@@ -1521,16 +1738,19 @@ class CudaBackend final : public Backend {
   }
   void moe_combine(float* out, const float* Y, const float* w, const int32_t* pos, int64_t N, int64_t k,
                    int64_t H) override {
+    const EventOpTimes::Scope op_scope(times_, "moe_combine");
     if (N * H <= 0) return;
     moe_combine_kernel<<<blocks_for(N * H), kThreads, 0, stream_>>>(out, Y, w, pos, N, k, H);
     DS_LAUNCHED();
   }
   void moe_combine_backward(float* dY, float* dw, const float* dout, const float* Y, const float* w,
                             const int32_t* pos, int64_t N, int64_t k, int64_t H) override {
+    const EventOpTimes::Scope op_scope(times_, "moe_combine_backward");
     moe_combine_backward(View{dY, DType::kF32}, dw, dout, Y, w, pos, N, k, H);
   }
   void moe_combine_backward(View dY, float* dw, const float* dout, const float* Y, const float* w,
                             const int32_t* pos, int64_t N, int64_t k, int64_t H) override {
+    const EventOpTimes::Scope op_scope(times_, "moe_combine_backward");
     if (N * k <= 0) return;
     const int blocks = blocks_for(N * k * 32);
     with_storage(dY, [&](auto kind, auto* p) {
@@ -1540,6 +1760,7 @@ class CudaBackend final : public Backend {
   }
   void moe_dispatch_backward(float* dx, const float* dXp, const int32_t* pos, int64_t N, int64_t k,
                              int64_t H) override {
+    const EventOpTimes::Scope op_scope(times_, "moe_dispatch_backward");
     if (N * H <= 0) return;
     moe_dispatch_backward_kernel<<<blocks_for(N * H), kThreads, 0, stream_>>>(dx, dXp, pos, N, k, H);
     DS_LAUNCHED();
@@ -1547,35 +1768,41 @@ class CudaBackend final : public Backend {
 
   void cross_entropy(float* loss, float* logits, const int32_t* target, int64_t rows, int64_t V,
                      float grad_scale) override {
+    const EventOpTimes::Scope op_scope(times_, "cross_entropy");
     if (rows <= 0) return;
     cross_entropy_kernel<<<unsigned(rows), kThreads, 0, stream_>>>(loss, logits, target, V, grad_scale);
     DS_LAUNCHED();
   }
   void cross_entropy_row_max(float* row_max, const float* logits, int64_t rows, int64_t V) override {
+    const EventOpTimes::Scope op_scope(times_, "cross_entropy_row_max");
     if (rows <= 0) return;
     ce_row_max_kernel<<<unsigned(rows), kThreads, 0, stream_>>>(row_max, logits, V);
     DS_LAUNCHED();
   }
   void cross_entropy_row_sums(float* sums, const float* logits, const float* row_max, const int32_t* target,
                               int64_t v0, int64_t rows, int64_t V) override {
+    const EventOpTimes::Scope op_scope(times_, "cross_entropy_row_sums");
     if (rows <= 0) return;
     ce_row_sums_kernel<<<unsigned(rows), kThreads, 0, stream_>>>(sums, logits, row_max, target, v0, V);
     DS_LAUNCHED();
   }
   void cross_entropy_finish(float* loss, float* logits, const float* row_max, const float* sums,
                             const int32_t* target, int64_t v0, int64_t rows, int64_t V, float grad_scale) override {
+    const EventOpTimes::Scope op_scope(times_, "cross_entropy_finish");
     if (rows <= 0) return;
     ce_finish_kernel<<<unsigned(rows), kThreads, 0, stream_>>>(loss, logits, row_max, sums, target, v0, V, grad_scale);
     DS_LAUNCHED();
   }
 
   void embedding_forward(float* out, const float* table, const int32_t* ids, int64_t N, int64_t H) override {
+    const EventOpTimes::Scope op_scope(times_, "embedding_forward");
     if (N * H <= 0) return;
     embedding_forward_kernel<<<blocks_for(N * H), kThreads, 0, stream_>>>(out, table, ids, N, H);
     DS_LAUNCHED();
   }
   void embedding_backward(float* dtable, const float* dout, const int32_t* ids, int64_t N, int64_t H,
                           int64_t) override {
+    const EventOpTimes::Scope op_scope(times_, "embedding_backward");
     if (N * H <= 0) return;
     if (N > int64_t(INT32_MAX)) throw std::invalid_argument("embedding_backward: more than 2^31 tokens");
     // (all 32 bits: negative ids sort first)
@@ -1586,12 +1813,14 @@ class CudaBackend final : public Backend {
   }
 
   void adamw(float* param, const float* grad, float* m, float* v, int64_t n, const AdamWParams& p) override {
+    const EventOpTimes::Scope op_scope(times_, "adamw");
     if (n <= 0) return;
     adamw_kernel<<<blocks_for(n), kThreads, 0, stream_>>>(param, grad, m, v, n, dev::adamw_consts(p));
     DS_LAUNCHED();
   }
   void adamw_round(float* param, const float* grad, float* m, float* v, int64_t n, const AdamWParams& p, View half,
                    float* widened) override {
+    const EventOpTimes::Scope op_scope(times_, "adamw_round");
     if (n <= 0) return;
     auto* h = static_cast<uint16_t*>(half.data);
     if (half.dtype == DType::kBF16)
@@ -1606,17 +1835,20 @@ class CudaBackend final : public Backend {
   }
 
   void add(float* y, const float* x, int64_t n) override {
+    const EventOpTimes::Scope op_scope(times_, "add");
     if (n <= 0) return;
     add_kernel<<<blocks_for(n), kThreads, 0, stream_>>>(y, x, n);
     DS_LAUNCHED();
   }
   void fill(float* y, float value, int64_t n) override {
+    const EventOpTimes::Scope op_scope(times_, "fill");
     if (n <= 0) return;
     fill_kernel<<<blocks_for(n), kThreads, 0, stream_>>>(y, value, n);
     DS_LAUNCHED();
   }
   void copy_strided(float* dst, int64_t dst_stride, const float* src, int64_t src_stride, int64_t rows,
                     int64_t cols) override {
+    const EventOpTimes::Scope op_scope(times_, "copy_strided");
     if (rows * cols <= 0) return;
     strided_kernel<false><<<blocks_for(rows * cols), kThreads, 0, stream_>>>(dst, dst_stride, src, src_stride, rows,
                                                                              cols);
@@ -1624,6 +1856,7 @@ class CudaBackend final : public Backend {
   }
   void copy_strided(View dst, int64_t dst_stride, const float* src, int64_t src_stride, int64_t rows,
                     int64_t cols) override {
+    const EventOpTimes::Scope op_scope(times_, "copy_strided");
     if (rows * cols <= 0) return;
     with_storage(dst, [&](auto kind, auto* p) {
       copy_strided_kernel<decltype(kind)::value><<<blocks_for(rows * cols), kThreads, 0, stream_>>>(
@@ -1633,6 +1866,7 @@ class CudaBackend final : public Backend {
   }
   void add_strided(float* dst, int64_t dst_stride, const float* src, int64_t src_stride, int64_t rows,
                    int64_t cols) override {
+    const EventOpTimes::Scope op_scope(times_, "add_strided");
     if (rows * cols <= 0) return;
     strided_kernel<true><<<blocks_for(rows * cols), kThreads, 0, stream_>>>(dst, dst_stride, src, src_stride, rows,
                                                                             cols);
@@ -1697,10 +1931,7 @@ class CudaBackend final : public Backend {
   bool tiled_attention(DType dt, int64_t B, int64_t nh, int64_t dqk, int64_t dv) const {
     if (dt == DType::kF32 || dqk % 16 != 0 || dv % 16 != 0 || dqk > kMaxHeadDim || dv > kMaxHeadDim) return false;
     if (cc_major_ < 8 || B > 65535 || nh > 65535) return false;  // (grid y and z: heads, sequences)
-    const char* choice = std::getenv("DSTRAIN_CUDA_ATTENTION");
-    if (choice && std::string(choice) == "rows") return false;
-    if (choice && std::string(choice) != "tiled")
-      throw std::invalid_argument(std::string("DSTRAIN_CUDA_ATTENTION=") + choice + ": valid: tiled, rows");
+    if (attention_choice() == AttentionChoice::kRows) return false;
     const int64_t most = std::max({FlashFwdLayout(dqk, dv).bytes, FlashDqLayout(dqk, dv).bytes,
                                    FlashDkvLayout(dqk, dv).bytes});
     return most <= smem_optin_;
@@ -1716,6 +1947,99 @@ class CudaBackend final : public Backend {
     }
     kernel<<<grid, kFlashThreads, size_t(bytes), stream_>>>(args...);
     DS_LAUNCHED();
+  }
+
+  // ---- cuDNN's fused attention (DSTRAIN_CUDA_ATTENTION=cudnn, 16-bit inputs) ----------------------
+  // The plugin (kernels/cuda/cudnn_attention.cpp) runs the graph on the compute stream; it writes
+  // O and dQ / dK / dV in the inputs' type, so they land in 16-bit blocks of the pool and are
+  // widened to the fp32 the interface returns; the backward reads O in 16 bits, re-rounded from
+  // the fp32 one (the same bits cuDNN wrote). lse is cuDNN's softmax statistics as they are.
+
+  // Pool blocks for one call, given back at its end (stream-ordered, so after the work using them).
+  struct CallBlocks {
+    CudaBackend& be;
+    std::vector<void*> blocks;
+    explicit CallBlocks(CudaBackend& b) : be(b) {}
+    ~CallBlocks() {
+      for (void* p : blocks) be.deallocate(p);
+    }
+    void* take(int64_t bytes) {
+      blocks.push_back(be.allocate(bytes));
+      return blocks.back();
+    }
+    // `p` where it is 16-byte aligned (the plans' tensors are), else an aligned copy: views may
+    // sit at any 4-byte offset.
+    const void* aligned(const void* p, int64_t bytes) {
+      if (reinterpret_cast<uintptr_t>(p) % 16 == 0) return p;
+      void* copy = take(bytes);
+      DS_CUDA(cudaMemcpyAsync(copy, p, size_t(bytes), cudaMemcpyDeviceToDevice, be.stream_));
+      return copy;
+    }
+  };
+
+  // The plugin's context for this backend (a cuDNN handle on the compute stream, the plans built),
+  // made on first use; an error names why cuDNN cannot be used.
+  void* cudnn_context() {
+    if (cudnn_) return cudnn_;
+    const CudnnPlugin& p = cudnn_plugin();
+    if (!p.open) throw std::runtime_error("DSTRAIN_CUDA_ATTENTION=cudnn: " + p.error);
+    DS_CUDA(cudaSetDevice(device_));
+    char error[1024] = {0};
+    cudnn_ = p.open(stream_, error, sizeof error);
+    if (!cudnn_) throw std::runtime_error(std::string("DSTRAIN_CUDA_ATTENTION=cudnn: ") + error);
+    return cudnn_;
+  }
+  // Runs one problem with a workspace from the pool.
+  void cudnn_run(const CudnnAttnProblem& problem, CudnnAttnBuffers& b, CallBlocks& blocks) {
+    void* ctx = cudnn_context();
+    const CudnnPlugin& p = cudnn_plugin();
+    char error[1024] = {0};
+    int64_t bytes = 0;
+    if (p.prepare(ctx, &problem, &bytes, error, sizeof error) != 0)
+      throw std::runtime_error(std::string("DSTRAIN_CUDA_ATTENTION=cudnn: ") + error);
+    b.workspace = bytes > 0 ? blocks.take(bytes) : nullptr;
+    b.workspace_bytes = bytes;
+    if (p.run(ctx, &problem, &b, error, sizeof error) != 0)
+      throw std::runtime_error(std::string("DSTRAIN_CUDA_ATTENTION=cudnn: ") + error);
+  }
+  static CudnnAttnProblem cudnn_problem(DType dt, int64_t B, int64_t S, int64_t nh, int64_t dqk, int64_t dv,
+                                        float scale, bool backward) {
+    CudnnAttnProblem p;
+    p.B = B, p.S = S, p.nh = nh, p.dqk = dqk, p.dv = dv, p.scale = scale;
+    p.dtype = dt == DType::kBF16 ? 1 : 2;
+    p.backward = backward ? 1 : 0;
+    return p;
+  }
+  void cudnn_attention_forward(float* O, float* lse, ConstView Q, ConstView K, ConstView V, int64_t B, int64_t S,
+                               int64_t nh, int64_t dqk, int64_t dv, float scale) {
+    const int64_t nq = B * S * nh * dqk, nv = B * S * nh * dv, nl = B * nh * S;
+    CallBlocks blocks(*this);
+    CudnnAttnBuffers b;
+    b.Q = blocks.aligned(Q.data, nq * 2), b.K = blocks.aligned(K.data, nq * 2), b.V = blocks.aligned(V.data, nv * 2);
+    b.O = blocks.take(nv * 2);
+    const bool lse_aligned = reinterpret_cast<uintptr_t>(lse) % 16 == 0;
+    b.lse = lse_aligned ? lse : static_cast<float*>(blocks.take(nl * 4));
+    cudnn_run(cudnn_problem(Q.dtype, B, S, nh, dqk, dv, scale, false), b, blocks);
+    if (!lse_aligned) copy(lse, b.lse, nl * 4);
+    convert(View{O, DType::kF32}, ConstView{b.O, Q.dtype}, nv);
+  }
+  void cudnn_attention_backward(float* dQ, float* dK, float* dV, ConstView dO, ConstView Q, ConstView K, ConstView V,
+                                const float* O, const float* lse, int64_t B, int64_t S, int64_t nh, int64_t dqk,
+                                int64_t dv, float scale) {
+    const int64_t nq = B * S * nh * dqk, nv = B * S * nh * dv, nl = B * nh * S;
+    CallBlocks blocks(*this);
+    CudnnAttnBuffers b;
+    b.Q = blocks.aligned(Q.data, nq * 2), b.K = blocks.aligned(K.data, nq * 2), b.V = blocks.aligned(V.data, nv * 2);
+    b.dO = blocks.aligned(dO.data, nv * 2);
+    b.lse_in = static_cast<const float*>(blocks.aligned(lse, nl * 4));
+    void* o16 = blocks.take(nv * 2);
+    convert(View{o16, Q.dtype}, f32(O), nv);  // the forward's 16-bit O again (fp32 holds it exactly)
+    b.O_in = o16;
+    b.dQ = blocks.take(nq * 2), b.dK = blocks.take(nq * 2), b.dV = blocks.take(nv * 2);
+    cudnn_run(cudnn_problem(Q.dtype, B, S, nh, dqk, dv, scale, true), b, blocks);
+    convert(View{dQ, DType::kF32}, ConstView{b.dQ, Q.dtype}, nq);
+    convert(View{dK, DType::kF32}, ConstView{b.dK, Q.dtype}, nq);
+    convert(View{dV, DType::kF32}, ConstView{b.dV, Q.dtype}, nv);
   }
 
   float* scratch(int64_t floats) {
@@ -1791,6 +2115,7 @@ class CudaBackend final : public Backend {
   int64_t smem_optin_ = 0;  // bytes of shared memory a block may opt into
   std::map<const void*, int64_t> smem_allowed_;  // per tiled attention kernel: the limit set
   cudaStream_t stream_ = nullptr;
+  EventOpTimes times_;  // monitor.op_breakdown
   cublasLtHandle_t lt_ = nullptr;
   cublasHandle_t blas_ = nullptr;  // the grouped GEMMs (cublasGemmGroupedBatchedEx)
   void* group_ptrs_ = nullptr;     // their A, B, C pointer arrays on the device
@@ -1801,6 +2126,7 @@ class CudaBackend final : public Backend {
   double* partials_ = nullptr;  // sum_squares' per-block sums
   std::map<GemmKey, GemmPlan> plans_;
   int64_t attention_s_ = 0;
+  void* cudnn_ = nullptr;  // the cuDNN plugin's context (cudnn_context)
   float* scratch_ = nullptr;
   int64_t scratch_floats_ = 0;
 
