@@ -121,10 +121,10 @@ TEST(Faults, SigtermToDsrunSurvivesASlowSave) {
 // checkpoint, which verifies and resumes; the start-up lines said how to give a save more time.
 TEST(Faults, SigtermToPlainMpirunDuringASaveKeepsTheLastCheckpoint) {
   const std::string dir = fresh("mpirun_term");
-  const std::string cmd = "DSTRAIN_FAULT_INJECT=slow_save:8 " + mpirun(2) +
+  const std::string cmd = "DSTRAIN_FAULT_INJECT=slow_save:5 " + mpirun(2) +
                           train_cmd(dir, "run", 100000, "--resume none --set checkpoint.interval=1 --threads 1");
   // The signal once the first checkpoint is published: the second save (or the one the stop
-  // itself asks for) is then under way and takes 8 s.
+  // itself asks for) is then under way and takes 5 s.
   const Result r = run("(" + cmd + " & pid=$!; for i in $(seq 300); do [ -f " + dir +
                        "/run/latest ] && break; sleep 0.2; done; sleep 1; kill -TERM $pid; wait $pid)");
   EXPECT_NE(r.out.find("odls_base_sigkill_timeout"), std::string::npos) << r.out;
