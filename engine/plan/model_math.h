@@ -12,7 +12,7 @@ namespace dstrain::plan {
 struct ParamCounts {
   int64_t total = 0;                     // main model parameters (buffers excluded)
   int64_t activated = 0;                 // per token: k of the E routed experts of each MoE layer
-  int64_t activated_excl_embedding = 0;  // DeepSeek's published convention (docs/model.md §11.8)
+  int64_t activated_excl_embedding = 0;  // DeepSeek's published convention (docs/model.md §11, item 8)
   int64_t mtp_total = 0;                 // MTP modules' own parameters (shared embedding/head not counted)
   int64_t mtp_activated = 0;
   int64_t buffers = 0;                   // e_score_correction_bias elements

@@ -55,12 +55,6 @@ const comm::ProcessGroup& RankGroups::group(plan::Axis axis) const {
   throw Error("no such axis");
 }
 
-void check_layout_trainable(const plan::ParallelPlan& plan) {
-  // Every layout the config accepts trains today: the one place a layout the runtime cannot
-  // train would be refused (by config key, with what is valid).
-  (void)plan;
-}
-
 kernels::DType comm_dtype(const config::TrainConfig& c) {
   if (!c.communication_data_type) return kernels::DType::kF32;
   switch (*c.communication_data_type) {
@@ -229,7 +223,6 @@ std::unique_ptr<comm::Communicator> make_communicator(const comm::ProcessGroup& 
 }
 
 RankEngine build_rank_engine(const plan::ParallelPlan& plan, const RankGroups& groups, const EngineOptions& options) {
-  check_layout_trainable(plan);
   const config::TrainConfig& cfg = plan.config;
   const config::ModelConfig& m = cfg.model;
   const plan::Coord& c = groups.coord();

@@ -51,9 +51,6 @@ class RankGroups {
   comm::ProcessGroup world_;
 };
 
-// The layouts the runtime trains today. Throws ConfigError naming what is missing otherwise.
-void check_layout_trainable(const plan::ParallelPlan& plan);
-
 // The backend of `device` (config key; docs/design.md §2.8): the CPU backend with `threads`, or
 // the CUDA backend on GPU local_rank % GPUs; auto takes cuda when this build has it and a GPU is
 // visible. DSTRAIN_DEVICE_MEMORY_CHECK=1 puts the CPU backend behind memory the host cannot

@@ -72,7 +72,6 @@ Trainer::Trainer(const plan::ParallelPlan& plan, RankGroups groups, int threads)
       metrics_ = MetricsFile(cfg_.monitor.metrics_file);
       tensorboard_ = TensorBoardWriter(cfg_.monitor.tensorboard);
     }
-    check_layout_trainable(plan_);
     if (!runs_on_gpu(cfg_.device)) check_memory_fits(plan_, groups_, plan_.batch.micro, true);  // (a GPU's: at assembly)
   } catch (const Error& e) {
     local_error = e.what();

@@ -8,9 +8,10 @@
 // stops cleanly); checkpoint.resume picks the checkpoint to continue from.
 //
 // The rank's engine comes from build_rank_engine (rank_engine.h), every communicator from the
-// plan's process groups. Layouts: data parallelism with ZeRO 0/1/2, the gradients reduced in
-// buckets during the backward pass (engine/parallel/grad_sync.h); tensor, pipeline and expert
-// parallelism are refused by check_layout_trainable until their runtimes land.
+// plan's process groups. Every layout the config accepts trains: data parallelism with ZeRO 0/1/2
+// (the gradients reduced in buckets during the backward pass, engine/parallel/grad_sync.h),
+// tensor parallelism with sequence parallelism, pipeline schedules (pipeline_runner.h) and
+// expert parallelism, in any combination.
 #pragma once
 
 #include <chrono>

@@ -1,6 +1,6 @@
 // The per-element and per-row math of the CUDA backend (docs/design.md §6.11), written once as
 // __host__ __device__ functions: the CUDA kernels (kernels/cuda/*.cu) call them per thread or per
-// warp, and tests/unit/test_device_math.cpp compiles the same functions with the host compiler
+// warp, and tests/kernels/test_device_math.cpp compiles the same functions with the host compiler
 // and checks them against the CPU backend — conversions bit for bit, RoPE / SwiGLU / router /
 // AdamW / attention rows to float tolerance — so the indexing, masking and numerics are tested
 // on machines without a GPU. Only the launch geometry and the warp shuffles stay device-only.
