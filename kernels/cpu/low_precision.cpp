@@ -1,5 +1,7 @@
 #include "kernels/cpu/low_precision.h"
 
+#include <cpuid.h>
+
 #include <dnnl.h>
 #include <immintrin.h>
 
@@ -12,6 +14,8 @@
 #include <map>
 #include <optional>
 #include <stdexcept>
+
+#include "kernels/cpu/amx.h"
 
 namespace dstrain::kernels::cpu {
 
@@ -263,15 +267,46 @@ bool LowPrecisionGemm::operands_16bit(LowPrecision p) {
   return impl_->override_choice() == "native";
 }
 
+namespace {
+// Whether this CPU's 16-bit matmuls beat fp32 ones, from its instruction sets alone, so that the
+// choice — and with it every GEMM's numerics — never depends on how busy the machine is when it
+// is made (a timed choice flipped under load: bf16 tiny's gradients differed from run to run on
+// a loaded 2-core Sapphire Rapids). The rule is the measurements': bf16 on the AMX unit (2.2-3.4x
+// fp32 on Sapphire Rapids), and AVX512-BF16 on AMD's cores (1.8x on Zen 4, whose fp32 FMAs are
+// 256 bits wide), not on Intel's without AMX (0.5-0.7x: two 512-bit fp32 FMA units); fp16 on the
+// AMX unit's fp16 products only (oneDNN 2.6 had no fp16 matmul on any CPU measured).
+bool faster_in_16_bits(LowPrecision p) {
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (!__get_cpuid_count(7, 1, &a, &b, &c, &d)) a = 0;
+  const bool avx512_bf16 = (a >> 5) & 1u, amx_fp16 = (a >> 21) & 1u;
+  unsigned vendor[4] = {0, 0, 0, 0};
+  __get_cpuid(0, &vendor[3], &vendor[0], &vendor[2], &vendor[1]);  // (EBX, EDX, ECX spell it)
+  const bool amd = std::memcmp(vendor, "AuthenticAMD", 12) == 0;
+  if (p == LowPrecision::kBf16) return cpu::amx_bf16_usable() || (avx512_bf16 && amd);
+  return amx_fp16 && cpu::amx_bf16_usable();  // (the tile state granted: AMX-FP16 needs it too)
+}
+}  // namespace
+
 bool LowPrecisionGemm::native(LowPrecision p) {
   std::lock_guard<std::mutex> lock(impl_->choice_mu);
   std::optional<bool>& choice = impl_->native_[int(p)];
   if (choice) return *choice;
-  constexpr int64_t n = 768;
   const Impl::Entry& e = impl_->probe(p);
   const std::string& forced = impl_->override_choice();
   if (!e.prim) return *(choice = false);
   if (!forced.empty()) return *(choice = forced == "native");
+  return *(choice = faster_in_16_bits(p));
+}
+
+double LowPrecisionGemm::native_speedup(LowPrecision p) {
+  if (!has_native_matmul(p)) return 0;
+  {
+    std::lock_guard<std::mutex> lock(impl_->choice_mu);
+    if (impl_->speedup_[int(p)] > 0) return impl_->speedup_[int(p)];
+  }
+  // Measured for the report only (the choice is native()'s rule): a 768^3 GEMM both ways.
+  constexpr int64_t n = 768;
+  const Impl::Entry& e = impl_->probe(p);
   std::vector<uint16_t> a(size_t(n * n)), b(size_t(n * n));
   std::vector<float> c(size_t(n * n));
   for (size_t i = 0; i < a.size(); ++i) {
@@ -292,14 +327,8 @@ bool LowPrecisionGemm::native(LowPrecision p) {
     return t;
   };
   const double t_native = best(true), t_wide = best(false);
-  impl_->speedup_[int(p)] = t_wide / t_native;
-  return *(choice = t_native <= t_wide);
-}
-
-double LowPrecisionGemm::native_speedup(LowPrecision p) {
-  native(p);
   std::lock_guard<std::mutex> lock(impl_->choice_mu);
-  return impl_->speedup_[int(p)];
+  return impl_->speedup_[int(p)] = t_wide / t_native;
 }
 
 bool LowPrecisionGemm::has_native_matmul(LowPrecision p) {

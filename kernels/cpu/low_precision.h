@@ -55,11 +55,13 @@ class LowPrecisionGemm {
   int64_t cached_shapes() const;
   // Whether run() uses oneDNN's native 16-bit matmul for `p` (else it widens the inputs to fp32
   // and runs sgemm: the same products, exactly representable, accumulated in fp32). Decided
-  // once per type by measurement, a 768^3 GEMM both ways (best of four, ~30 ms): the faster —
-  // AVX512-BF16 without AMX ran 1.85x fp32's rate on Zen 4 but 0.5-0.7x of it on an Intel
-  // Xeon with two 512-bit FMA units, margins wide enough for the choice not to flip from run
-  // to run. DSTRAIN_LOWP_GEMM=native | widened overrides the measurement (native only where
-  // oneDNN has the matmul; any other value is refused, on every CPU).
+  // once per type from the CPU's instruction sets, never by timing (a timed choice flipped when
+  // the machine was busy, and the run's numerics with it): native where oneDNN has the matmul
+  // and the CPU has bf16 on the AMX unit, or AVX512-BF16 on an AMD core — the measurements:
+  // AVX512-BF16 without AMX ran 1.85x fp32's rate on Zen 4 but 0.5-0.7x of it on an Intel Xeon
+  // with two 512-bit FMA units; fp16 only with AMX-FP16. DSTRAIN_LOWP_GEMM=native | widened
+  // overrides the rule (native only where oneDNN has the matmul; any other value is refused, on
+  // every CPU).
   bool native(LowPrecision p);
   // Whether callers should hand this type's GEMMs 16-bit operands: where native(p) holds, and
   // also where DSTRAIN_LOWP_GEMM=native asks for them on a CPU whose oneDNN has no matmul for
@@ -67,8 +69,8 @@ class LowPrecisionGemm {
   // passing fp32 copies, but it runs the callers' 16-bit-operand paths on any CPU: fp16 on
   // every CPU seen here, bf16 on AVX2-only ones).
   bool operands_16bit(LowPrecision p);
-  // widened time / native time of that measurement (0: not measured — no native matmul, or
-  // overridden).
+  // widened time / native time of a 768^3 GEMM both ways (best of four, ~30 ms, measured on the
+  // first call; for reports only — native() does not use it); 0 without a native matmul.
   double native_speedup(LowPrecision p);
   // Whether oneDNN has a 16-bit matmul for `p` on this CPU at all (AVX2-only CPUs have none for
   // either type): where it has none, run() always widens and native(p) is false.

@@ -5,6 +5,7 @@
 // and against the fp32 product (the inputs' rounding: 2^-8 for bf16, 2^-11 for fp16).
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <bit>
 #include <cmath>
 #include <cstdlib>
@@ -12,6 +13,7 @@
 #include <limits>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "dstrain/kernels/backend.h"
@@ -203,7 +205,7 @@ TEST_P(LowPrecisionGemmPath, GemmOnRoundedInputsAccumulatesInFp32) {
   EXPECT_FALSE(onednn_isa().empty());
 }
 
-TEST(LowPrecision, TheGemmPathIsMeasuredOrForcedAndNonsenseIsRefused) {
+TEST(LowPrecision, TheGemmPathIsRuledOrForcedAndNonsenseIsRefused) {
   for (const LowPrecision p : {LowPrecision::kBf16, LowPrecision::kFp16}) {
     LowPrecisionGemm probe;
     const bool has_native = probe.implementation(64, 64, 64, false, true, p).find("widened") == std::string::npos ||
@@ -244,7 +246,7 @@ TEST(LowPrecision, TheGemmPathIsMeasuredOrForcedAndNonsenseIsRefused) {
         }
     }
     {
-      const LowpGemmChoice choice(nullptr);  // measured: the faster of the two, stated in the implementation
+      const LowpGemmChoice choice(nullptr);  // the CPU's rule; the measurement stated in the implementation
       LowPrecisionGemm g;
       const std::string impl = g.implementation(64, 64, 64, false, true, p);
       EXPECT_EQ(g.operands_16bit(p), g.native(p)) << to_string(p);
@@ -265,6 +267,28 @@ TEST(LowPrecision, TheGemmPathIsMeasuredOrForcedAndNonsenseIsRefused) {
       EXPECT_NE(std::string(e.what()).find("valid: native, widened"), std::string::npos) << e.what();
     }
     EXPECT_THROW(g.operands_16bit(p), std::invalid_argument);
+  }
+}
+
+// The choice between native and widened 16-bit GEMMs — and so every GEMM's numerics — is the
+// same however busy the machine is: made while both cores spin, it equals the choice made
+// before, on every one of several fresh instances (a timed choice flipped under such load).
+TEST(LowPrecision, TheGemmPathDoesNotDependOnTheMachinesLoad) {
+  const LowpGemmChoice choice(nullptr);
+  for (const LowPrecision p : {LowPrecision::kBf16, LowPrecision::kFp16}) {
+    const bool quiet = LowPrecisionGemm().native(p);
+    std::atomic<bool> stop{false};
+    std::vector<std::thread> spin;
+    for (unsigned t = 0; t < 2 * std::max(1u, std::thread::hardware_concurrency()); ++t)
+      spin.emplace_back([&] {
+        volatile double x = 1;
+        while (!stop.load(std::memory_order_relaxed)) x = x * 1.0000001 + 1e-9;
+      });
+    std::vector<bool> busy;
+    for (int i = 0; i < 6; ++i) busy.push_back(LowPrecisionGemm().native(p));
+    stop = true;
+    for (std::thread& t : spin) t.join();
+    for (int i = 0; i < 6; ++i) EXPECT_EQ(busy[size_t(i)], quiet) << to_string(p) << ", instance " << i;
   }
 }
 
