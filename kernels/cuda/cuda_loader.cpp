@@ -1,4 +1,4 @@
-// Loads the CUDA backend's plugin, libdstrain_cuda.so (kernels/cuda/cuda_backend.cu), on first
+// Loads the CUDA backend's plugin, libdstrain_cuda.so (kernels/cuda/*.cu), on first
 // use — and only where the NVIDIA driver's library loads — and forwards dstrain/kernels/cuda.h
 // to it. Looked for, in order: $DSTRAIN_CUDA_PLUGIN; the
 // library directory beside the executable's (bin/../lib, where the build and the GPU bundle put

@@ -1,4 +1,4 @@
-// The interface between the CUDA backend (kernels/cuda/cuda_backend.cu) and its optional
+// The interface between the CUDA backend (kernels/cuda/cudnn_dispatch.cu) and its optional
 // attention plugin on cuDNN, libdstrain_cudnn.so (kernels/cuda/cudnn_attention.cpp): C functions
 // over plain structs, so that only the plugin links libcudnn — dstrain runs where cuDNN is
 // absent — and the backend finds it with dlopen on the first DSTRAIN_CUDA_ATTENTION=cudnn call

@@ -294,7 +294,7 @@ TEST(DeviceMath, AttentionRowsMatchTheCpuBackendInEveryType) {
   }
 }
 
-// The tensor-core attention kernels (cuda_backend.cu, "tiled") emulated on the host, block by
+// The tensor-core attention kernels (attention_tiles.cu, "tiled") emulated on the host, block by
 // block and warp by warp as the GPU runs them: the same tile geometry, lane mapping, masking and
 // rounding (device_math.h's flash_* functions), with the MMAs replaced by loops summing the
 // 16-bit products in fp32. Only the MMA fragments themselves are left to the GPU check.
