@@ -87,10 +87,12 @@ void validate_router(const TrainConfig& cfg) {
                         to_string(m.scoring_func), to_string(m.topk_method)));
 }
 
-// Every integer size of the model at most 2^24 (sixteen million; DeepSeek-V3's largest, its
-// vocabulary, is 129,280): the plan multiplies at most two of them into a tensor dimension
-// (plan/param_table.cpp), which so stays below 2^50, far from where int64 wraps, and checks the
-// products of dimensions in floating point (plan/parallel_plan.cpp check_sizes).
+// Every integer size of the model, and of the batch, at most 2^24 (sixteen million;
+// DeepSeek-V3's largest, its vocabulary, is 129,280): the plan multiplies at most two of the
+// model's into a tensor dimension (plan/param_table.cpp), which so stays below 2^50, far from
+// where int64 wraps, and checks the products of dimensions in floating point
+// (plan/parallel_plan.cpp check_sizes); the batch's products, with the data-parallel size, are
+// checked for overflow where they are formed (plan/batch_plan.cpp).
 constexpr int64_t kMaxModelSize = int64_t(1) << 24;
 
 void check_model_sizes(const TrainConfig& cfg) {
@@ -117,13 +119,24 @@ void check_model_sizes(const TrainConfig& cfg) {
       {"model.topk_group", m.topk_group},
       {"model.max_position_embeddings", m.max_position_embeddings},
       {"model.num_nextn_predict_layers", m.num_nextn_predict_layers},
-      {"seq_length", cfg.seq_length}};
+      {"seq_length", cfg.seq_length},
+      {"train_batch_size", cfg.train_batch_size},
+      {"train_micro_batch_size_per_gpu",
+       cfg.train_micro_batch_size_per_gpu && !cfg.train_micro_batch_size_per_gpu->is_auto()
+           ? std::optional<int64_t>(cfg.train_micro_batch_size_per_gpu->value)
+           : std::nullopt},
+      {"gradient_accumulation_steps", cfg.gradient_accumulation_steps}};
   for (const auto& [key, value] : sizes)
     if (value && *value > kMaxModelSize)
       fail_at(cfg, key,
-              fmt::format("{} is more than the {} a model size may be (the plan's 64-bit counts must not wrap); "
+              fmt::format("{} is more than the {} a {} size may be (the plan's 64-bit counts must not wrap); "
                           "valid: 1 to {}",
-                          *value, with_commas(kMaxModelSize), with_commas(kMaxModelSize)));
+                          *value, with_commas(kMaxModelSize),
+                          std::string(key).find("batch") != std::string::npos ||
+                                  std::string(key) == "gradient_accumulation_steps"
+                              ? "batch"
+                              : "model",
+                          with_commas(kMaxModelSize)));
 }
 
 void validate_model(const TrainConfig& cfg) {

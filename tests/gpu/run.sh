@@ -24,7 +24,8 @@
 #            steps 10-11 (train.trace.json)
 #   bench    tokens/s, TFLOP/s and MFU against 989 dense bf16 TFLOP/s for `medium` (bf16,
 #            8 x 2048), peak memory, and the step's time per kernel op from CUDA events
-#            (monitor.op_breakdown)
+#            (monitor.op_breakdown: two events an op and a wait at each step's end, so the
+#            step's tokens/s are a little low if the host is what limits them)
 #   h200     the same for configs/h200.yaml (4 x 2048)                                (optional)
 #   hf       Hugging Face transformers on medium's model and batch (tools/gpu/hf_baseline.py)
 #                                                                                     (optional)
@@ -105,7 +106,8 @@ step() {
   local name=$1 secs=$2
   shift 2
   local left=$((deadline - SECONDS))
-  if [ $left -lt 20 ]; then
+  # An optional measurement starts only with its whole limit left: cut short, it would say nothing.
+  if [ $left -lt 20 ] || { [ "${OPTIONAL:-0}" = 1 ] && [ $left -lt $secs ]; }; then
     echo "== $name: skipped, the check's time is spent"
     note "$name: SKIPPED (no time left)"
     if [ "${OPTIONAL:-0}" != 1 ]; then failed="$failed $name(no-time)"; status=1; fi
@@ -141,10 +143,14 @@ step() {
       verdict="FAILED (meant to run into its time limit: exit $rc)" rc=1
     fi
   fi
+  # An optional measurement that fails or runs out of time is reported, not counted against the check.
+  if [ "${OPTIONAL:-0}" = 1 ] && [ $rc -ne 0 ]; then verdict="$verdict (optional)" rc=0; fi
   echo "== $name: $verdict after $took s${left_over:+; removed:$left_over}"
   note "$name: $verdict in $took s${left_over:+ (removed:$left_over)}"
-  grep -E "^figure: ${FIGURES:+|$FIGURES}" "$out/$name.log" | sed 's/^figure: //' | cut -c1-240 | head -"${FIGMAX:-6}" |
-    sed 's/^/    /' >>"$summary"
+  # ("figure:" lines first: a step puts its verdict's figures there so that FIGMAX never cuts them)
+  { grep -E "^figure: " "$out/$name.log" | sed 's/^figure: //'
+    [ -n "${FIGURES:-}" ] && grep -E "$FIGURES" "$out/$name.log" | grep -v "^figure: "; } |
+    cut -c1-240 | head -"${FIGMAX:-6}" | sed 's/^/    /' >>"$summary"
   if [ $rc -ne 0 ]; then
     status=1; failed="$failed $name"
     grep -iE "error|fail|mismatch|differ|not found|assert|abort|what\(\)" "$out/$name.log" | cut -c1-240 | head -5 |
@@ -177,7 +183,9 @@ if [ $dev = cpu ]; then
 fi
 
 if [ $dev = cuda ]; then
-  FIGMAX=14 FIGURES="TFLOP/s|checks passed|^FAIL|^skip" step kernels 90 'dstrain-gpu-check --bench'
+  FIGMAX=16 FIGURES="TFLOP/s|^FAIL|^skip" step kernels 90 '
+    dstrain-gpu-check --bench | tee '"$out"'/kernels.txt; rc=${PIPESTATUS[0]}
+    echo "figure: $(grep -E "checks passed|^FAIL [^ ]" '"$out"'/kernels.txt | tail -1)"; exit $rc'
 else  # no GPU: the libraries load and the check says so (77), and the checker passes CPU against CPU
   step kernels 90 'dstrain-gpu-check; rc=$?; [ $rc -eq 77 ] || exit 1; dstrain-gpu-check --against-cpu | tail -3'
 fi

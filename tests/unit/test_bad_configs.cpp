@@ -180,6 +180,15 @@ std::vector<BadCase> cases() {
                                               "train_micro_batch_size_per_gpu=8", "model.num_attention_heads=8",
                                               "model.num_key_value_heads=8"},
        1, {"seq_length: 16777216: one micro-batch of 8 x 16777216 tokens would need about", "more than dstrain can count"}},
+      {"micro_batch_beyond_any_batch_size", base(), {"train_micro_batch_size_per_gpu=4611686018427387904"}, 1,
+       {"train_micro_batch_size_per_gpu: 4611686018427387904 is more than the 16,777,216 a batch size may be"}},
+      {"accumulation_beyond_any_batch_size", base(), {"gradient_accumulation_steps=3e9"}, 1,
+       {"gradient_accumulation_steps: 3000000000 is more than the 16,777,216 a batch size may be"}},
+      // Three factors within their bounds whose product, with 32,768 data-parallel ranks, leaves
+      // 64-bit counts (2^24 x 2^24 x 2^15 = 2^63).
+      {"batch_product_overflows", base(), {"train_micro_batch_size_per_gpu=16777216",
+                                           "gradient_accumulation_steps=16777216", "train_batch_size=16777216"},
+       32768, {"train_batch_size: micro-batch x accumulation x data-parallel size leaves 64-bit counts"}},
       {"sequence_beyond_any_model_size", base(), {"seq_length=200000000", "model.max_position_embeddings=200000000"},
        1, {"model.max_position_embeddings: 200000000 is more than the 16,777,216 a model size may be"}},
   };

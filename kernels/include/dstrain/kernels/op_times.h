@@ -60,12 +60,15 @@ class HostOpTimes {
   };
 
  private:
-  void add(const char* op, double ms) {
+  void add(const char* op, double ms) noexcept {
     std::lock_guard<std::mutex> lock(mu_);
-    OpTime& t = totals_[op];
-    if (t.op.empty()) t.op = op;
-    ++t.calls;
-    t.ms += ms;
+    try {
+      OpTime& t = totals_[op];
+      if (t.op.empty()) t.op = op;
+      ++t.calls;
+      t.ms += ms;
+    } catch (...) {  // (out of host memory: the op goes untimed; a destructor must not throw)
+    }
   }
   std::atomic<bool> on_{false};
   std::atomic<int> open_{0};  // Scopes open now
