@@ -261,7 +261,8 @@ fi
 # cuDNN's fused attention (and PyTorch's other SDPA kernels) at the shapes the kernels step timed
 # dstrain's own attention on (tools/gpu/sdpa_baseline.py), if time is left.
 if [ $dev = cuda ] && [ $have_torch = 1 ]; then
-  FIGURES="ms|TFLOP" OPTIONAL=1 step sdpa 30 'python3 tools/gpu/sdpa_baseline.py'
+  FIGURES="ms|TFLOP" OPTIONAL=1 step sdpa 30 'set -e; python3 tools/gpu/sdpa_baseline.py
+    python3 tools/gpu/sdpa_baseline.py --batch 8 --heads 12 --dqk 96 --dv 64  # medium'
 fi
 
 if [ -n "$failed" ]; then verdict="GPU check: failed:$failed"; else verdict="GPU check: every step passed"; fi
