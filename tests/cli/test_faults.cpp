@@ -307,7 +307,7 @@ TEST(Faults, EmptyConfigsAndImpossibleSizesEndAtOnce) {
                 r.err.find("is a directory") != std::string::npos)
         << r.err;
   }
-  for (const std::string set : {"model.hidden_size=16777216", "train_batch_size=1e9", "model.n_routed_experts=1e7",
+  for (const std::string set : {"model.hidden_size=16777216", "train_batch_size=16777216", "model.n_routed_experts=1e7",
                                 // (70 GiB: a million tokens per micro-batch, a million words, 512 wide)
                                 "train_batch_size=2000 --set train_micro_batch_size_per_gpu=2000 --set seq_length=512 "
                                 "--set model.vocab_size=1000000 --set model.hidden_size=512"}) {
