@@ -14,8 +14,11 @@ namespace dstrain::runtime {
 namespace {
 namespace fs = std::filesystem;
 
+// A directory of the running test's own: CTest runs this file's tests in parallel processes, and
+// two of them in one directory collide on its lock (a shared "load_target" failed so in CI).
 std::string fresh_dir(const std::string& name) {
-  const std::string d = ::testing::TempDir() + "/ckpt_" + name;
+  const ::testing::TestInfo* t = ::testing::UnitTest::GetInstance()->current_test_info();
+  const std::string d = ::testing::TempDir() + "/ckpt_" + (t ? std::string(t->name()) + "_" : "") + name;
   fs::remove_all(d);
   return d;
 }
