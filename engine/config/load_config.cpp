@@ -1,10 +1,12 @@
 #include "engine/config/load_config.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
 
+#include <spdlog/spdlog.h>
 #include <yaml-cpp/yaml.h>
 
 #include "engine/common/error.h"
@@ -103,6 +105,34 @@ void check_size(const YAML::Node& root, const std::string& name) {
                                   name, with_commas(int64_t(kMaxConfigNodes))));
 }
 
+// The environment variables that may override a `kernels:` key (docs/design.md §6.1, "Kernel
+// options"): read here, when a config is loaded at start-up — nowhere in the kernels — applied
+// before the --set overrides (which win), checked as the key's own values, and logged.
+struct KernelEnv {
+  const char* var;
+  const char* key;
+};
+constexpr KernelEnv kKernelEnv[] = {
+    {"DSTRAIN_LOWP_GEMM", "kernels.lowp_gemm"},           {"DSTRAIN_DENSE_GEMM", "kernels.cpu_dense_gemm"},
+    {"DSTRAIN_GROUPED_GEMM", "kernels.cpu_grouped_gemm"}, {"DSTRAIN_ATTENTION_TILES", "kernels.cpu_attention"},
+    {"DSTRAIN_CUDA_ATTENTION", "kernels.cuda_attention"}, {"DSTRAIN_CUDA_GROUPED_GEMM", "kernels.cuda_grouped_gemm"},
+    {"DSTRAIN_CUDA_POISON", "kernels.cuda_poison"},       {"DSTRAIN_LOSS_CHUNK_TOKENS", "kernels.loss_chunk_tokens"},
+};
+
+std::vector<Override> kernel_env_overrides() {
+  std::vector<Override> out;
+  for (const KernelEnv& e : kKernelEnv) {
+    const char* v = std::getenv(e.var);
+    if (!v || !*v) continue;
+    std::string value = v;
+    if (std::string(e.var) == "DSTRAIN_CUDA_POISON") value = value == "1" ? "true" : value == "0" ? "false" : value;
+    Override o = parse_override(std::string(e.key) + "=" + value);
+    o.text = std::string(e.var) + "=" + v;  // (what a message about it quotes)
+    out.push_back(o);
+  }
+  return out;
+}
+
 TrainConfig load_from_node(YAML::Node root, const std::string& name,
                            const std::vector<std::string>& overrides) {
   check_size(root, name);
@@ -115,12 +145,14 @@ TrainConfig load_from_node(YAML::Node root, const std::string& name,
                                   name, root.Mark().line + 1, root.Mark().column + 1,
                                   node_text(root)));
   std::map<std::string, std::string> override_text;
-  for (const auto& text : overrides) {
-    const Override o = parse_override(text);
+  std::vector<Override> all = kernel_env_overrides();
+  for (const Override& o : all) spdlog::info("{} sets {} (the environment overrides the config)", o.text, join(o.keys, "."));
+  for (const auto& text : overrides) all.push_back(parse_override(text));
+  for (const Override& o : all) {
     for (const std::string& created : apply_override(root, o)) override_text.emplace(created, o.text);
     override_text[join(o.keys, ".")] = o.text;
   }
-  if (!overrides.empty()) check_size(root, name + " with its --set overrides");
+  if (!all.empty()) check_size(root, name + " with its --set overrides");
   TrainConfig cfg;
   cfg.source = Source(name);
   record_positions(root, "", cfg.source, override_text, nullptr);

@@ -235,6 +235,18 @@ void describe(V& v, MonitorConfig& c) {
 }
 
 template <class V>
+void describe(V& v, KernelsConfig& c) {
+  v.field("lowp_gemm", c.lowp_gemm, one_of({"auto", "native", "widened"}));
+  v.field("cpu_dense_gemm", c.cpu_dense_gemm, one_of({"auto", "amx", "onednn"}));
+  v.field("cpu_grouped_gemm", c.cpu_grouped_gemm, one_of({"auto", "amx", "onednn"}));
+  v.field("cpu_attention", c.cpu_attention, one_of({"auto", "amx", "onednn"}));
+  v.field("cuda_attention", c.cuda_attention, one_of({"tiled", "rows", "cudnn"}));
+  v.field("cuda_grouped_gemm", c.cuda_grouped_gemm, one_of({"grouped", "loop"}));
+  v.field("cuda_poison", c.cuda_poison);
+  v.field("loss_chunk_tokens", c.loss_chunk_tokens, at_least(0));
+}
+
+template <class V>
 void describe(V& v, TrainConfig& c) {
   v.field("train_batch_size", c.train_batch_size, at_least(1));
   v.field("train_micro_batch_size_per_gpu", c.train_micro_batch_size_per_gpu);
@@ -259,6 +271,7 @@ void describe(V& v, TrainConfig& c) {
   v.section("data", c.data);
   v.section("checkpoint", c.checkpoint);
   v.section("monitor", c.monitor);
+  v.section("kernels", c.kernels);
 }
 
 }  // namespace dstrain::config

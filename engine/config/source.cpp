@@ -9,7 +9,8 @@ void Source::set_position(const std::string& path, int line, int column) {
 }
 
 void Source::set_override(const std::string& path, const std::string& text) {
-  where_[path] = "--set " + text;
+  // (an environment variable's override names itself: DSTRAIN_LOWP_GEMM=native, config/load_config.cpp)
+  where_[path] = text.rfind("DSTRAIN_", 0) == 0 ? "the environment's " + text : "--set " + text;
   overridden_[path] = true;
 }
 

@@ -197,6 +197,20 @@ struct MonitorConfig {
   bool op_breakdown = false;
 };
 
+// Which implementation a kernel takes where there are several (docs/design.md §6.1, "Kernel
+// options"): kernels::KernelOptions's fields, plus the LM head's chunking. Each may also come
+// from its DSTRAIN_ environment variable, read once when the config is loaded and logged.
+struct KernelsConfig {
+  std::string lowp_gemm = "auto";          // DSTRAIN_LOWP_GEMM: auto | native | widened
+  std::string cpu_dense_gemm = "auto";     // DSTRAIN_DENSE_GEMM: auto | amx | onednn
+  std::string cpu_grouped_gemm = "auto";   // DSTRAIN_GROUPED_GEMM
+  std::string cpu_attention = "auto";      // DSTRAIN_ATTENTION_TILES
+  std::string cuda_attention = "tiled";    // DSTRAIN_CUDA_ATTENTION: tiled | rows | cudnn
+  std::string cuda_grouped_gemm = "grouped";  // DSTRAIN_CUDA_GROUPED_GEMM: grouped | loop
+  bool cuda_poison = false;                // DSTRAIN_CUDA_POISON=1
+  int64_t loss_chunk_tokens = 0;           // DSTRAIN_LOSS_CHUNK_TOKENS; 0: automatic
+};
+
 struct TrainConfig {
   std::optional<int64_t> train_batch_size;  // sequences per optimizer step, all ranks together
   // auto: the largest micro-batch whose state and activations fit memory_budget_gib (the plan's
@@ -227,6 +241,7 @@ struct TrainConfig {
   DataConfig data;
   CheckpointConfig checkpoint;
   MonitorConfig monitor;
+  KernelsConfig kernels;
 
   Source source;  // where each key came from, for error messages
 

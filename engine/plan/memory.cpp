@@ -124,7 +124,7 @@ ActivationMemory instance_activation_memory(const config::ModelConfig& m, const 
     }
   }
   int64_t model = 3 * N + (s.end_layer - s.first_layer + 1) * rows * H;  // token ids, hidden states
-  const int64_t chunk = s.has_head ? loss_chunk_rows(N, H, Vl) : 0;  // the head's logits: one chunk's
+  const int64_t chunk = s.has_head ? loss_chunk_rows(N, H, Vl, s.loss_chunk_tokens) : 0;  // the head's logits: one chunk's
   if (s.has_head) {
     model += rows * H + (sp ? N * H : 0) + rows;  // final norm, its gather
     for (int64_t k = 1; k <= m.num_nextn_predict_layers; ++k) {  // MTP modules: their own buffers and layer
@@ -173,18 +173,6 @@ ActivationMemory instance_activation_memory(const config::ModelConfig& m, const 
 
 int64_t loss_chunk_rows(int64_t N, int64_t H, int64_t Vl, int64_t requested) {
   DS_CHECK(N > 0 && H > 0 && Vl > 0, "loss chunk of N {} H {} Vl {}", N, H, Vl);
-  if (requested <= 0) {
-    if (const char* env = std::getenv("DSTRAIN_LOSS_CHUNK_TOKENS"); env && *env) {
-      char* end = nullptr;
-      errno = 0;
-      const long long v = std::strtoll(env, &end, 10);
-      if (errno != 0 || *end != '\0' || v <= 0)
-        throw ConfigError(fmt::format("DSTRAIN_LOSS_CHUNK_TOKENS is '{}'; valid: a positive integer (token rows per "
-                                      "chunk of the LM head and cross-entropy), or unset for the automatic size",
-                                      env));
-      requested = v;
-    }
-  }
   // Logits as large as the hidden states; raised towards kMinLossChunk rows while a chunk's
   // logits stay within kLossChunkCap floats (1 GiB).
   if (requested <= 0)

@@ -61,14 +61,14 @@ struct InstanceShape {
   config::ActivationCheckpointingConfig checkpointing;
   int64_t compute_bytes = 4;  // 2 under bf16 / fp16: the GEMMs' conversion workspaces join the workspace
   Native16 native;  // under bf16 / fp16: which of GEMMs and attention take 16-bit inputs
+  int64_t loss_chunk_tokens = 0;  // kernels.loss_chunk_tokens (0: loss_chunk_rows' automatic size)
 };
 
 ActivationMemory instance_activation_memory(const config::ModelConfig& m, const InstanceShape& s);
 
 // Token rows per chunk of the LM head and its cross-entropy (docs/design.md §6.13): a model
 // instance holds the logits of one chunk at a time, [chunk, Vl] in fp32, never those of all N
-// tokens. `requested` > 0 asks for that many rows; 0 takes DSTRAIN_LOSS_CHUNK_TOKENS from the
-// environment when set (a positive integer, else a ConfigError naming it), else the automatic
+// tokens. `requested` > 0 (kernels.loss_chunk_tokens) asks for that many rows; 0 the automatic
 // size: as many rows as make the chunk's logits as large as the [N, H] hidden states, and at
 // least kMinLossChunk rows (so the weight-gradient GEMM, which writes all of dW_lm once per
 // chunk, keeps a long reduction) unless their logits would pass kLossChunkCap floats. Never

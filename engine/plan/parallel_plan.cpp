@@ -67,6 +67,7 @@ ActivationMemory ParallelPlan::instance_activations(int virtual_stage, int64_t m
   s.checkpointing = config.activation_checkpointing;
   s.compute_bytes = config.precision() == config::Precision::kFp32 ? 4 : 2;
   s.native = native;
+  s.loss_chunk_tokens = config.kernels.loss_chunk_tokens;
   return instance_activation_memory(config.model, s);
 }
 

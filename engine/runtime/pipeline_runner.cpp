@@ -67,6 +67,7 @@ PipelineRunner::PipelineRunner(const plan::ParallelPlan& plan, const RankGroups&
     ch.spec.recompute = model::recompute_mode(cfg.activation_checkpointing);
     ch.spec.recompute_layers = cfg.activation_checkpointing.num_layers.value_or(-1);
     ch.spec.recompute_arena = recompute_arena_;  // every instance of this rank, one at a time
+    ch.spec.loss_chunk_rows = cfg.kernels.loss_chunk_tokens;
     chunks_.push_back(std::move(ch));
   }
   for (int c = 0; c < v_; ++c) release(c, acquire(c));  // one instance per chunk now; more as the schedule needs

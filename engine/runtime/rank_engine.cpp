@@ -222,6 +222,15 @@ std::unique_ptr<comm::Communicator> make_communicator(const comm::ProcessGroup& 
                                          [b](const void* p) { return b->is_device_memory(p); });
 }
 
+kernels::KernelOptions kernel_options(const config::KernelsConfig& k) {
+  kernels::KernelOptions o;
+  o.lowp_gemm = k.lowp_gemm;
+  o.cpu_dense_gemm = k.cpu_dense_gemm, o.cpu_grouped_gemm = k.cpu_grouped_gemm, o.cpu_attention = k.cpu_attention;
+  o.cuda_attention = k.cuda_attention, o.cuda_grouped_gemm = k.cuda_grouped_gemm;
+  o.cuda_poison = k.cuda_poison;
+  return o;
+}
+
 RankEngine build_rank_engine(const plan::ParallelPlan& plan, const RankGroups& groups, const EngineOptions& options) {
   const config::TrainConfig& cfg = plan.config;
   const config::ModelConfig& m = cfg.model;
@@ -229,6 +238,7 @@ RankEngine build_rank_engine(const plan::ParallelPlan& plan, const RankGroups& g
   const plan::Degrees& d = plan.degrees;
   RankEngine e;
   e.backend = make_backend(cfg.device, options.threads, groups.local_rank());
+  e.backend->set_options(kernel_options(cfg.kernels));
   check_memory_fits(plan, groups, !options.model ? 0 : options.micro_batch > 0 ? options.micro_batch : plan.batch.micro,
                     options.gradients, e.backend.get());
   if (!e.backend->host_addressable() && groups.world().size() > 1 && !device_memory_check()) {

@@ -56,6 +56,8 @@ class RankGroups {
 // visible. DSTRAIN_DEVICE_MEMORY_CHECK=1 puts the CPU backend behind memory the host cannot
 // address (make_device_check_backend). Throws ConfigError for cuda without the backend or a GPU.
 std::unique_ptr<kernels::Backend> make_backend(config::DeviceKind device, int threads, int local_rank);
+// The config's `kernels:` section as the backends take it (Backend::set_options).
+kernels::KernelOptions kernel_options(const config::KernelsConfig& k);
 
 // One line on what `device` resolves to on this machine (the GPU, driver, runtime and cuBLASLt
 // versions), for --dry-run.

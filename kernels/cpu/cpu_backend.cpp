@@ -123,7 +123,7 @@ class CpuBackend final : public Backend {
     // bf16 on the AMX unit where there is one (unless DSTRAIN_DENSE_GEMM=onednn), A not
     // transposed (the weight gradients stay on oneDNN, as the experts' do).
     if (!ta && M >= 32 && (beta == 0.0f || beta == 1.0f) && alpha == 1.0f && lowp_.native(low(A.dtype)) &&
-        own_amx(A.dtype, "DSTRAIN_DENSE_GEMM"))
+        own_amx(A.dtype, options_.cpu_dense_gemm))
       return amx_dense(C, static_cast<const uint16_t*>(A.data), static_cast<const uint16_t*>(B.data), M, N, K, tb,
                        beta == 1.0f);
     lowp_.run(C, static_cast<const uint16_t*>(A.data), static_cast<const uint16_t*>(B.data), M, N, K, ta, tb, alpha,
@@ -165,7 +165,7 @@ class CpuBackend final : public Backend {
       // bf16 on the AMX unit where there is one (unless DSTRAIN_GROUPED_GEMM=onednn): oneDNN 2.6
       // has no AMX kernel for run-time shapes (its gemm:jit runs them at AVX512-BF16's rate).
       // The weight gradients (A transposed) too, through a transposing copy of A.
-      if ((beta == 0.0f || beta == 1.0f) && alpha == 1.0f && own_amx(dtype, "DSTRAIN_GROUPED_GEMM")) {
+      if ((beta == 0.0f || beta == 1.0f) && alpha == 1.0f && own_amx(dtype, options_.cpu_grouped_gemm)) {
         amx_ws_.resize(size_t(threads_));
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads_)
         for (int64_t i = 0; i < count; ++i) {
@@ -289,21 +289,23 @@ class CpuBackend final : public Backend {
   }
   const cpu::TileGemm& tile_gemm(DType t) const { return t == DType::kBF16 ? tile_bf16_ : tile_fp16_; }
   // bf16 attention on the AMX unit where there is one (kernels/cpu/amx.h), unless
-  // DSTRAIN_ATTENTION_TILES=onednn; else its tile GEMMs are oneDNN matmuls. Either way 16-bit
+  // kernels.cpu_attention is onednn; else its tile GEMMs are oneDNN matmuls. Either way 16-bit
   // attention only where the 16-bit GEMMs run natively: where they are widened the model's dO
   // comes in fp32 (ComputeCast), and Q, K, V are widened to match.
-  static bool amx_attention(DType t) { return own_amx(t, "DSTRAIN_ATTENTION_TILES"); }
-  // bf16 on this file's AMX tile products where the CPU has them, unless the environment
-  // variable `var` says onednn (read on each call, so that a test can compare the two).
-  static bool own_amx(DType t, const char* var) {
-    if (t != DType::kBF16) return false;
-    if (const char* o = std::getenv(var)) {
-      const std::string v = o;
-      if (v != "amx" && v != "onednn") throw std::invalid_argument(std::string(var) + "=" + v + ": valid: amx, onednn");
-      if (v == "onednn") return false;
-    }
-    return cpu::amx_bf16_usable();
+  bool amx_attention(DType t) const { return own_amx(t, options_.cpu_attention); }
+  // bf16 on this file's AMX tile products where the CPU has them, unless the option (one of
+  // KernelOptions' cpu_* fields, checked by set_options) says onednn.
+  static bool own_amx(DType t, const std::string& choice) {
+    return t == DType::kBF16 && choice != "onednn" && cpu::amx_bf16_usable();
   }
+  void set_options(const KernelOptions& o) override {
+    for (const std::string* v : {&o.cpu_dense_gemm, &o.cpu_grouped_gemm, &o.cpu_attention})
+      if (*v != "auto" && *v != "amx" && *v != "onednn")
+        throw std::invalid_argument("kernel option " + *v + ": valid for the CPU's products: auto, amx, onednn");
+    lowp_.set_choice(o.lowp_gemm);
+    options_ = o;
+  }
+  const KernelOptions& options() const override { return options_; }
   bool low_precision_attention(DType t) const override {
     return t != DType::kF32 && lowp_.native(low(t)) && (amx_attention(t) || tile_gemm(t).available());
   }
@@ -646,6 +648,7 @@ class CpuBackend final : public Backend {
 
   int threads_ = 1;
   HostOpTimes times_;  // monitor.op_breakdown
+  KernelOptions options_;
   GemmLibrary gemm_;
   mutable cpu::LowPrecisionGemm lowp_;  // (const queries may measure which path is faster, once)
   std::vector<float> attention_ws_;  // per-thread score blocks (reserve_attention)

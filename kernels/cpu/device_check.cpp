@@ -42,6 +42,8 @@ class DeviceCheckBackend final : public Backend {
   int num_threads() const override { return in_->num_threads(); }
   bool host_addressable() const override { return false; }
   void* native_stream() override { return in_->native_stream(); }
+  void set_options(const KernelOptions& o) override { in_->set_options(o); }
+  const KernelOptions& options() const override { return in_->options(); }
   std::string op_timing_clock() const override { return in_->op_timing_clock(); }
   void set_op_timing(bool on) override { in_->set_op_timing(on); }
   std::vector<OpTime> take_op_times() override { return in_->take_op_times(); }

@@ -120,17 +120,6 @@ dnnl::primitive_attr gemm_attributes(float alpha, float beta) {
 }
 }  // namespace
 
-namespace {
-// DSTRAIN_LOWP_GEMM: "native", "widened" or "" (unset: measured); anything else is refused.
-std::string lowp_gemm_override() {
-  const char* o = std::getenv("DSTRAIN_LOWP_GEMM");
-  if (!o) return "";
-  const std::string v = o;
-  if (v != "native" && v != "widened") throw std::invalid_argument("DSTRAIN_LOWP_GEMM=" + v + ": valid: native, widened");
-  return v;
-}
-}  // namespace
-
 struct LowPrecisionGemm::Impl {
   dnnl::engine engine{dnnl::engine::kind::cpu, 0};
   dnnl::stream stream{engine};
@@ -142,11 +131,8 @@ struct LowPrecisionGemm::Impl {
   std::vector<float> wide;  // the fallback's fp32 copies of A and B
   std::mutex choice_mu;
   std::optional<bool> native_[2];
-  std::optional<std::string> forced;  // DSTRAIN_LOWP_GEMM as first read (under choice_mu)
-  const std::string& override_choice() {
-    if (!forced) forced = lowp_gemm_override();
-    return *forced;
-  }
+  std::string forced;  // "native", "widened", or "" for the CPU's rule (under choice_mu)
+  const std::string& override_choice() { return forced; }
   // The 768^3 shape the choice between native and widened is measured on.
   Entry& probe(LowPrecision p) { return entry(768, 768, 768, false, true, p, 1.0f, 0.0f, false); }
   double speedup_[2] = {0, 0};
@@ -178,7 +164,15 @@ struct LowPrecisionGemm::Impl {
   }
 };
 
-LowPrecisionGemm::LowPrecisionGemm() : impl_(std::make_unique<Impl>()) {}
+LowPrecisionGemm::LowPrecisionGemm(const std::string& choice) : impl_(std::make_unique<Impl>()) { set_choice(choice); }
+
+void LowPrecisionGemm::set_choice(const std::string& choice) {
+  if (choice != "auto" && choice != "native" && choice != "widened")
+    throw std::invalid_argument("kernels.lowp_gemm " + choice + ": valid: auto, native, widened");
+  std::lock_guard<std::mutex> lock(impl_->choice_mu);
+  impl_->forced = choice == "auto" ? "" : choice;
+  impl_->native_[0].reset(), impl_->native_[1].reset();
+}
 LowPrecisionGemm::~LowPrecisionGemm() = default;
 
 namespace {
@@ -252,7 +246,7 @@ std::string LowPrecisionGemm::implementation(int64_t M, int64_t N, int64_t K, bo
                                              bool varying) {
   const Impl::Entry& e = impl_->entry(M, N, K, ta, tb, p, 1.0f, 0.0f, varying);
   if (!e.prim && operands_16bit(p))
-    return std::string(to_string(p)) + " on 16-bit operands, each GEMM widening them to fp32 for sgemm (DSTRAIN_LOWP_GEMM=native; oneDNN has no " +
+    return std::string(to_string(p)) + " on 16-bit operands, each GEMM widening them to fp32 for sgemm (kernels.lowp_gemm native; oneDNN has no " +
            to_string(p) + " matmul for this CPU)";
   if (!e.prim || native(p)) return e.impl;
   const double s = native_speedup(p);

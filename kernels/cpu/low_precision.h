@@ -37,8 +37,11 @@ void convert_from(float* out, const uint16_t* in, int64_t n, LowPrecision p);
 // alpha and beta with run-time dimensions, instead of one per shape.
 class LowPrecisionGemm {
  public:
-  LowPrecisionGemm();
+  // `choice`: kernels.lowp_gemm (KernelOptions::lowp_gemm) — auto, native or widened; anything
+  // else is std::invalid_argument. set_choice changes it (and forgets the decisions made).
+  explicit LowPrecisionGemm(const std::string& choice = "auto");
   ~LowPrecisionGemm();
+  void set_choice(const std::string& choice);
   void run(float* C, const uint16_t* A, const uint16_t* B, int64_t M, int64_t N, int64_t K, bool trans_a,
            bool trans_b, float alpha, float beta, LowPrecision p, bool varying = false);
   // The same with run-time dimensions on the calling thread alone, for several GEMMs at once from
@@ -59,12 +62,11 @@ class LowPrecisionGemm {
   // the machine was busy, and the run's numerics with it): native where oneDNN has the matmul
   // and the CPU has bf16 on the AMX unit, or AVX512-BF16 on an AMD core — the measurements:
   // AVX512-BF16 without AMX ran 1.85x fp32's rate on Zen 4 but 0.5-0.7x of it on an Intel Xeon
-  // with two 512-bit FMA units; fp16 only with AMX-FP16. DSTRAIN_LOWP_GEMM=native | widened
-  // overrides the rule (native only where oneDNN has the matmul; any other value is refused, on
-  // every CPU).
+  // with two 512-bit FMA units; fp16 only with AMX-FP16. The choice native | widened overrides
+  // the rule (native only where oneDNN has the matmul).
   bool native(LowPrecision p);
   // Whether callers should hand this type's GEMMs 16-bit operands: where native(p) holds, and
-  // also where DSTRAIN_LOWP_GEMM=native asks for them on a CPU whose oneDNN has no matmul for
+  // also where the choice native asks for them on a CPU whose oneDNN has no matmul for
   // `p` — run() then widens the operands inside every call (the same products; slower than
   // passing fp32 copies, but it runs the callers' 16-bit-operand paths on any CPU: fp16 on
   // every CPU seen here, bf16 on AVX2-only ones).

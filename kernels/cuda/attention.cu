@@ -8,7 +8,7 @@
 // every run).
 //
 // The rows kernels: a warp per row on CUDA cores, for fp32 (tensor cores would round it to
-// TF32), head sizes not multiples of 16, older GPUs, and DSTRAIN_CUDA_ATTENTION=rows; their math
+// TF32), head sizes not multiples of 16, older GPUs, and kernels.cuda_attention rows; their math
 // is device_math.h's attention rows.
 #include <cstdlib>
 #include <stdexcept>
@@ -19,17 +19,24 @@
 namespace dstrain::kernels {
 namespace cuda_impl {
 
-// DSTRAIN_CUDA_ATTENTION, read per call (so a check can run every path): the tensor-core tiles
-// where they apply (unset or `tiled`), the rows kernels (`rows`), or cuDNN's fused attention
-// for bf16 / fp16 inputs (`cudnn`; fp32 inputs run the rows kernels whatever the choice).
-AttentionChoice attention_choice() {
-  const char* choice = std::getenv("DSTRAIN_CUDA_ATTENTION");
-  if (!choice || std::string(choice) == "tiled") return AttentionChoice::kTiled;
-  if (std::string(choice) == "rows") return AttentionChoice::kRows;
-  if (std::string(choice) == "cudnn") return AttentionChoice::kCudnn;
-  throw std::invalid_argument(std::string("DSTRAIN_CUDA_ATTENTION=") + choice +
-                              ": valid: tiled, rows, cudnn (cudnn: cuDNN's fused attention for bf16 / fp16 inputs; "
-                              "fp32 inputs run the rows kernels whatever the choice)");
+// The kernel options (KernelOptions): the attention — the tensor-core tiles where they apply
+// (`tiled`), the rows kernels (`rows`), or cuDNN's fused attention for bf16 / fp16 inputs
+// (`cudnn`; fp32 inputs run the rows kernels whatever the choice) — the experts' grouped GEMM
+// (`grouped` or `loop`) and the pool's poisoning; checked here, once.
+void CudaBackend::set_options(const KernelOptions& o) {
+  AttentionChoice a = AttentionChoice::kTiled;
+  if (o.cuda_attention == "rows") a = AttentionChoice::kRows;
+  else if (o.cuda_attention == "cudnn") a = AttentionChoice::kCudnn;
+  else if (o.cuda_attention != "tiled")
+    throw std::invalid_argument("kernels.cuda_attention " + o.cuda_attention +
+                                ": valid: tiled, rows, cudnn (cudnn: cuDNN's fused attention for bf16 / fp16 inputs; "
+                                "fp32 inputs run the rows kernels whatever the choice)");
+  if (o.cuda_grouped_gemm != "grouped" && o.cuda_grouped_gemm != "loop")
+    throw std::invalid_argument("kernels.cuda_grouped_gemm " + o.cuda_grouped_gemm + ": valid: grouped, loop");
+  std::lock_guard<std::mutex> lock(mu_);
+  options_ = o;
+  attention_ = a;
+  poison_ = o.cuda_poison;
 }
 
 namespace {

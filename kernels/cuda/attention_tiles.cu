@@ -368,7 +368,7 @@ __global__ void __launch_bounds__(kFlashThreads)
 // Whether 16-bit attention of these head sizes runs on the tensor-core tiles (else the rows
 // kernels): 16-bit storage, head sizes multiples of 16 (the MMA shape), compute capability 8+
 // (bf16 MMAs), the kernels' shared memory within the device's opt-in limit, and not
-// DSTRAIN_CUDA_ATTENTION=rows (read per call, so a check can run both).
+// kernels.cuda_attention rows (read per call, so a check can run both).
 bool CudaBackend::tiled_attention(DType dt, int64_t B, int64_t nh, int64_t dqk, int64_t dv) const {
   if (dt == DType::kF32 || dqk % 16 != 0 || dv % 16 != 0 || dqk > kMaxHeadDim || dv > kMaxHeadDim) return false;
   if (cc_major_ < 8 || B > 65535 || nh > 65535) return false;  // (grid y and z: heads, sequences)

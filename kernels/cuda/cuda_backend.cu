@@ -139,7 +139,7 @@ std::vector<OpTime> CudaBackend::take_op_times() { return times_.take(); }
 // trying again when the device is full. A cached block that operations on other streams used
 // (record_use: NCCL's) is handed out only once they have finished, or with the compute stream
 // made to wait for them (cudaStreamWaitEvent): never to a kernel that could run while a
-// collective still reads or writes it. DSTRAIN_CUDA_POISON=1 fills every block handed out with
+// collective still reads or writes it. kernels.cuda_poison fills every block handed out with
 // 0xFF bytes (NaN in fp32, bf16 and fp16), so a read of memory nothing wrote shows as NaN instead
 // of a previous tensor's values.
 void* CudaBackend::allocate(int64_t bytes) {

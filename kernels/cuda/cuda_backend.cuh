@@ -224,9 +224,8 @@ class EventOpTimes {
 
 // ---- The backend -------------------------------------------------------------------------------
 
-// DSTRAIN_CUDA_ATTENTION, read per call (attention.cu).
+// KernelOptions::cuda_attention (attention.cu).
 enum class AttentionChoice { kTiled, kRows, kCudnn };
-AttentionChoice attention_choice();
 
 class CudaBackend final : public Backend {
  public:
@@ -235,6 +234,9 @@ class CudaBackend final : public Backend {
   ~CudaBackend() override;
   std::string name() const override;
   int num_threads() const override;
+  void set_options(const KernelOptions& options) override;
+  const KernelOptions& options() const override { return options_; }
+  AttentionChoice attention_choice() const { return attention_; }
   std::string op_timing_clock() const override;
   void set_op_timing(bool on) override;
   std::vector<OpTime> take_op_times() override;
@@ -427,10 +429,9 @@ class CudaBackend final : public Backend {
 
   // The pool (cuda_backend.cu).
   std::mutex mu_;
-  bool poison_ = [] {
-    const char* v = std::getenv("DSTRAIN_CUDA_POISON");
-    return v && std::string(v) == "1";
-  }();
+  bool poison_ = false;  // KernelOptions::cuda_poison
+  KernelOptions options_;
+  AttentionChoice attention_ = AttentionChoice::kTiled;
   std::multimap<int64_t, Block> free_;
   std::map<void*, Block> used_;
   int64_t mallocs_ = 0, in_use_ = 0, peak_ = 0, cached_ = 0;

@@ -1,5 +1,5 @@
 // libdstrain_cudnn.so: causal attention through cuDNN's fused flash-attention engines, for the
-// CUDA backend's DSTRAIN_CUDA_ATTENTION=cudnn (interface: kernels/cuda/cudnn_attention.h;
+// CUDA backend's kernels.cuda_attention cudnn (interface: kernels/cuda/cudnn_attention.h;
 // docs/design.md §6.11). Host code only, on cuDNN's backend graph API in C.
 //
 // cuDNN 9.19's single SDPA operation has no causal mask, so each direction is written as the

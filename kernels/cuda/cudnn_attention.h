@@ -1,7 +1,7 @@
 // The interface between the CUDA backend (kernels/cuda/cudnn_dispatch.cu) and its optional
 // attention plugin on cuDNN, libdstrain_cudnn.so (kernels/cuda/cudnn_attention.cpp): C functions
 // over plain structs, so that only the plugin links libcudnn — dstrain runs where cuDNN is
-// absent — and the backend finds it with dlopen on the first DSTRAIN_CUDA_ATTENTION=cudnn call
+// absent — and the backend finds it with dlopen on the first kernels.cuda_attention cudnn call
 // (docs/design.md §6.11). Both sides are built from this header; the backend refuses a plugin of
 // another interface version.
 #pragma once

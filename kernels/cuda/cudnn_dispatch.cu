@@ -1,4 +1,4 @@
-// The CUDA backend's path to cuDNN's fused attention (DSTRAIN_CUDA_ATTENTION=cudnn, bf16 / fp16
+// The CUDA backend's path to cuDNN's fused attention (kernels.cuda_attention cudnn, bf16 / fp16
 // inputs; docs/design.md §6.11; the class: kernels/cuda/cuda_backend.cuh): the loader of the
 // optional plugin libdstrain_cudnn.so (kernels/cuda/cudnn_attention.cpp, the only thing linking
 // libcudnn) and the backend's calls into it. Host code only. A call that cannot use cuDNN
@@ -118,11 +118,11 @@ struct CudaBackend::CallBlocks {
 void* CudaBackend::cudnn_context() {
   if (cudnn_) return cudnn_;
   const CudnnPlugin& p = cudnn_plugin();
-  if (!p.open) throw std::runtime_error("DSTRAIN_CUDA_ATTENTION=cudnn: " + p.error);
+  if (!p.open) throw std::runtime_error("kernels.cuda_attention cudnn: " + p.error);
   DS_CUDA(cudaSetDevice(device_));
   char error[1024] = {0};
   cudnn_ = p.open(stream_, error, sizeof error);
-  if (!cudnn_) throw std::runtime_error(std::string("DSTRAIN_CUDA_ATTENTION=cudnn: ") + error);
+  if (!cudnn_) throw std::runtime_error(std::string("kernels.cuda_attention cudnn: ") + error);
   return cudnn_;
 }
 // The context given back (the backend's destructor, where one was made).
@@ -134,11 +134,11 @@ void CudaBackend::cudnn_run(const CudnnAttnProblem& problem, CudnnAttnBuffers& b
   char error[1024] = {0};
   int64_t bytes = 0;
   if (p.prepare(ctx, &problem, &bytes, error, sizeof error) != 0)
-    throw std::runtime_error(std::string("DSTRAIN_CUDA_ATTENTION=cudnn: ") + error);
+    throw std::runtime_error(std::string("kernels.cuda_attention cudnn: ") + error);
   b.workspace = bytes > 0 ? blocks.take(bytes) : nullptr;
   b.workspace_bytes = bytes;
   if (p.run(ctx, &problem, &b, error, sizeof error) != 0)
-    throw std::runtime_error(std::string("DSTRAIN_CUDA_ATTENTION=cudnn: ") + error);
+    throw std::runtime_error(std::string("kernels.cuda_attention cudnn: ") + error);
 }
 CudnnAttnProblem CudaBackend::cudnn_problem(DType dt, int64_t B, int64_t S, int64_t nh, int64_t dqk, int64_t dv,
                                             float scale, bool backward) {

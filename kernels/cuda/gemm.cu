@@ -2,7 +2,7 @@
 // cuBLASLt for single GEMMs: row-major C = op(A) op(B) issued as column-major
 // C^T = op(B)^T op(A)^T, fp32 accumulation (no TF32), the descriptors and the heuristic's first
 // algorithm made once per shape and kept (at most kMaxPlans), one workspace for every call. The
-// experts' GEMMs as one cublasGemmGroupedBatchedEx call (DSTRAIN_CUDA_GROUPED_GEMM=grouped, the
+// experts' GEMMs as one cublasGemmGroupedBatchedEx call (kernels.cuda_grouped_gemm grouped, the
 // default, or loop). K = 0 scales C by beta with a kernel.
 #include <climits>
 #include <cstdio>
@@ -66,16 +66,13 @@ void CudaBackend::gemm_grouped(float* const* C, const void* const* A, const void
 }
 // The experts' GEMMs as one cublasGemmGroupedBatchedEx call (one group per problem, fp32
 // output and accumulation): no per-shape cuBLASLt plan for row counts that change every step.
-// false, with nothing done: the caller runs them one by one — DSTRAIN_CUDA_GROUPED_GEMM=loop,
+// false, with nothing done: the caller runs them one by one — kernels.cuda_grouped_gemm loop,
 // cuBLAS refused this type combination (a probe, once per type), or an operand is not 16-byte
 // aligned (cuBLAS's 16-bit kernels need it; the cuBLASLt path picks algorithms by alignment).
 bool CudaBackend::grouped_call(float* const* C, const void* const* A, const void* const* B, DType dtype,
                                const int64_t* M, const int64_t* N, const int64_t* K, int64_t count, bool ta, bool tb,
                                float alpha, float beta) {
-  const char* choice = std::getenv("DSTRAIN_CUDA_GROUPED_GEMM");
-  if (choice && std::string(choice) == "loop") return false;
-  if (choice && std::string(choice) != "grouped")
-    throw std::invalid_argument(std::string("DSTRAIN_CUDA_GROUPED_GEMM=") + choice + ": valid: grouped, loop");
+  if (options_.cuda_grouped_gemm == "loop") return false;
   GroupArgs& g = group_;
   g.ta.clear(), g.tb.clear(), g.m.clear(), g.n.clear(), g.k.clear(), g.lda.clear(), g.ldb.clear(), g.ldc.clear();
   g.size.clear(), g.alpha.clear(), g.beta.clear(), g.ptrs.clear();

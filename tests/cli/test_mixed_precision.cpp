@@ -120,6 +120,34 @@ TEST(MixedPrecision, NativeAndWidenedGemmsTrainAlike) {
   }
 }
 
+// The kernel choices are config keys (kernels:); their environment variables override the file,
+// are logged, and lose to --set; a bad value, from either, is refused naming where it came from.
+TEST(MixedPrecision, KernelChoicesAreConfigKeysTheEnvironmentOverrides) {
+  const std::string dir = fresh_dir("mp_kernels");
+  const std::string base = "--resume none --set checkpoint.save_at_end=false" + kBf16;
+  Result r = run(train_cmd(dir, "key", 1, base + " --set kernels.lowp_gemm=widened"));
+  ASSERT_EQ(r.rc, 0) << r.err;
+  EXPECT_NE((r.out + r.err).find("GEMMs bf16 widened to fp32"), std::string::npos) << r.out;
+  r = run("DSTRAIN_LOWP_GEMM=widened " + train_cmd(dir, "env", 1, base));
+  ASSERT_EQ(r.rc, 0) << r.err;
+  EXPECT_NE(r.out.find("DSTRAIN_LOWP_GEMM=widened sets kernels.lowp_gemm"), std::string::npos) << r.out;
+  EXPECT_NE((r.out + r.err).find("GEMMs bf16 widened to fp32"), std::string::npos) << r.out;
+  r = run("DSTRAIN_LOWP_GEMM=widened " + train_cmd(dir, "set", 1, base + " --set kernels.lowp_gemm=native"));
+  ASSERT_EQ(r.rc, 0) << r.err;
+  EXPECT_EQ((r.out + r.err).find("GEMMs bf16 widened to fp32"), std::string::npos) << "--set lost to the environment";
+  r = run("DSTRAIN_LOWP_GEMM=fastest " + train_cmd(dir, "bad", 1, base));
+  EXPECT_EQ(r.rc, 1);
+  EXPECT_NE(r.err.find("the environment's DSTRAIN_LOWP_GEMM=fastest: kernels.lowp_gemm: invalid value fastest: valid: "
+                       "one of auto, native, widened"),
+            std::string::npos)
+      << r.err;
+  r = run(train_cmd(dir, "badkey", 1, base + " --set kernels.cuda_attention=flash"));
+  EXPECT_EQ(r.rc, 1);
+  EXPECT_NE(r.err.find("--set kernels.cuda_attention=flash: kernels.cuda_attention: invalid value flash"),
+            std::string::npos)
+      << r.err;
+}
+
 // communication_data_type rounds the reduced gradients: the curve moves, but only a little.
 TEST(MixedPrecision, CommunicationDataTypeRoundsTheReduction) {
   const std::string dir = fresh_dir("mp_comm");

@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <random>
 #include <string>
@@ -141,19 +142,32 @@ TEST(LowPrecision, ArrayConversionsEqualTheScalarOnes) {
 }
 
 // DSTRAIN_LOWP_GEMM set for one scope (each LowPrecisionGemm decides once, when first asked).
-class LowpGemmChoice {
+// `be`'s kernel options (Backend::set_options) with some fields changed, for one scope.
+class WithOptions {
  public:
-  explicit LowpGemmChoice(const char* v) { v ? setenv("DSTRAIN_LOWP_GEMM", v, 1) : unsetenv("DSTRAIN_LOWP_GEMM"); }
-  ~LowpGemmChoice() { unsetenv("DSTRAIN_LOWP_GEMM"); }
+  WithOptions(Backend& be, const std::function<void(KernelOptions&)>& change) : be_(be), saved_(be.options()) {
+    KernelOptions o = saved_;
+    change(o);
+    be.set_options(o);
+  }
+  ~WithOptions() { be_.set_options(saved_); }
+
+ private:
+  Backend& be_;
+  KernelOptions saved_;
 };
+KernelOptions native_lowp() {
+  KernelOptions o;
+  o.lowp_gemm = "native";  // the 16-bit paths even where the CPU's rule would widen
+  return o;
+}
 
 // Both paths — oneDNN's native matmul and the widened sgemm — whichever the measurement picks.
 class LowPrecisionGemmPath : public ::testing::TestWithParam<const char*> {};
 INSTANTIATE_TEST_SUITE_P(Paths, LowPrecisionGemmPath, ::testing::Values("native", "widened"));
 
 TEST_P(LowPrecisionGemmPath, GemmOnRoundedInputsAccumulatesInFp32) {
-  const LowpGemmChoice choice(GetParam());
-  LowPrecisionGemm gemm;
+  LowPrecisionGemm gemm(GetParam());
   std::mt19937 rng(11);
   std::normal_distribution<float> d(0.f, 1.f);
   const int64_t M = 37, N = 19, K = 301;
@@ -215,15 +229,13 @@ TEST(LowPrecision, TheGemmPathIsRuledOrForcedAndNonsenseIsRefused) {
       EXPECT_FALSE(has_native) << to_string(p);
     }
     {
-      const LowpGemmChoice choice("widened");
-      LowPrecisionGemm g;
+      LowPrecisionGemm g("widened");
       EXPECT_FALSE(g.native(p));
       EXPECT_FALSE(g.operands_16bit(p));
       EXPECT_NE(g.implementation(64, 64, 64, false, true, p).find("widened to fp32"), std::string::npos);
     }
     {
-      const LowpGemmChoice choice("native");
-      LowPrecisionGemm g;
+      LowPrecisionGemm g("native");
       EXPECT_EQ(g.native(p), has_native) << to_string(p);  // native only where oneDNN has it
       EXPECT_TRUE(g.operands_16bit(p)) << to_string(p);    // but 16-bit operands on every CPU
       const std::string impl = g.implementation(64, 64, 64, false, true, p);
@@ -246,8 +258,7 @@ TEST(LowPrecision, TheGemmPathIsRuledOrForcedAndNonsenseIsRefused) {
         }
     }
     {
-      const LowpGemmChoice choice(nullptr);  // the CPU's rule; the measurement stated in the implementation
-      LowPrecisionGemm g;
+      LowPrecisionGemm g("auto");  // the CPU's rule; the measurement stated in the implementation
       const std::string impl = g.implementation(64, 64, 64, false, true, p);
       EXPECT_EQ(g.operands_16bit(p), g.native(p)) << to_string(p);
       if (g.native(p)) {
@@ -257,16 +268,18 @@ TEST(LowPrecision, TheGemmPathIsRuledOrForcedAndNonsenseIsRefused) {
       }
     }
   }
-  const LowpGemmChoice choice("fastest");  // refused on every CPU, oneDNN's matmul or not
-  for (const LowPrecision p : {LowPrecision::kBf16, LowPrecision::kFp16}) {
-    LowPrecisionGemm g;
-    try {
-      g.native(p);
-      ADD_FAILURE() << "DSTRAIN_LOWP_GEMM=fastest accepted for " << to_string(p);
-    } catch (const std::invalid_argument& e) {
-      EXPECT_NE(std::string(e.what()).find("valid: native, widened"), std::string::npos) << e.what();
-    }
-    EXPECT_THROW(g.operands_16bit(p), std::invalid_argument);
+  // anything else is refused, on every CPU, oneDNN's matmul or not
+  EXPECT_THROW(LowPrecisionGemm("fastest"), std::invalid_argument);
+  LowPrecisionGemm g;
+  EXPECT_THROW(g.set_choice("fastest"), std::invalid_argument);
+  auto be = make_cpu_backend(1);
+  KernelOptions o;
+  o.lowp_gemm = "fastest";
+  try {
+    be->set_options(o);
+    ADD_FAILURE() << "kernels.lowp_gemm fastest accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("valid: auto, native, widened"), std::string::npos) << e.what();
   }
 }
 
@@ -274,7 +287,6 @@ TEST(LowPrecision, TheGemmPathIsRuledOrForcedAndNonsenseIsRefused) {
 // same however busy the machine is: made while both cores spin, it equals the choice made
 // before, on every one of several fresh instances (a timed choice flipped under such load).
 TEST(LowPrecision, TheGemmPathDoesNotDependOnTheMachinesLoad) {
-  const LowpGemmChoice choice(nullptr);
   for (const LowPrecision p : {LowPrecision::kBf16, LowPrecision::kFp16}) {
     const bool quiet = LowPrecisionGemm().native(p);
     std::atomic<bool> stop{false};
@@ -396,14 +408,7 @@ TEST(BackendTyped, ConvertGemmAndGroupedGemmMatchTheBuildingBlocks) {
   EXPECT_EQ(moved.bytes(), 1000);
 }
 
-// DSTRAIN_ATTENTION_TILES set for one scope (read on every attention call).
 void check_attention_against_fp32(Backend& backend, int64_t S);
-
-class AttentionTiles {
- public:
-  explicit AttentionTiles(const char* v) { setenv("DSTRAIN_ATTENTION_TILES", v, 1); }
-  ~AttentionTiles() { unsetenv("DSTRAIN_ATTENTION_TILES"); }
-};
 
 // Both tile engines of the 16-bit attention: oneDNN matmuls and the AMX tile products.
 class LowPrecisionAttention : public ::testing::TestWithParam<const char*> {};
@@ -416,10 +421,11 @@ INSTANTIATE_TEST_SUITE_P(Tiles, LowPrecisionAttention, ::testing::Values("onednn
 // tiles, an odd sequence length, dqk != dv, neither a multiple of 32; S = 300 also gives the
 // AMX backward pass two blocks of keys.
 TEST_P(LowPrecisionAttention, MatchesFp32OnRoundedInputs) {
-  const LowpGemmChoice choice("native");  // the 16-bit tile GEMMs even where widening is faster
-  const AttentionTiles tiles(GetParam());
   if (std::string(GetParam()) == "amx" && !amx_bf16_usable()) GTEST_SKIP() << "no AMX-BF16 on this CPU";
   auto be = make_cpu_backend(2);
+  KernelOptions o = native_lowp();  // the 16-bit tile GEMMs even where widening is faster
+  o.cpu_attention = GetParam();
+  be->set_options(o);
   if (!be->low_precision_attention(DType::kBF16)) GTEST_SKIP() << "no bf16 matmul on this CPU";
   EXPECT_FALSE(be->low_precision_attention(DType::kF32));
   for (const int64_t S : {150, 300}) {
@@ -554,20 +560,13 @@ TEST(Amx, MatmulMatchesADoubleReference) {
         }
 }
 
-// DSTRAIN_GROUPED_GEMM set for one scope (read on every grouped call).
-class GroupedGemmEngine {
- public:
-  explicit GroupedGemmEngine(const char* v) { setenv("DSTRAIN_GROUPED_GEMM", v, 1); }
-  ~GroupedGemmEngine() { unsetenv("DSTRAIN_GROUPED_GEMM"); }
-};
-
 // The backend's grouped bf16 GEMM (the experts') on the AMX unit against the same problems on
 // oneDNN: forward-like (B transposed), input-gradient-like and weight-gradient-like (A
 // transposed, the rows summed), row counts 0 to 40, beta 0 and 1; a bad engine name refused.
 TEST(Amx, GroupedGemmMatchesOneDnn) {
-  const LowpGemmChoice choice("native");
   if (!amx_bf16_usable()) GTEST_SKIP() << "no AMX-BF16 on this CPU";
   auto be = make_cpu_backend(2);
+  be->set_options(native_lowp());
   if (!be->low_precision_gemm_native(DType::kBF16)) GTEST_SKIP() << "no native bf16 matmul";
   std::mt19937 rng(13);
   std::normal_distribution<float> d(0.f, 1.f);
@@ -591,7 +590,7 @@ TEST(Amx, GroupedGemmMatchesOneDnn) {
       for (auto& e : C0[i]) e = d(rng);
     }
     const auto run = [&](const char* engine) {
-      const GroupedGemmEngine use(engine);
+      const WithOptions use(*be, [&](KernelOptions& o) { o.cpu_grouped_gemm = engine; });
       std::vector<std::vector<float>> Cs = C0;
       std::vector<float*> C(count);
       std::vector<const void*> A(count), B(count);
@@ -605,31 +604,19 @@ TEST(Amx, GroupedGemmMatchesOneDnn) {
       for (size_t j = 0; j < amx[i].size(); ++j)
         ASSERT_NEAR(amx[i][j], onednn[i][j], 1e-5 * (1 + std::fabs(onednn[i][j]))) << i << " " << j;
   }
-  const GroupedGemmEngine bad("tiles");
-  std::vector<float> c(4);
-  std::vector<uint16_t> a(4), b(4);
-  std::vector<float*> C(4, c.data());
-  std::vector<const void*> A(4, a.data()), B(4, b.data());
-  const int64_t one[4] = {1, 1, 1, 1};
-  EXPECT_THROW(be->gemm_grouped(C.data(), A.data(), B.data(), DType::kBF16, one, one, one, 4, false, true, 1.0f, 0.0f),
-               std::invalid_argument);
+  KernelOptions bad = native_lowp();
+  bad.cpu_grouped_gemm = "tiles";
+  EXPECT_THROW(be->set_options(bad), std::invalid_argument);
 }
-
-// DSTRAIN_DENSE_GEMM set for one scope (read on every call).
-class DenseGemmEngine {
- public:
-  explicit DenseGemmEngine(const char* v) { setenv("DSTRAIN_DENSE_GEMM", v, 1); }
-  ~DenseGemmEngine() { unsetenv("DSTRAIN_DENSE_GEMM"); }
-};
 
 // The backend's typed bf16 GEMM split over its threads on the AMX unit (B packed by column
 // blocks per thread, rows by 32-row pairs per thread) against oneDNN: row counts that split
 // unevenly, N and K off the tiles' multiples, B transposed or not, beta 0 and 1; A transposed
 // stays on oneDNN (the same bits either way); a bad engine name refused.
 TEST(Amx, DenseGemmMatchesOneDnn) {
-  const LowpGemmChoice choice("native");
   if (!amx_bf16_usable()) GTEST_SKIP() << "no AMX-BF16 on this CPU";
   auto be = make_cpu_backend(2);
+  be->set_options(native_lowp());
   if (!be->low_precision_gemm_native(DType::kBF16)) GTEST_SKIP() << "no native bf16 matmul";
   std::mt19937 rng(14);
   std::normal_distribution<float> d(0.f, 1.f);
@@ -648,7 +635,7 @@ TEST(Amx, DenseGemmMatchesOneDnn) {
     std::vector<float> C0(size_t(c.M * c.N));
     for (auto& v : C0) v = d(rng);
     const auto run = [&](const char* engine) {
-      const DenseGemmEngine use(engine);
+      const WithOptions use(*be, [&](KernelOptions& o) { o.cpu_dense_gemm = engine; });
       std::vector<float> C = C0;
       be->gemm(C.data(), ConstView{A.data(), DType::kBF16}, ConstView{B.data(), DType::kBF16}, c.M, c.N, c.K, c.ta,
                c.tb, 1.0f, c.beta);
@@ -661,23 +648,20 @@ TEST(Amx, DenseGemmMatchesOneDnn) {
       EXPECT_EQ(amx, onednn);
     }
   }
-  const DenseGemmEngine bad("tiles");
-  std::vector<float> C(64 * 16);
-  std::vector<uint16_t> A(64 * 32), B(32 * 16);
-  EXPECT_THROW(be->gemm(C.data(), ConstView{A.data(), DType::kBF16}, ConstView{B.data(), DType::kBF16}, 64, 16, 32,
-                        false, false, 1.0f, 0.0f),
-               std::invalid_argument);
+  KernelOptions bad = native_lowp();
+  bad.cpu_dense_gemm = "tiles";
+  EXPECT_THROW(be->set_options(bad), std::invalid_argument);
 }
 
 // The AMX path and the oneDNN tiles compute the same thing from the same bf16 values with fp32
 // accumulation and round P and dS alike: they agree to fp32 rounding, and the forward pass
 // exactly where the products sum in the same order.
 TEST(Amx, AttentionMatchesTheOneDnnTiles) {
-  const LowpGemmChoice choice("native");
   if (!amx_bf16_usable()) GTEST_SKIP() << "no AMX-BF16 on this CPU";
   auto be = make_cpu_backend(2);
+  be->set_options(native_lowp());
   {
-    const AttentionTiles onednn("onednn");
+    const WithOptions onednn(*be, [](KernelOptions& o) { o.cpu_attention = "onednn"; });
     if (!be->low_precision_attention(DType::kBF16)) GTEST_SKIP() << "no oneDNN bf16 matmul on this CPU";
   }
   const int64_t B = 1, S = 333, nh = 2, dqk = 72, dv = 40, N = B * S;
@@ -698,7 +682,7 @@ TEST(Amx, AttentionMatchesTheOneDnnTiles) {
     std::vector<float> O, lse, dQ, dK, dV;
   };
   const auto run = [&](const char* tiles) {
-    const AttentionTiles choice(tiles);
+    const WithOptions choice(*be, [&](KernelOptions& o) { o.cpu_attention = tiles; });
     Out o{std::vector<float>(size_t(N * nh * dv)), std::vector<float>(size_t(N * nh)),
           std::vector<float>(q16.size()), std::vector<float>(k16.size()), std::vector<float>(v16.size())};
     be->attention_forward(o.O.data(), o.lse.data(), q, k, v, B, S, nh, dqk, dv, 0.125f);
@@ -719,13 +703,15 @@ TEST(Amx, AttentionMatchesTheOneDnnTiles) {
   close(a.dK, r.dK, "dK");
   close(a.dV, r.dV, "dV");
   // A value the selector does not know is refused by name.
-  const AttentionTiles bad("flash");
-  std::vector<float> O(size_t(N * nh * dv)), lse(size_t(N * nh));
+  KernelOptions bad = native_lowp();
+  bad.cpu_attention = "flash";
   try {
-    be->attention_forward(O.data(), lse.data(), q, k, v, B, S, nh, dqk, dv, 0.125f);
-    ADD_FAILURE() << "DSTRAIN_ATTENTION_TILES=flash accepted";
+    be->set_options(bad);
+    ADD_FAILURE() << "kernels.cpu_attention flash accepted";
   } catch (const std::invalid_argument& e) {
-    EXPECT_NE(std::string(e.what()).find("DSTRAIN_ATTENTION_TILES=flash"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("kernel option flash: valid for the CPU's products: auto, amx, onednn"),
+              std::string::npos)
+        << e.what();
   }
 }
 

@@ -151,10 +151,7 @@ namespace {
 // MTP, and under each recomputation mode: within 2% (the plan mirrors the buffers).
 TEST(MemoryEstimate, ActivationsMatchWhatTheModelAllocates) {
   // The LM head in its automatic chunk (the whole micro-batch here) and in chunks of 7 rows.
-  struct Unset {
-    ~Unset() { unsetenv("DSTRAIN_LOSS_CHUNK_TOKENS"); }
-  } unset_at_the_end;
-  for (const char* chunk : {"", "7"})
+  for (const int64_t chunk : {0, 7})
   for (const char* preset : {"tiny", "small"})
     for (const auto& [B, S] : {std::pair<int64_t, int64_t>{2, 32}, {4, 64}}) {
       config::ModelConfig m = config::model_preset(preset);
@@ -165,8 +162,6 @@ TEST(MemoryEstimate, ActivationsMatchWhatTheModelAllocates) {
         ParamStore params(table, stages, m.num_routed(), {});
         auto be = kernels::make_cpu_backend(1);
         LocalCollectives coll;
-        if (*chunk) setenv("DSTRAIN_LOSS_CHUNK_TOKENS", chunk, 1);
-        else unsetenv("DSTRAIN_LOSS_CHUNK_TOKENS");
         double saved_none = 0, saved_selective = 0;
         for (const auto& [enabled, granularity, layers] :
              {std::tuple<bool, config::CheckpointGranularity, std::optional<int64_t>>{false, {}, {}},
@@ -177,9 +172,11 @@ TEST(MemoryEstimate, ActivationsMatchWhatTheModelAllocates) {
           ac.enabled = enabled, ac.granularity = granularity, ac.num_layers = layers;
           StageSpec spec;
           spec.recompute = recompute_mode(ac), spec.recompute_layers = layers.value_or(-1);
+          spec.loss_chunk_rows = chunk;
           DeepSeekModel net(m, *be, coll, params, B, S, false, spec);
           plan::InstanceShape shape;
           shape.end_layer = m.num_hidden_layers, shape.micro_batch = B, shape.seq_length = S, shape.checkpointing = ac;
+          shape.loss_chunk_tokens = chunk;
           const plan::ActivationMemory want = plan::instance_activation_memory(m, shape);
           const std::string what = fmt::format("{} B {} S {} mtp {} recompute {} layers {} head chunk {}", preset, B, S,
                                                mtp, int(spec.recompute), spec.recompute_layers, net.loss_chunk_rows());

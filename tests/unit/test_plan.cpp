@@ -197,11 +197,10 @@ TEST(Memory, ZeroShardsOptimizerStateThenGradients) {
 }
 
 // The LM head's chunk (docs/design.md §6.13): automatic — the logits of a chunk as large as the
-// [N, H] hidden states, at least kMinLossChunk rows within 1 GiB of logits, at most N; asked
-// for; from the environment,
-// whose bad values are refused by name.
+// [N, H] hidden states, at least kMinLossChunk rows within 1 GiB of logits, at most N; or asked
+// for (kernels.loss_chunk_tokens, also from DSTRAIN_LOSS_CHUNK_TOKENS when the config is loaded,
+// whose bad values are refused by name).
 TEST(Memory, LossChunkRows) {
-  unsetenv("DSTRAIN_LOSS_CHUNK_TOKENS");
   EXPECT_EQ(plan::loss_chunk_rows(8192, 2048, 102400), plan::kMinLossChunk);  // h200: 164 rows would do
   EXPECT_EQ(plan::loss_chunk_rows(65536, 2048, 51200), 2622);                 // ceil(65536 * 2048 / 51200)
   EXPECT_EQ(plan::loss_chunk_rows(16384, 768, 8192), plan::kMinLossChunk);
@@ -212,26 +211,21 @@ TEST(Memory, LossChunkRows) {
   EXPECT_EQ(plan::loss_chunk_rows(16'000'000, 7168, 1'000'000), 114'688);
   EXPECT_EQ(plan::loss_chunk_rows(512, 256, 256, 100), 100);
   EXPECT_EQ(plan::loss_chunk_rows(512, 256, 256, 1000), 512);
+  // From the environment, through the config as it is loaded (the only place it is read).
   setenv("DSTRAIN_LOSS_CHUNK_TOKENS", "7", 1);
-  EXPECT_EQ(plan::loss_chunk_rows(512, 256, 256), 7);
-  EXPECT_EQ(plan::loss_chunk_rows(512, 256, 256, 9), 9);  // an explicit request wins
-  for (const char* bad : {"0", "-3", "12x", "lots", "99999999999999999999"}) {
+  EXPECT_EQ(testing::load(testing::base_yaml()).kernels.loss_chunk_tokens, 7);
+  for (const char* bad : {"-3", "12x", "lots", "99999999999999999999"}) {
     setenv("DSTRAIN_LOSS_CHUNK_TOKENS", bad, 1);
-    EXPECT_THROW(
-        {
-          try {
-            plan::loss_chunk_rows(512, 256, 256);
-          } catch (const ConfigError& e) {
-            EXPECT_NE(std::string(e.what()).find(std::string("DSTRAIN_LOSS_CHUNK_TOKENS is '") + bad + "'"),
-                      std::string::npos)
-                << e.what();
-            throw;
-          }
-        },
-        ConfigError)
-        << bad;
+    try {
+      testing::load(testing::base_yaml());
+      ADD_FAILURE() << bad << " accepted";
+    } catch (const ConfigError& e) {
+      EXPECT_NE(std::string(e.what()).find(std::string("DSTRAIN_LOSS_CHUNK_TOKENS=") + bad), std::string::npos)
+          << e.what();
+    }
   }
   unsetenv("DSTRAIN_LOSS_CHUNK_TOKENS");
+  EXPECT_EQ(testing::load(testing::base_yaml()).kernels.loss_chunk_tokens, 0);
 }
 
 TEST(Report, NamesEveryFigureAUserChecks) {

@@ -486,7 +486,7 @@ int bench_lowp(int threads) {
   const double f32 = time_it([&] { be->attention_forward(O.data(), lse.data(), Q.data(), K.data(), V.data(), B, S, nh, dqk, dv, scale); }, 3);
   const double b32 = time_it([&] { be->attention_backward(dQ.data(), dK.data(), dV.data(), dO.data(), Q.data(), K.data(), V.data(), O.data(), lse.data(), B, S, nh, dqk, dv, scale); }, 3);
   const double flops = 2.0 * B * nh * (dqk + dv) * S * S / 2;  // causal: half the score matrix
-  // The bf16 kernel on each tile engine this CPU has (DSTRAIN_ATTENTION_TILES; AMX by default);
+  // The bf16 kernel on each tile engine this CPU has (kernels.cpu_attention; AMX by default);
   // none where oneDNN has no bf16 matmul (AVX2-only CPUs), where training runs the fp32 kernel on
   // widened Q, K, V.
   if (!be->low_precision_attention(kernels::DType::kBF16))
@@ -496,7 +496,9 @@ int bench_lowp(int threads) {
   for (const char* tiles : {"amx", "onednn"}) {
     if (!be->low_precision_attention(kernels::DType::kBF16)) break;
     if (std::string(tiles) == "amx" && !kernels::cpu::amx_bf16_usable()) continue;
-    setenv("DSTRAIN_ATTENTION_TILES", tiles, 1);
+    kernels::KernelOptions o = be->options();
+    o.cpu_attention = tiles;
+    be->set_options(o);
     const double f16 = time_it([&] { be->attention_forward(O.data(), lse.data(), q16, k16, v16, B, S, nh, dqk, dv, scale); }, 3);
     const double b16 = time_it([&] { be->attention_backward(dQ.data(), dK.data(), dV.data(), dO.data(), do16, q16, k16, v16, O.data(), lse.data(), B, S, nh, dqk, dv, scale); }, 3);
     std::printf("attention (medium, S=%ld, %ld heads, causal): forward fp32 %.1f ms (%.0f GFLOP/s), bf16 on %s tiles "
@@ -504,7 +506,7 @@ int bench_lowp(int threads) {
                 long(S), long(nh), f32 * 1e3, flops / f32 / 1e9, tiles, f16 * 1e3, flops / f16 / 1e9, f32 / f16,
                 b32 * 1e3, b16 * 1e3, b32 / b16);
   }
-  unsetenv("DSTRAIN_ATTENTION_TILES");
+  be->set_options(kernels::KernelOptions{});
 
   // The routed experts' gate+up GEMMs of one medium MoE layer at 2 x 2048 tokens (6 of 32
   // experts per token: 768 rows each on average, here 512..1024): the grouped call (one problem
@@ -535,10 +537,12 @@ int bench_lowp(int threads) {
       std::vector<double> best(engines.size(), 1e30);
       for (int round = 0; round < 3; ++round)
         for (size_t i = 0; i < engines.size(); ++i) {
-          setenv("DSTRAIN_GROUPED_GEMM", engines[i].c_str(), 1);
+          kernels::KernelOptions o = be->options();
+          o.cpu_grouped_gemm = engines[i];
+          be->set_options(o);
           best[i] = std::min(best[i], time_it(fn, 3));
         }
-      unsetenv("DSTRAIN_GROUPED_GEMM");
+      be->set_options(kernels::KernelOptions{});
       return best;
     };
     const auto print_engines = [&](const char* what, const std::vector<double>& t, double flops) {

@@ -5,7 +5,7 @@
 // only the summation order differs), 16-bit attention against fp32 attention on the rounded
 // inputs to 2e-2 (bf16) / 3e-3 (fp16), conversions bit for bit. Then: the same backward twice
 // gives the same bits (no atomics), and a second pass over every op makes no cudaMalloc (the
-// caching pool). Where the cuDNN attention plugin loads, its attention (DSTRAIN_CUDA_ATTENTION=cudnn)
+// caching pool). Where the cuDNN attention plugin loads, its attention (kernels.cuda_attention cudnn)
 // against the fp32 rows kernels, and its backward's determinism. --bench also times GEMMs and
 // attention (cuDNN's too) and prints TFLOP/s. --against-cpu runs
 // the checks with a second CPU backend in the CUDA backend's place: the checker's own test.
@@ -104,6 +104,19 @@ std::vector<uint16_t> round16(const FVec& x, Backend& cpu, DType t, FVec* back) 
   return out;
 }
 
+// The CUDA backend's kernel options (Backend::set_options): its attention (tiled, rows, cudnn)
+// and its grouped GEMM (grouped, loop). (With --against-cpu a CPU backend ignores them.)
+void set_attention(Backend& be, const char* kernel) {
+  KernelOptions o = be.options();
+  o.cuda_attention = kernel;
+  be.set_options(o);
+}
+void set_grouped(Backend& be, const char* mode) {
+  KernelOptions o = be.options();
+  o.cuda_grouped_gemm = mode;
+  be.set_options(o);
+}
+
 void check_gemms(Backend& cpu, Backend& cuda) {
   const int64_t M = 37, N = 29, K = 53;
   for (int t = 0; t < 4; ++t) {
@@ -177,13 +190,13 @@ void check_gemms(Backend& cpu, Backend& cuda) {
 }
 
 // The grouped GEMM both ways on CUDA (one cublasGemmGroupedBatchedEx call; one cuBLASLt call per
-// problem, DSTRAIN_CUDA_GROUPED_GEMM=loop) in the experts' two patterns: forward-like (rows vary,
+// problem, kernels.cuda_grouped_gemm loop) in the experts' two patterns: forward-like (rows vary,
 // B^T) and weight-gradient-like (the reduction varies, A^T, alpha 0.5, beta 1 accumulating,
 // an empty problem that must leave beta C).
 void check_grouped_modes(Backend& cpu, Backend& cuda) {
   const int64_t rows[] = {5, 0, 17, 1, 40}, n = 5, W = 48, V = 32;
   for (const char* mode : {"grouped", "loop"}) {
-    setenv("DSTRAIN_CUDA_GROUPED_GEMM", mode, 1);
+    set_grouped(cuda, mode);
     for (DType dt : {DType::kF32, DType::kBF16, DType::kF16}) {
       for (const bool wgrad : {false, true}) {
         Gpu g(cuda);
@@ -229,7 +242,7 @@ void check_grouped_modes(Backend& cpu, Backend& cuda) {
       }
     }
   }
-  unsetenv("DSTRAIN_CUDA_GROUPED_GEMM");
+  set_grouped(cuda, "grouped");
 }
 
 void check_conversions(Backend& cpu, Backend& cuda) {
@@ -335,10 +348,9 @@ struct AttnOut {
 };
 
 // The 16-bit types run twice on CUDA: the tensor-core tiles (the default where the head sizes
-// allow) and the rows kernels (DSTRAIN_CUDA_ATTENTION=rows); fp32 has only the rows.
+// allow) and the rows kernels (kernels.cuda_attention rows); fp32 has only the rows.
 void check_attention(Backend& cpu, Backend& cuda, const char* kernel) {
-  if (kernel) setenv("DSTRAIN_CUDA_ATTENTION", kernel, 1);
-  else unsetenv("DSTRAIN_CUDA_ATTENTION");
+  set_attention(cuda, kernel ? kernel : "tiled");
   const int64_t B = 2, S = 70, nh = 3, dqk = 192, dv = 128;
   const float scale = 1.0f / std::sqrt(float(dqk));
   const size_t nq = size_t(B * S * nh * dqk), nv = size_t(B * S * nh * dv), nl = size_t(B * nh * S);
@@ -383,7 +395,7 @@ void check_attention(Backend& cpu, Backend& cuda, const char* kernel) {
   }
 }
 
-// cuDNN's fused attention (DSTRAIN_CUDA_ATTENTION=cudnn: the plugin libdstrain_cudnn.so, bf16 /
+// cuDNN's fused attention (kernels.cuda_attention cudnn: the plugin libdstrain_cudnn.so, bf16 /
 // fp16 only) against the CUDA backend's fp32 rows kernels on the same rounded inputs, at MLA's
 // head widths and at the lengths training runs (the 16-bit tolerances above; lse to 1e-5), and a
 // second backward must give the same bits (cuDNN's deterministic backward). Skipped, not failed,
@@ -410,7 +422,7 @@ void check_cudnn_attention(Backend& cpu, Backend& cuda) {
                                   v16 = round16(V, cpu, dt, &Vr), do16 = round16(dO, cpu, dt, &dOr);
       Gpu g(cuda);
       // The reference: the rows kernels in fp32 on the values cuDNN sees.
-      setenv("DSTRAIN_CUDA_ATTENTION", "rows", 1);
+      set_attention(cuda, "rows");
       float *O = g.zeros<float>(nv), *lse = g.zeros<float>(nl), *dQ = g.zeros<float>(nq), *dK = g.zeros<float>(nq),
             *dV = g.zeros<float>(nv);
       const float* gdOr = g.put(dOr);
@@ -418,7 +430,7 @@ void check_cudnn_attention(Backend& cpu, Backend& cuda) {
       cuda.attention_forward(O, lse, qr, kr, vr, B, S, nh, dqk, dv, scale);
       cuda.attention_backward(dQ, dK, dV, gdOr, f32(gdOr), qr, kr, vr, O, lse, B, S, nh, dqk, dv, scale);
       const AttnOut want{g.get(O, nv), g.get(lse, nl), g.get(dQ, nq), g.get(dK, nq), g.get(dV, nv)};
-      setenv("DSTRAIN_CUDA_ATTENTION", "cudnn", 1);
+      set_attention(cuda, "cudnn");
       const ConstView q{g.put(q16), dt}, kk{g.put(k16), dt}, v{g.put(v16), dt}, dol{g.put(do16), dt};
       const auto t0 = std::chrono::steady_clock::now();
       try {
@@ -429,7 +441,7 @@ void check_cudnn_attention(Backend& cpu, Backend& cuda) {
         // cuDNN is optional: its absence, or its refusal of a shape (a version's known limits, no
         // deterministic engine), is reported and skipped; only wrong numbers fail the check.
         if (std::strstr(e.what(), "plugin unavailable")) {  // no cuDNN here: nothing to check
-          unsetenv("DSTRAIN_CUDA_ATTENTION");
+          set_attention(cuda, "tiled");
           if (!quiet) std::printf("skip attention cudnn: %s\n", e.what());
           return;
         }
@@ -453,7 +465,7 @@ void check_cudnn_attention(Backend& cpu, Backend& cuda) {
       check_equal(p + "backward twice: same dV", g.get(dV, nv), dV1);
     }
   }
-  unsetenv("DSTRAIN_CUDA_ATTENTION");
+  set_attention(cuda, "tiled");
 }
 
 void check_router_moe(Backend& cpu, Backend& cuda) {
@@ -873,7 +885,7 @@ void check_preset_attention(Backend& cpu, Backend& cuda, const PresetShape& P) {
     const auto q16 = round16(Q, cpu, dt, &Qr), k16 = round16(K, cpu, dt, &Kr), v16 = round16(V, cpu, dt, &Vr),
                do16 = round16(dO, cpu, dt, &dOr);
     // The reference: the device's fp32 rows kernels on the rounded inputs.
-    setenv("DSTRAIN_CUDA_ATTENTION", "rows", 1);
+    set_attention(cuda, "rows");
     const float* gdOr = g.put(dOr);
     const ConstView qr = f32(g.put(Qr)), kr = f32(g.put(Kr)), vr = f32(g.put(Vr));
     cuda.attention_forward(O, lse, qr, kr, vr, B, S, nh, dqk, dv, scale);
@@ -881,7 +893,7 @@ void check_preset_attention(Backend& cpu, Backend& cuda, const PresetShape& P) {
     const AttnOut want{g.get(O, nv), g.get(lse, nl), g.get(dQ, nq), g.get(dK, nq), g.get(dV, nv)};
     const ConstView q{g.put(q16), dt}, kk{g.put(k16), dt}, v{g.put(v16), dt}, dol{g.put(do16), dt};
     for (const char* kernel : {"tiled", "rows"}) {
-      setenv("DSTRAIN_CUDA_ATTENTION", kernel, 1);
+      set_attention(cuda, kernel);
       cuda.attention_forward(O, lse, q, kk, v, B, S, nh, dqk, dv, scale);
       cuda.attention_backward(dQ, dK, dV, gdOr, dol, q, kk, v, O, lse, B, S, nh, dqk, dv, scale);
       const double tol = dt == DType::kBF16 ? 2e-2 : 3e-3;
@@ -893,7 +905,7 @@ void check_preset_attention(Backend& cpu, Backend& cuda, const PresetShape& P) {
       check(p + "dV", g.get(dV, nv), want.dV, tol);
     }
   }
-  unsetenv("DSTRAIN_CUDA_ATTENTION");
+  set_attention(cuda, "tiled");
 }
 
 // monitor.op_breakdown on the device: each op's time from CUDA events, one entry per op name.
@@ -929,7 +941,7 @@ void run_all(Backend& cpu, Backend& cuda) {
   check_attention(cpu, cuda, nullptr);
   check_attention(cpu, cuda, "tiled");
   check_attention(cpu, cuda, "rows");
-  unsetenv("DSTRAIN_CUDA_ATTENTION");
+  set_attention(cuda, "tiled");
   check_cudnn_attention(cpu, cuda);
   check_router_moe(cpu, cuda);
   check_loss_embedding_optimizer(cpu, cuda);
@@ -991,13 +1003,13 @@ void bench(Backend& cuda) {
     }
     double t[2];
     for (int mode = 0; mode < 2; ++mode) {
-      setenv("DSTRAIN_CUDA_GROUPED_GEMM", mode == 0 ? "grouped" : "loop", 1);
+      set_grouped(cuda, mode == 0 ? "grouped" : "loop");
       t[mode] = seconds_of(cuda, [&] {
         cuda.gemm_grouped(C.data(), A.data(), B.data(), DType::kBF16, Ms.data(), Ns.data(), Ks.data(), E, false, true,
                           1.0f, 0.0f);
       }, 5);
     }
-    unsetenv("DSTRAIN_CUDA_GROUPED_GEMM");
+    set_grouped(cuda, "grouped");
     const double f = 2.0 * double(rows) * N * K;
     std::printf("expert gate+up bf16, %ld experts, %ld rows: grouped %.1f TFLOP/s, one call per expert %.1f TFLOP/s "
                 "(grouped %.2fx)\n", long(E), long(rows), f / t[0] / 1e12, f / t[1] / 1e12, t[1] / t[0]);
@@ -1022,7 +1034,7 @@ void bench(Backend& cuda) {
     cuda.reserve_attention(S);
     for (const auto& [dt, kernel] : std::vector<std::pair<DType, const char*>>{
              {DType::kBF16, "tiled"}, {DType::kBF16, "cudnn"}, {DType::kBF16, "rows"}, {DType::kF32, "rows"}}) {
-      setenv("DSTRAIN_CUDA_ATTENTION", kernel, 1);
+      set_attention(cuda, kernel);
       const int64_t w = dtype_size(dt);
       DeviceBuffer q(cuda, nq * w), k(cuda, nq * w), v(cuda, nv * w), d16(cuda, nv * w), o(cuda, nv * 4),
           l(cuda, B * nh * S * 4), dq(cuda, nq * 4), dk(cuda, nq * 4), dvb(cuda, nv * 4);
@@ -1052,7 +1064,7 @@ void bench(Backend& cuda) {
                   bwd * 1e3, 2.5 * flops / bwd / 1e12);
     }
   }
-  unsetenv("DSTRAIN_CUDA_ATTENTION");
+  set_attention(cuda, "tiled");
 }
 
 }  // namespace

@@ -103,6 +103,32 @@ class StreamUse {
   }
 };
 
+// Which implementation an op takes where a backend has several — the config's `kernels:` section
+// (docs/design.md §6.1, "Kernel options"), set on a backend once at start (Backend::set_options)
+// and never read from the environment by the kernels. Every choice computes the same math;
+// the engine's plan reads the same options, so the dry run is a function of config, world size
+// and device alone. "auto" takes the backend's rule (stated per field).
+struct KernelOptions {
+  // 16-bit GEMMs on the CPU: native (oneDNN's bf16 / fp16 matmul, or the AMX products), widened
+  // (the rounded inputs widened to fp32 for sgemm), or auto: native where the CPU's instruction
+  // sets make it faster (LowPrecisionGemm::native).
+  std::string lowp_gemm = "auto";
+  // bf16 products on the CPU's AMX unit (dense GEMMs, the experts' grouped GEMMs, the attention's
+  // tiles): amx, onednn, or auto (amx where the CPU has it; amx asked for where it is not falls
+  // back to oneDNN).
+  std::string cpu_dense_gemm = "auto", cpu_grouped_gemm = "auto", cpu_attention = "auto";
+  // The CUDA attention for 16-bit inputs: tiled (the tensor-core tiles where the head widths
+  // allow, else the rows kernels), rows, or cudnn (cuDNN's fused attention, libdstrain_cudnn.so);
+  // fp32 inputs run the rows kernels whatever the choice.
+  std::string cuda_attention = "tiled";
+  // The experts' grouped GEMMs on CUDA: grouped (one cublasGemmGroupedBatchedEx call) or loop
+  // (one cuBLASLt call per expert).
+  std::string cuda_grouped_gemm = "grouped";
+  // The CUDA pool fills every block it hands out with 0xFF (NaN) — a debug switch that shows a
+  // read of memory nothing wrote.
+  bool cuda_poison = false;
+};
+
 // The time a backend's ops took, per op name (monitor.op_breakdown, docs/design.md §6.12).
 struct OpTime {
   std::string op;
@@ -115,6 +141,11 @@ class Backend {
   virtual ~Backend() = default;
   virtual std::string name() const = 0;
   virtual int num_threads() const = 0;
+
+  // The kernel options (the config's `kernels:` section): a backend takes KernelOptions{} until
+  // told otherwise; std::invalid_argument for a value it does not know.
+  virtual void set_options(const KernelOptions& options) = 0;
+  virtual const KernelOptions& options() const = 0;
 
   // Per-op timing (monitor.op_breakdown): while on, every op adds the time it took on the device
   // to its name's total — measured by CUDA events on the GPU, by the host clock where ops finish
