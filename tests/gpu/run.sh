@@ -122,7 +122,13 @@ step() {
   local rc=$?
   # What the step left behind: its process group, anything on the GPU, its run directories.
   local left_over=""
-  if kill -0 -- -$pid 2>/dev/null; then kill -KILL -- -$pid 2>/dev/null; left_over="$left_over processes"; fi
+  # (a process of the group may still be exiting: two seconds before it counts as left behind)
+  local tries=0
+  while kill -0 -- -$pid 2>/dev/null && [ $tries -lt 20 ]; do sleep 0.1; tries=$((tries + 1)); done
+  if kill -0 -- -$pid 2>/dev/null; then
+    left_over="$left_over processes($(ps -o comm= -g $pid 2>/dev/null | sort -u | tr '\n' ' '))"
+    kill -KILL -- -$pid 2>/dev/null
+  fi
   local g
   for g in $(gpu_pids); do kill -KILL "$g" 2>/dev/null && left_over="$left_over gpu-process:$g"; done
   for g in /tmp/dstrain-gpu-$name /tmp/dstrain-gpu-$name-*; do
