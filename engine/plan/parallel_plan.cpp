@@ -132,15 +132,15 @@ void check_sizes(const config::TrainConfig& cfg, const std::vector<ParamInfo>& p
   const config::ModelConfig& m = cfg.model;
   double total = 0;
   for (const ParamInfo& p : params) {
+    // (no dimension wraps: every model size is at most 2^24, config/validate.cpp, and a dimension
+    // is the product of two of them at most; their products are counted in floating point here)
     double n = 1;
-    bool wrapped = false;  // a dimension that is itself a product of sizes may have wrapped around
-    for (int64_t d : p.shape) n *= double(d), wrapped |= d <= 0;
-    if (wrapped || n > kMaxTensorElements)
+    for (int64_t d : p.shape) n *= double(d);
+    if (n > kMaxTensorElements)
       config::fail_at(cfg, largest_key(m),
-                      fmt::format("tensor {} would have {} elements, more than the {:.3g} a tensor may have; valid: "
-                                  "the sizes of a real model",
-                                  p.name, wrapped ? std::string("more than 2^63") : fmt::format("{:.3g}", n),
-                                  kMaxTensorElements));
+                      fmt::format("tensor {} would have {:.3g} elements, more than the {:.3g} a tensor may have; "
+                                  "valid: the sizes of a real model",
+                                  p.name, n, kMaxTensorElements));
     total += n;
   }
   if (total > kMaxModelElements)

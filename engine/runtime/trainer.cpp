@@ -689,7 +689,7 @@ void Trainer::report_op_breakdown() {
   std::vector<kernels::OpTime> ops;
   double total = 0;
   for (const auto& [name, t] : op_times_) ops.push_back(t), total += t.ms;
-  std::stable_sort(ops.begin(), ops.end(), [](const kernels::OpTime& a, const kernels::OpTime& b) { return a.ms > b.ms; });
+  kernels::largest_first(ops);
   const double n = double(op_steps_), step_ms = 1e3 * op_step_s_ / n;
   std::string table = fmt::format("  {:<24} {:>10} {:>10} {:>7}", "op", "calls/step", "ms/step", "share");
   std::string top;

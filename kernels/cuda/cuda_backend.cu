@@ -49,7 +49,7 @@ std::vector<OpTime> EventOpTimes::take() {
   DS_CUDA(failed);
   std::vector<OpTime> out;
   for (const auto& [op, t] : totals) out.push_back(t);
-  std::stable_sort(out.begin(), out.end(), [](const OpTime& a, const OpTime& b) { return a.ms > b.ms; });
+  largest_first(out);
   return out;
 }
 

@@ -13,6 +13,7 @@
 // widths, dr RoPE width, I an MLP width, E routed experts, k experts per token, V vocabulary.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -135,6 +136,10 @@ struct OpTime {
   int64_t calls = 0;
   double ms = 0;  // summed
 };
+// The order take_op_times returns them in: the most time first (ties keep their order).
+inline void largest_first(std::vector<OpTime>& t) {
+  std::stable_sort(t.begin(), t.end(), [](const OpTime& a, const OpTime& b) { return a.ms > b.ms; });
+}
 
 class Backend {
  public:

@@ -29,7 +29,7 @@ class HostOpTimes {
     out.reserve(totals_.size());
     for (const auto& [op, t] : totals_) out.push_back(t);
     totals_.clear();
-    std::stable_sort(out.begin(), out.end(), [](const OpTime& a, const OpTime& b) { return a.ms > b.ms; });
+    largest_first(out);
     return out;
   }
 
