@@ -202,7 +202,7 @@ DeepSeekModel::DeepSeekModel(const config::ModelConfig& cfg, kernels::Backend& b
   be_.fill(ones_.data(), 1.0f, N);
   cast_ = std::make_unique<ComputeCast>(be_, params.compute_dtype());
   env_ = LayerEnv{&cfg_, &be_, &coll_, &params, &scratch_, &acts_, ones_.data(), &progress_, tp_, coll.tp_rank(), sp_, {},
-                  cast_.get()};
+                  cast_.get(), &ep_bwd_};
   if (sp_) {  // the layers' three shared [N, H] buffers
     full_.resize(be_, 3 * N * H_);
     for (int i = 0; i < 3; ++i) env_.full[i] = full_.data() + i * N * H_;
@@ -214,9 +214,11 @@ DeepSeekModel::DeepSeekModel(const config::ModelConfig& cfg, kernels::Backend& b
   DS_CHECK(0 <= first_ && first_ <= end_ && end_ <= L_, "stage layers [{}, {}) of {}", first_, end_, L_);
   if (has_embed_) {
     embed_.bind(params, "model.embed_tokens.weight");
+    const uint16_t* lp = params.compute_values("model.embed_tokens.weight");
+    embed_table_ = lp ? kernels::ConstView{lp, params.compute_dtype()} : kernels::f32(embed_.w);
   } else if (has_head_ && cfg.num_nextn_predict_layers > 0) {
-    DS_CHECK(stage.embed_w && stage.embed_g, "the last stage's MTP modules need the embedding's mirror");
-    embed_.w = stage.embed_w, embed_.g = stage.embed_g;
+    DS_CHECK(stage.embed_table.data && stage.embed_g, "the last stage's MTP modules need the embedding's mirror");
+    embed_table_ = stage.embed_table, embed_.g = stage.embed_g;
   }
   if (has_head_) {
     norm_.bind(params, "model.norm.weight");
@@ -259,6 +261,8 @@ void DeepSeekModel::mark_workspace_volatile(WeightGradDeferral& d) const {
   for (const kernels::DeviceArray<float>* v : {&dz_, &dh_, &tmp1_, &tmp2_, &full_}) d.add_volatile(v->data(), v->size());
   // An MTP module's gradient buffer is its decoder layer's running output gradient.
   for (const auto& m : mtp_) d.add_volatile(m->dh.data(), m->dh.size());
+  for (const kernels::DeviceArray<float>* v : {&ep_bwd_.dYr, &ep_bwd_.dYe, &ep_bwd_.dMe, &ep_bwd_.dGUe, &ep_bwd_.dXe, &ep_bwd_.dXr})
+    d.add_volatile(v);  // by array: a later layer may grow (move) it
 }
 
 std::vector<int64_t> DeepSeekModel::moe_layer_ids() const {
@@ -310,12 +314,8 @@ int64_t DeepSeekModel::workspace_bytes() const {
   int64_t floats = scratch_.capacity() + dz_.size() + dh_.size() + tmp1_.size() + tmp2_.size() + ones_.size() +
                    loss_rows_.size() + logits_.size() + full_.size();
   for (const auto& m : mtp_) floats += m->dh.size();
-  int64_t bytes = floats * int64_t(sizeof(float)) + cast_->bytes();  // (the conversions grow in the first step)
-  for (const auto& l : layers_)
-    if (l->moe()) bytes += l->moe()->ep_backward_bytes();
-  for (const auto& m : mtp_)
-    if (m->layer->moe()) bytes += m->layer->moe()->ep_backward_bytes();
-  return bytes;
+  // (the conversions grow in the first step)
+  return floats * int64_t(sizeof(float)) + cast_->bytes() + ep_bwd_.bytes();
 }
 
 // Token ids as rows of this rank's vocabulary shard: id - v0 when in [v0, v0 + Vl), else -1.
@@ -329,7 +329,7 @@ void DeepSeekModel::map_ids(int32_t* local, const int32_t* ids, int64_t n) const
 // out [n,H] = the embedding rows of all n tokens (the vocabulary-parallel lookup: each rank
 // contributes the rows it holds, the sum over the ranks is the lookup).
 void DeepSeekModel::embed(float* out, const int32_t* local_ids, int64_t n) {
-  be_.embedding_forward(out, embed_.w, local_ids, n, H_);
+  be_.embedding_forward(out, embed_table_, local_ids, n, H_);
   coll_.tp_all_reduce(out, n * H_);
 }
 
@@ -388,7 +388,7 @@ Losses DeepSeekModel::forward_stage(const int32_t* tokens, const float* h_in, co
     DS_CHECK(h_in, "a pipeline stage after the first needs the previous stage's output");
     be_.copy_strided(hidden_[0].data(), H_, h_in, H_, rows_, H_);
   } else if (sp_) {  // the lookup's sum over the ranks, scattered by token parts
-    be_.embedding_forward(tmp1_.data(), embed_.w, local_ids_.data(), N, H_);
+    be_.embedding_forward(tmp1_.data(), embed_table_, local_ids_.data(), N, H_);
     coll_.tp_reduce_scatter_rows(hidden_[0].data(), tmp1_.data(), rows_, H_);
   } else {
     const trace::Scope t("model", "forward embedding");

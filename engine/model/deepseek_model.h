@@ -60,14 +60,15 @@ class DecoderLayer {
 // The part of the model one pipeline stage runs (docs/design.md §6.6): decoder layers
 // [first_layer, end_layer), the embedding on the first stage, the final norm, lm_head and the MTP
 // modules on the last. A last stage with MTP modules but without the embedding reads the
-// embedding from `embed_w` and adds its gradient to `embed_g` (a mirror of the first stage's
+// embedding from `embed_table` (fp32, or the compute type under mixed precision) and adds its
+// gradient to `embed_g` (a mirror of the first stage's
 // table, kept in sync by the pipeline runtime, as Megatron's embedding group does).
 // `recompute` applies to the first `recompute_layers` decoder layers of the stage (-1: all of
 // them; the MTP modules' layers always keep their activations).
 struct StageSpec {
   int64_t first_layer = 0, end_layer = -1;  // -1: num_hidden_layers
   bool embedding = true, head = true;
-  float* embed_w = nullptr;
+  kernels::ConstView embed_table;
   float* embed_g = nullptr;
   Recompute recompute = Recompute::kNone;
   int64_t recompute_layers = -1;
@@ -180,6 +181,8 @@ class DeepSeekModel {
   int64_t v0_ = 0, Vl_ = 0;  // this rank's vocabulary rows [v0, v0 + Vl)
   int64_t chunk_ = 0;        // token rows per chunk of the head (logits_ holds one chunk)
   WeightRef embed_, norm_, lm_head_;
+  kernels::ConstView embed_table_;  // what the lookup reads: the fp32 table or its compute copy
+  EpBackwardBuffers ep_bwd_;  // the MoE layers' expert-parallel backward buffers, shared
   std::vector<std::unique_ptr<DecoderLayer>> layers_;
   std::vector<std::unique_ptr<Mtp>> mtp_;
   // The micro-batch's token ids and targets, made on the host from the batch and copied to the

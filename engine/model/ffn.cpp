@@ -12,7 +12,7 @@ SwiGluMlp::SwiGluMlp(const LayerEnv& env, const std::string& prefix, int64_t wid
   ParamStore& p = *env.params;
   gate_up_.bind(p, prefix + "gate_proj.weight");
   down_.bind(p, prefix + "down_proj.weight");
-  DS_CHECK(p.param(prefix + "up_proj.weight") == gate_up_.w + w_ * H_,
+  DS_CHECK(p.grad(prefix + "up_proj.weight") == gate_up_.g + w_ * H_,
            "{}gate_proj and up_proj must be adjacent in the flat buffer", prefix);
   GU_ = env.acts->take(max_tokens * 2 * w_);
   M_ = env.acts->take(max_tokens * w_, true, gemm_input_dtype(env));  // read by down_proj's GEMMs only
@@ -59,7 +59,7 @@ MoeLayer::MoeLayer(const LayerEnv& env, const std::string& prefix, int64_t B, in
   rp_.v2_weights = m.model_type == config::ModelType::kDeepseekV2;
   ParamStore& p = *env.params;
   const std::string mlp = prefix + "mlp.";
-  gate_.bind(p, mlp + "gate.weight", /*low_precision=*/false);  // router logits in fp32 (HF)
+  gate_.bind(p, mlp + "gate.weight");  // router logits in fp32 (HF): ParamStore::reads_fp32
   if (p.has(mlp + "gate.e_score_correction_bias")) bias_ = p.param(mlp + "gate.e_score_correction_bias");
   gate_up_.resize(E_);
   down_.resize(E_);
@@ -68,7 +68,7 @@ MoeLayer::MoeLayer(const LayerEnv& env, const std::string& prefix, int64_t B, in
     if (!p.has(ex + "gate_proj.weight")) continue;  // another expert-parallel rank's expert
     gate_up_[e].bind(p, ex + "gate_proj.weight");
     down_[e].bind(p, ex + "down_proj.weight");
-    DS_CHECK(p.param(ex + "up_proj.weight") == gate_up_[e].w + I_ * H_, "{} not adjacent", ex);
+    DS_CHECK(p.grad(ex + "up_proj.weight") == gate_up_[e].g + I_ * H_, "{} not adjacent", ex);
   }
   int64_t N = B * S;
   if (m.num_shared() > 0)
@@ -96,15 +96,13 @@ MoeLayer::MoeLayer(const LayerEnv& env, const std::string& prefix, int64_t B, in
     Ye_ = st.take_dynamic(true), Yr_ = st.take_dynamic(true);
     kernels::Backend& be = *env.be;
     const int64_t recv = N * k_;
-    for (kernels::DeviceArray<float>* v : {Xr_, Xe_, Ye_, Yr_, &dYr_, &dYe_, &dXe_, &dXr_}) v->reserve(be, recv * H_);
-    GUe_->reserve(be, recv * 2 * I_), dGUe_.reserve(be, recv * 2 * I_);  // reserve never shrinks a shared slot
-    Me_->reserve(be, recv * I_), dMe_.reserve(be, recv * I_);
+    DS_CHECK(env.ep_bwd, "an expert-parallel MoE layer without its instance's backward buffers");
+    EpBackwardBuffers& b = *env.ep_bwd;  // shared by the instance's MoE layers: reserve never shrinks
+    for (kernels::DeviceArray<float>* v : {Xr_, Xe_, Ye_, Yr_, &b.dYr, &b.dYe, &b.dXe, &b.dXr}) v->reserve(be, recv * H_);
+    GUe_->reserve(be, recv * 2 * I_), b.dGUe.reserve(be, recv * 2 * I_);
+    Me_->reserve(be, recv * I_), b.dMe.reserve(be, recv * I_);
   }
   bad_counts_at_ = fault_at(Fault::kEpBadCounts);
-}
-
-int64_t MoeLayer::ep_backward_bytes() const {
-  return dYr_.bytes() + dYe_.bytes() + dXe_.bytes() + dXr_.bytes() + dMe_.bytes() + dGUe_.bytes();
 }
 
 // The routed rows and the experts' activations straight into their saved type (16-bit: rounded
@@ -291,7 +289,7 @@ namespace {
 
 // The experts' GEMMs of one kind, launched as one grouped call. A holds rows of one activation
 // buffer `a`; B rows of another activation buffer `b`, or — when b is null — a weight (`Bw`,
-// `Blp`: the fp32 and low-precision copies). An fp32 activation buffer is converted to the
+// `Blp`: its fp32 values in fp32, its compute copy under mixed precision). An fp32 activation buffer is converted to the
 // compute type at launch; one already in it (a saved 16-bit activation) is read as it is.
 struct Group {
   std::vector<float*> C;
@@ -312,23 +310,23 @@ struct Group {
            bool tb, float beta) const {
     if (C.empty()) return;
     const bool lp = env.cast && env.cast->active() && (b.data || Blp[0]);
-    const kernels::DType t = lp ? env.cast->gemm_dtype() : kernels::DType::kF32;
+    const kernels::DType t = lp ? env.cast->dtype() : kernels::DType::kF32;
     const int64_t es = kernels::dtype_size(t);
     const auto typed = [&](kernels::ConstView v, int slot, int64_t len) {
       if (!lp) {
         DS_CHECK(v.dtype == kernels::DType::kF32, "a 16-bit input to an fp32 expert GEMM");
         return static_cast<const char*>(v.data);
       }
-      if (v.dtype == kernels::DType::kF32)  // rounded to the compute type (and widened, where GEMMs take fp32)
+      if (v.dtype == kernels::DType::kF32)  // rounded to the compute type
         return static_cast<const char*>((*env.cast)(slot, static_cast<const float*>(v.data), len).data);
-      return static_cast<const char*>(env.cast->gemm_input(slot, v, len).data);
+      return static_cast<const char*>(v.data);
     };
     const char* ab = typed(a, 0, a_len);
     const char* bb = b.data ? typed(b, 1, b_len) : nullptr;
     std::vector<const void*> pa(C.size()), pb(C.size());
     for (size_t i = 0; i < C.size(); ++i) {
       pa[i] = ab + A[i] * es;
-      pb[i] = bb ? static_cast<const void*>(bb + B[i] * es) : lp ? env.cast->weight(Bw[i], Blp[i]).data : Bw[i];
+      pb[i] = bb ? static_cast<const void*>(bb + B[i] * es) : lp ? static_cast<const void*>(Blp[i]) : Bw[i];
     }
     env.be->gemm_grouped(C.data(), pa.data(), pb.data(), t, M.data(), N.data(), K.data(), int64_t(C.size()), ta, tb,
                          1.0f, beta);
@@ -380,7 +378,7 @@ void MoeLayer::experts_forward(kernels::ConstView X, float* GU, kernels::View M,
 // Backward of experts_forward: dX from dY, the weight gradients accumulated (or queued under a
 // WeightGradDeferral). dM [rows, I] and dGU [rows, 2I] are work buffers; dX may be dY.
 bool MoeLayer::producers_write_16bit() const {
-  return env_.cast && env_.cast->active() && !env_.cast->widened() && !WeightGradDeferral::active();
+  return env_.cast && env_.cast->active() && !WeightGradDeferral::active();
 }
 
 void MoeLayer::experts_backward(float* dX, const float* dY, kernels::ConstView X, const float* GU, kernels::ConstView M,
@@ -459,20 +457,21 @@ void MoeLayer::backward(float* du_full, const float* dout_full, const float* u_f
     else be.fill(du_full, 0.0f, N * H_);
   } else {
     // The output gradients go to the experts' owners (the forward's exchange in reverse), the
-    // input gradients come back. The received-side buffers are this instance's, so that a
-    // zero-bubble W queue can read them in place.
+    // input gradients come back. The received-side buffers are the instance's, shared by its
+    // MoE layers (a zero-bubble W queue copies what it keeps from them).
     const int64_t recv = recv_total_;
-    for (kernels::DeviceArray<float>* v : {&dYr_, &dYe_, &dXe_, &dXr_}) v->resize(be, recv * H_);
-    dMe_.resize(be, recv * I_), dGUe_.resize(be, recv * 2 * I_);
-    auto out = env_.coll->ep_all_to_all_v(dYr_.data(), scaled(recv_rows_, H_), dYp, scaled(send_rows_, H_));
+    EpBackwardBuffers& b = *env_.ep_bwd;
+    for (kernels::DeviceArray<float>* v : {&b.dYr, &b.dYe, &b.dXe, &b.dXr}) v->resize(be, recv * H_);
+    b.dMe.resize(be, recv * I_), b.dGUe.resize(be, recv * 2 * I_);
+    auto out = env_.coll->ep_all_to_all_v(b.dYr.data(), scaled(recv_rows_, H_), dYp, scaled(send_rows_, H_));
     if (shared_) shared_->backward(du_full, dout_full, u_full, N, 0.0f);  // while the gradients travel
     else be.fill(du_full, 0.0f, N * H_);
     if (out) out->wait();
-    be.gather_rows(dYe_.data(), dYr_.data(), to_source_dev_.data(), recv, H_);
-    experts_backward(dXe_.data(), dYe_.data(), kernels::f32(Xe_->data()), GUe_->data(), kernels::f32(Me_->data()),
-                     dMe_.data(), dGUe_.data(), ecounts_.data(), eoffsets_.data(), e0_, El_, recv);
-    be.gather_rows(dXr_.data(), dXe_.data(), to_expert_dev_.data(), recv, H_);
-    auto back = env_.coll->ep_all_to_all_v(dXp, scaled(send_rows_, H_), dXr_.data(), scaled(recv_rows_, H_));
+    be.gather_rows(b.dYe.data(), b.dYr.data(), to_source_dev_.data(), recv, H_);
+    experts_backward(b.dXe.data(), b.dYe.data(), kernels::f32(Xe_->data()), GUe_->data(), kernels::f32(Me_->data()),
+                     b.dMe.data(), b.dGUe.data(), ecounts_.data(), eoffsets_.data(), e0_, El_, recv);
+    be.gather_rows(b.dXr.data(), b.dXe.data(), to_expert_dev_.data(), recv, H_);
+    auto back = env_.coll->ep_all_to_all_v(dXp, scaled(send_rows_, H_), b.dXr.data(), scaled(recv_rows_, H_));
     if (back) back->wait();
   }
   float* du_part = du_full + part.first * H_;

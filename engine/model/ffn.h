@@ -86,7 +86,6 @@ class MoeLayer {
   void clear_aux();
   double fetch_aux();
   int64_t top_k() const { return k_; }
-  int64_t ep_backward_bytes() const;  // the expert-parallel backward buffers (capacity)
   int64_t scratch_floats(int64_t N) const;
 
  private:
@@ -139,7 +138,6 @@ class MoeLayer {
   std::vector<int32_t> to_source_, to_expert_;
   kernels::DeviceArray<float> *Xr_ = nullptr, *Xe_ = nullptr, *GUe_ = nullptr, *Me_ = nullptr, *Ye_ = nullptr,
                               *Yr_ = nullptr;
-  kernels::DeviceArray<float> dYr_, dYe_, dMe_, dGUe_, dXe_, dXr_;
   int64_t bad_counts_at_ = 0, forwards_ = 0;  // fault injection (Fault::kEpBadCounts)
   bool recomputing_ = false;
 };

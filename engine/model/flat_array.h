@@ -56,6 +56,12 @@ class FlatArray {
     dev_ = std::move(fresh);
     n_ = n;
   }
+  // Frees the memory: size 0, nothing held.
+  void release() {
+    host_ = SharedVector<T>();
+    dev_ = kernels::DeviceBuffer();
+    n_ = 0;
+  }
   void fill_zero() {
     if (n_ == 0) return;
     if (dev_be_) dev_be_->fill(dev_.as<float>(), 0.0f, padded_bytes(n_) / 4);

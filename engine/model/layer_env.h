@@ -182,55 +182,35 @@ inline TokenPart token_part(int64_t N, int tp_size, int tp_rank) {
 }
 
 // The compute type of the GEMMs (docs/design.md §6.10): under bf16 / fp16 every linear layer
-// multiplies its input, rounded to the compute type here, by the parameter's low-precision copy
+// multiplies its input, rounded to the compute type here, by the parameter's 16-bit compute copy
 // (ParamStore::compute_param), accumulating in fp32 into an fp32 output. Each call converts into
 // one of a few device workspaces (grown to the largest call, during the first step), so a
 // GEMM's inputs are converted right before it: the same inputs give the same bits, wherever
 // the GEMM runs (a recomputation, a deferred weight-gradient GEMM). fp32 converts nothing.
-// Where the backend's 16-bit GEMMs are not native (Backend::low_precision_gemm_native: slower
-// than fp32 on this device) the GEMMs take fp32 operands holding the rounded values instead —
-// inputs rounded and widened here, the weights' fp32 buffer, which holds the rounded values —
-// the same products, accumulated in fp32.
+// The GEMMs always take 16-bit operands: where a device's 16-bit GEMMs are slower than fp32
+// (Backend::low_precision_gemm_native false) the backend widens them to fp32 inside the GEMM —
+// the same exact products, fp32 accumulation — so no fp32 copy of the weights exists anywhere.
 class ComputeCast {
  public:
   static constexpr int kSlots = 3;  // GEMM inputs (0, 1), an input pinned for several GEMMs (2)
-  ComputeCast(kernels::Backend& be, kernels::DType dtype)
-      : be_(be), dtype_(dtype), widened_(dtype != kernels::DType::kF32 && !be.low_precision_gemm_native(dtype)) {}
+  ComputeCast(kernels::Backend& be, kernels::DType dtype) : be_(be), dtype_(dtype) {}
   kernels::DType dtype() const { return dtype_; }  // the storage type of compute copies and 16-bit activations
   bool active() const { return dtype_ != kernels::DType::kF32; }
-  bool widened() const { return widened_; }
-  // n floats at x rounded to the compute type, in workspace `slot` (valid until the slot's next
-  // use), as the GEMMs take them: 16-bit, or the rounded values in fp32 when widened.
+  // n floats at x rounded to the compute type, in workspace `slot` (valid until the slot's next use).
   kernels::ConstView operator()(int slot, const float* x, int64_t n) {
     char* b = grow(slot, n);
     be_.convert({b, dtype_}, kernels::f32(x), n);
-    if (!widened_) return {b, dtype_};
-    float* w = wide(slot, n);
-    be_.convert({w, kernels::DType::kF32}, {b, dtype_}, n);
-    return kernels::f32(w);
+    return {b, dtype_};
   }
   // Where a producer writes n GEMM inputs in the GEMMs' own 16-bit type (workspace `slot`, valid
-  // until its next use) — only when the GEMMs are native (!widened()): what operator() would
-  // have given for the producer's fp32 output, without that fp32 array.
+  // until its next use): what operator() would have given for the producer's fp32 output,
+  // without that fp32 array.
   kernels::View slot_view(int slot, int64_t n) {
-    DS_CHECK(active() && !widened_, "ComputeCast::slot_view: the GEMMs do not take 16-bit operands");
+    DS_CHECK(active(), "ComputeCast::slot_view: the GEMMs do not take 16-bit operands");
     return {grow(slot, n), dtype_};
   }
-  // A view of n elements (a saved activation, or what operator() gave) as the GEMMs take it:
-  // itself, or a 16-bit one widened into workspace `slot`.
-  kernels::ConstView gemm_input(int slot, kernels::ConstView v, int64_t n) {
-    if (!widened_ || v.dtype == kernels::DType::kF32) return v;
-    grow(slot, n);
-    float* w = wide(slot, n);
-    be_.convert({w, kernels::DType::kF32}, v, n);
-    return kernels::f32(w);
-  }
-  // A weight as the GEMMs take it: its compute copy, or its fp32 buffer when widened.
-  kernels::ConstView weight(const float* w, const uint16_t* lp) const {
-    if (widened_) return kernels::f32(w);
-    return {lp, dtype_};
-  }
-  kernels::DType gemm_dtype() const { return widened_ ? kernels::DType::kF32 : dtype_; }
+  // A weight as the GEMMs take it: its compute copy.
+  kernels::ConstView weight(const uint16_t* lp) const { return {lp, dtype_}; }
   int64_t bytes() const {
     int64_t n = 0;
     for (const auto& b : buf_) n += b.bytes();
@@ -238,19 +218,26 @@ class ComputeCast {
   }
 
  private:
-  // A slot holds n 16-bit values, then (widened) n floats after the 64-byte-aligned 16-bit part.
-  static int64_t lp_bytes(int64_t n) { return (n * 2 + 63) / 64 * 64; }
   char* grow(int slot, int64_t n) {
     kernels::DeviceBuffer& b = buf_[slot];
-    const int64_t bytes = widened_ ? lp_bytes(n) + n * 4 : n * kernels::dtype_size(dtype_);
+    const int64_t bytes = n * kernels::dtype_size(dtype_);
     if (b.bytes() < bytes) b = kernels::DeviceBuffer(be_, bytes);
     return static_cast<char*>(b.data());
   }
-  float* wide(int slot, int64_t n) { return reinterpret_cast<float*>(static_cast<char*>(buf_[slot].data()) + lp_bytes(n)); }
   kernels::Backend& be_;
   kernels::DType dtype_;
-  bool widened_;
   kernels::DeviceBuffer buf_[kSlots];
+};
+
+// The expert-parallel backward buffers of a model instance's MoE layers (the owner side's
+// received output gradients, the experts' input gradients on their way back, and the experts'
+// dM, dGU): one set per instance, which its MoE layers share — one layer runs its backward at a
+// time — sized by the largest exchange (balanced routing at first, grown when a step receives
+// more). A zero-bubble W queue copies what it keeps from them (they are volatile:
+// DeepSeekModel::mark_workspace_volatile).
+struct EpBackwardBuffers {
+  kernels::DeviceArray<float> dYr, dYe, dMe, dGUe, dXe, dXr;
+  int64_t bytes() const { return dYr.bytes() + dYe.bytes() + dXe.bytes() + dXr.bytes() + dMe.bytes() + dGUe.bytes(); }
 };
 
 struct LayerEnv {
@@ -270,31 +257,35 @@ struct LayerEnv {
   // the gathered inputs and the partial outputs of the tensor-parallel blocks.
   float* full[3] = {nullptr, nullptr, nullptr};
   ComputeCast* cast = nullptr;  // null or fp32: every GEMM in fp32
+  EpBackwardBuffers* ep_bwd = nullptr;  // the instance's (MoE layers under expert parallelism)
   void poll() const {
     if (progress) progress->poll();
   }
   int64_t heads() const { return cfg->num_attention_heads / tp_size; }  // local heads
 };
 
-// Weight and gradient pointers of one parameter, and its low-precision compute copy (null in
-// fp32, and for the parameters whose GEMM stays in fp32: the router).
+// Weight and gradient pointers of one parameter, and its 16-bit compute copy. Under mixed
+// precision a parameter whose ops read fp32 values (ParamStore::reads_fp32: norm weights, biases,
+// the router) has `w` (the rounded values widened, a small side copy) and no `lp`; every other
+// parameter has `lp` and no `w` (there is no fp32 copy of the compute weights). In fp32 only `w`.
 struct WeightRef {
   float* w = nullptr;
   float* g = nullptr;
   const uint16_t* lp = nullptr;
-  void bind(ParamStore& p, const std::string& name, bool low_precision = true) {
+  void bind(ParamStore& p, const std::string& name) {
     w = p.param(name);
     g = p.grad(name);
-    lp = low_precision ? p.compute_param(name) : nullptr;
+    lp = p.compute_param(name);
   }
   // Rows [first, ...) of a [rows, width] matrix.
   WeightRef rows(int64_t first, int64_t width) const {
     WeightRef r = *this;
-    r.w += first * width, r.g += first * width;
+    if (w) r.w += first * width;
+    r.g += first * width;
     if (lp) r.lp += first * width;
     return r;
   }
-  explicit operator bool() const { return w != nullptr; }
+  explicit operator bool() const { return g != nullptr; }
 };
 
 // Whether a GEMM with weight W runs in the compute type.
@@ -326,23 +317,22 @@ inline kernels::ConstView pin_input(const LayerEnv& env, const WeightRef& W, con
 }
 // n floats at x rounded to the compute type once, into ComputeCast slot `slot`, for several
 // 16-bit GEMMs that read them next (each GEMM then reads the view as it is); x itself where the
-// GEMMs are fp32 or widened (there each call rounds its own input, as before).
+// GEMMs are fp32.
 inline kernels::ConstView round_once(const LayerEnv& env, int slot, const float* x, int64_t n) {
-  if (!env.cast || !env.cast->active() || env.cast->widened()) return kernels::f32(x);
+  if (!env.cast || !env.cast->active()) return kernels::f32(x);
   return (*env.cast)(slot, x, n);
 }
 // Whether a producer may write W's GEMM input gradient dy in the GEMMs' own 16-bit type, into
-// ComputeCast slot 0 (slot_view), for linear_backward's `dyc`: W's GEMMs take native 16-bit
-// operands, and no WeightGradDeferral is active (a deferred weight GEMM keeps dy in fp32).
+// ComputeCast slot 0 (slot_view), for linear_backward's `dyc`: W's GEMMs take 16-bit operands, and no WeightGradDeferral is active (a deferred weight GEMM keeps dy in fp32).
 inline bool dy_in_16bit(const LayerEnv& env, const WeightRef& W) {
-  return low_precision(env, W) && !env.cast->widened() && !WeightGradDeferral::active();
+  return low_precision(env, W) && !WeightGradDeferral::active();
 }
 // y = x W^T (+ b); beta = 1 accumulates into y.
 inline void linear_forward(const LayerEnv& env, float* y, const float* x, const WeightRef& W, int64_t rows,
                            int64_t out, int64_t in, float beta = 0.0f, kernels::ConstView xc = {}) {
   if (!low_precision(env, W)) return env.be->gemm(y, x, W.w, rows, out, in, false, true, 1.0f, beta);
-  xc = xc.data ? env.cast->gemm_input(0, xc, rows * in) : (*env.cast)(0, x, rows * in);
-  env.be->gemm(y, xc, env.cast->weight(W.w, W.lp), rows, out, in, false, true, 1.0f, beta);
+  if (!xc.data) xc = (*env.cast)(0, x, rows * in);
+  env.be->gemm(y, xc, env.cast->weight(W.lp), rows, out, in, false, true, 1.0f, beta);
 }
 // dx (= or +=) dy W;  dW += dy^T x (deferred to W while a WeightGradDeferral is active; its
 // inputs are converted when it runs). dW is W.g unless given. `dyc`, when given, is dy already
@@ -360,7 +350,7 @@ inline void linear_backward(const LayerEnv& env, float* dx, const float* dy, con
   ComputeCast* cast = env.cast;
   if (!dyc.data) dyc = lp ? (*cast)(0, dy, rows * out) : kernels::f32(dy);
   if (dx) {
-    if (lp) be.gemm(dx, dyc, cast->weight(W.w, W.lp), rows, in, out, false, false, 1.0f, dx_beta);
+    if (lp) be.gemm(dx, dyc, cast->weight(W.lp), rows, in, out, false, false, 1.0f, dx_beta);
     else be.gemm(dx, dy, W.w, rows, in, out, false, false, 1.0f, dx_beta);
   }
   if (WeightGradDeferral* d = WeightGradDeferral::active()) {
@@ -368,8 +358,7 @@ inline void linear_backward(const LayerEnv& env, float* dx, const float* dy, con
     if (!x) {  // a saved 16-bit activation: read in place, or copied if recomputation overwrites it
       auto xk = d->keep(xc, rows * in * kernels::dtype_size(xc.dtype));
       d->push([&be, cast, dW, dyk, xk, rows, out, in] {
-        be.gemm(dW, (*cast)(0, dyk.data, rows * out), cast->gemm_input(1, xk.view, rows * in), out, in, rows, true,
-                false, 1.0f, 1.0f);
+        be.gemm(dW, (*cast)(0, dyk.data, rows * out), xk.view, out, in, rows, true, false, 1.0f, 1.0f);
       });
       return;
     }
@@ -381,8 +370,7 @@ inline void linear_backward(const LayerEnv& env, float* dx, const float* dy, con
     return;
   }
   if (!lp) return be.gemm(dW, dy, x, out, in, rows, true, false, 1.0f, 1.0f);
-  be.gemm(dW, dyc, xc.data ? cast->gemm_input(1, xc, rows * in) : (*cast)(1, x, rows * in), out, in, rows, true,
-          false, 1.0f, 1.0f);
+  be.gemm(dW, dyc, xc.data ? xc : (*cast)(1, x, rows * in), out, in, rows, true, false, 1.0f, 1.0f);
 }
 // Bias: y[r] += b;  db += sum_r dy[r]  (as ones^T dy).
 inline void bias_forward(kernels::Backend& be, float* y, const float* b, int64_t rows, int64_t n) {

@@ -46,7 +46,15 @@ bool is_norm_weight(const std::string& name) {
 ParamStore::ParamStore(const std::vector<plan::ParamInfo>& table,
                        const std::vector<int>& param_stage, int64_t num_experts,
                        const ShardCoords& where, kernels::Backend* be)
-    : dense_(be), expert_(be), dense_grad_(be), expert_grad_(be), lp_dense_(be), lp_expert_(be), buffers_(be) {
+    : be_(be),
+      dense_(be),
+      expert_(be),
+      dense_grad_(be),
+      expert_grad_(be),
+      lp_dense_(be),
+      lp_expert_(be),
+      side_(be),
+      buffers_(be) {
   int64_t dense = 0, expert = 0, buffers = 0, dense_held = 0, expert_held = 0;
   for (size_t i = 0; i < table.size(); ++i) {
     if (param_stage[i] != where.stage) continue;
@@ -101,8 +109,14 @@ const float* ParamStore::base(const ParamView& v, bool grad) const {
   return const_cast<ParamStore*>(this)->base(v, grad);
 }
 
+bool ParamStore::reads_fp32(const ParamView& v) { return !v.buffer && plan::read_in_fp32(*v.info); }
+
 float* ParamStore::param(const std::string& name) {
   const ParamView& v = view(name);
+  if (has_compute_copy() && !v.buffer) {
+    const auto it = side_offset_.find(name);
+    return it == side_offset_.end() ? nullptr : side_.data() + it->second;
+  }
   return base(v, false) + v.offset;
 }
 float* ParamStore::grad(const std::string& name) {
@@ -110,8 +124,7 @@ float* ParamStore::grad(const std::string& name) {
   return base(v, true) + v.offset;
 }
 const float* ParamStore::param(const std::string& name) const {
-  const ParamView& v = view(name);
-  return base(v, false) + v.offset;
+  return const_cast<ParamStore*>(this)->param(name);
 }
 const float* ParamStore::grad(const std::string& name) const {
   const ParamView& v = view(name);
@@ -151,14 +164,29 @@ void ParamStore::pad(int64_t dense_len, int64_t expert_len) {
 
 void ParamStore::enable_compute_copy(kernels::DType dtype) {
   compute_dtype_ = dtype;
+  side_offset_.clear();
   if (dtype == kernels::DType::kF32) {
-    lp_dense_.assign(0), lp_expert_.assign(0);
+    lp_dense_.assign(0), lp_expert_.assign(0), side_.assign(0);
     return;
   }
   lp_dense_.assign(dense_.size()), lp_expert_.assign(expert_.size());
+  int64_t side = 0;
+  for (const std::string& name : order_) {
+    const ParamView& v = views_.at(name);
+    if (!reads_fp32(v)) continue;
+    side_offset_[name] = side;
+    side += (v.numel + 15) / 16 * 16;  // 64-byte aligned, as the flat buffers' tensors need not be
+  }
+  side_.assign(side);
 }
 
 const uint16_t* ParamStore::compute_param(const std::string& name) const {
+  const ParamView& v = view(name);
+  if (!has_compute_copy() || v.buffer || reads_fp32(v)) return nullptr;
+  return (v.expert ? lp_expert_ : lp_dense_).data() + v.offset;
+}
+
+const uint16_t* ParamStore::compute_values(const std::string& name) const {
   const ParamView& v = view(name);
   if (!has_compute_copy() || v.buffer) return nullptr;
   return (v.expert ? lp_expert_ : lp_dense_).data() + v.offset;
@@ -166,16 +194,51 @@ const uint16_t* ParamStore::compute_param(const std::string& name) const {
 
 void ParamStore::round_to_compute(kernels::Backend& be, bool expert, int64_t begin, int64_t end, const float* src) {
   if (!has_compute_copy() || end <= begin) return;
-  float* f = params(expert).data() + begin;
-  uint16_t* h = compute_copy(expert).data() + begin;
-  be.convert({h, compute_dtype_}, kernels::f32(src ? src : f), end - begin);
-  be.convert({f, kernels::DType::kF32}, {h, compute_dtype_}, end - begin);
+  DS_CHECK(src || !fp32_released_, "round_to_compute: the fp32 buffers were released; pass the values");
+  const float* f = src ? src : params(expert).data() + begin;
+  be.convert({compute_copy(expert).data() + begin, compute_dtype_}, kernels::f32(f), end - begin);
+  widen_compute(be, expert, begin, end);
 }
 
 void ParamStore::widen_compute(kernels::Backend& be, bool expert, int64_t begin, int64_t end) {
   if (!has_compute_copy() || end <= begin) return;
-  be.convert({params(expert).data() + begin, kernels::DType::kF32}, {compute_copy(expert).data() + begin, compute_dtype_},
-             end - begin);
+  for (const auto& [name, at] : side_offset_) {
+    const ParamView& v = views_.at(name);
+    if (v.expert != expert) continue;
+    const int64_t lo = std::max(begin, v.offset), hi = std::min(end, v.offset + v.numel);
+    if (hi <= lo) continue;
+    be.convert({side_.data() + at + (lo - v.offset), kernels::DType::kF32},
+               {compute_copy(expert).data() + lo, compute_dtype_}, hi - lo);
+  }
+}
+
+void ParamStore::release_fp32() {
+  DS_CHECK(has_compute_copy(), "release_fp32 without compute copies: the fp32 buffers are the parameters");
+  dense_.release(), expert_.release();
+  fp32_released_ = true;
+}
+
+int64_t ParamStore::weight_bytes() const {
+  return 4 * (holds_fp32() || !has_compute_copy() ? dense_.size() + expert_.size() : 0) +
+         2 * (lp_dense_.size() + lp_expert_.size()) + 4 * side_.size() + 4 * buffers_.size();
+}
+
+std::vector<float> ParamStore::widened_values(const ParamView& v) const {
+  DS_CHECK(be_, "a parameter store without a backend has no compute copies");
+  kernels::DeviceArray<float> tmp(*be_, std::max<int64_t>(v.numel, 1));
+  const uint16_t* lp = (v.expert ? lp_expert_ : lp_dense_).data() + v.offset;
+  be_->convert({tmp.data(), kernels::DType::kF32}, {lp, compute_dtype_}, v.numel);
+  std::vector<float> out(size_t(v.numel));
+  be_->copy_to_host(out.data(), tmp.data(), v.numel * int64_t(sizeof(float)));
+  return out;
+}
+
+void ParamStore::write_rounded(const ParamView& v, const float* host) {
+  DS_CHECK(be_, "a parameter store without a backend has no compute copies");
+  kernels::DeviceArray<float> tmp(*be_, std::max<int64_t>(v.numel, 1));
+  be_->copy_from_host(tmp.data(), host, v.numel * int64_t(sizeof(float)));
+  be_->convert({compute_copy(v.expert).data() + v.offset, compute_dtype_}, kernels::f32(tmp.data()), v.numel);
+  widen_compute(*be_, v.expert, v.offset, v.offset + v.numel);
 }
 
 void ParamStore::zero_grads() {
@@ -185,6 +248,7 @@ void ParamStore::zero_grads() {
 
 std::vector<float> ParamStore::local_values(const std::string& name, bool grad) const {
   const ParamView& v = view(name);
+  if (!grad && !v.buffer && !holds_fp32()) return widened_values(v);
   return buffer_of(v, grad).to_host(v.offset, v.numel);
 }
 
@@ -200,6 +264,7 @@ void ParamStore::slice_to_full(const ParamView& v, const float* local, float* fu
 void ParamStore::set_local_values(const std::string& name, const std::vector<float>& values, bool grad) {
   const ParamView& v = view(name);
   DS_CHECK(int64_t(values.size()) == v.numel, "{}: {} values for a slice of {}", name, values.size(), v.numel);
+  if (!grad && !v.buffer && !holds_fp32()) return write_rounded(v, values.data());
   buffer_of(v, grad).write(v.offset, v.numel, values.data());
 }
 
@@ -207,6 +272,7 @@ void ParamStore::load_full(const std::string& name, const float* full, bool into
   const ParamView& v = view(name);
   std::vector<float> local(static_cast<size_t>(v.numel));
   for_each_global_index(*v.info, v.shard, [&](int64_t l, int64_t global) { local[size_t(l)] = full[global]; });
+  if (!into_grad && !v.buffer && !holds_fp32()) return write_rounded(v, local.data());
   buffer_of(v, into_grad).write(v.offset, v.numel, local.data());
 }
 

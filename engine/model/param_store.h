@@ -81,23 +81,38 @@ class ParamStore {
   std::vector<float> local_values(const std::string& name, bool grad = false) const;
   void set_local_values(const std::string& name, const std::vector<float>& values, bool grad = false);
 
-  // Mixed precision (docs/design.md §6.10): low-precision compute copies of the two flat
-  // parameter buffers, same layout, for the GEMMs. The fp32 buffers then hold the same rounded
-  // values, widened (what the fp32 ops read: norms, the router, the embedding lookup); the
-  // fp32 master weights live with the optimizer. Call after pad().
+  // Mixed precision (docs/design.md §6.10): 16-bit compute copies of the two flat parameter
+  // buffers, same layout — the only copy of the weights the model reads. The parameters whose
+  // ops read fp32 values (reads_fp32: norm weights, biases, the router's weight — small tensors)
+  // also have a side copy of their rounded values, widened: param(name) points there, and it is
+  // null for every other parameter. The fp32 buffers hold the initial (or loaded) values only
+  // until the optimizer takes its fp32 master weights from them (release_fp32); there is no
+  // fp32 copy of the compute weights while training. Call after pad().
   void enable_compute_copy(kernels::DType dtype);
   kernels::DType compute_dtype() const { return compute_dtype_; }
   bool has_compute_copy() const { return compute_dtype_ != kernels::DType::kF32; }
-  // The parameter's low-precision copy; null without compute copies and for buffers.
+  // Under mixed precision, whether the model's ops read this parameter in fp32 (above).
+  static bool reads_fp32(const ParamView& v);
+  // The parameter's compute copy; null without compute copies, for buffers and for the
+  // parameters that are read in fp32.
   const uint16_t* compute_param(const std::string& name) const;
+  // The compute copy of a parameter the model reads from it (the embedding lookup too).
+  const uint16_t* compute_values(const std::string& name) const;
   FlatArray<uint16_t>& compute_copy(bool expert) { return expert ? lp_expert_ : lp_dense_; }
+  // The fp32 parameter buffers: empty under mixed precision once released.
   FlatBuffer& params(bool expert) { return expert ? expert_ : dense_; }
-  // Elements [begin, end) of a flat buffer: from the fp32 values `src` (null: the fp32 buffer
-  // itself) into the compute copy, rounded, and the rounded values back into the fp32 buffer.
+  // Elements [begin, end) of a flat buffer: the fp32 values `src` (null: the fp32 buffer itself)
+  // rounded into the compute copy, and the side copies of what overlaps the range widened.
   void round_to_compute(kernels::Backend& be, bool expert, int64_t begin, int64_t end, const float* src = nullptr);
-  // Elements [begin, end): the fp32 buffer from the compute copy (after the copy was gathered).
+  // Elements [begin, end): the side copies from the compute copy (after the copy was gathered).
   void widen_compute(kernels::Backend& be, bool expert, int64_t begin, int64_t end);
-
+  // Frees the fp32 parameter buffers (mixed precision only; the optimizer keeps the master
+  // weights). Afterwards local_values reads a parameter's compute copy, widened, and
+  // set_local_values / load_full write the compute copy (rounded) and its side copy.
+  void release_fp32();
+  bool holds_fp32() const { return !has_compute_copy() || !fp32_released_; }
+  // Bytes of the weights the model reads: fp32 buffers (while held), compute copies, side copies.
+  int64_t weight_bytes() const;
   // Parameters held (without any padding).
   int64_t num_params() const { return num_params_; }
   // The flat buffers' lengths before ZeRO padding (the dense one includes the unused rows of a
@@ -126,11 +141,20 @@ class ParamStore {
   FlatBuffer& buffer_of(const ParamView& v, bool grad);
   const FlatBuffer& buffer_of(const ParamView& v, bool grad) const;
 
+  // Host values of a parameter's slice from / into its compute copy (mixed precision, released).
+  std::vector<float> widened_values(const ParamView& v) const;
+  void write_rounded(const ParamView& v, const float* host);
+
+  kernels::Backend* be_ = nullptr;
   std::map<std::string, ParamView> views_;
   std::vector<std::string> order_;
   FlatBuffer dense_, expert_, dense_grad_, expert_grad_;
   kernels::DType compute_dtype_ = kernels::DType::kF32;
   FlatArray<uint16_t> lp_dense_, lp_expert_;
+  bool fp32_released_ = false;
+  // The side copies: for each parameter read in fp32, its offset in side_ (by name).
+  std::map<std::string, int64_t> side_offset_;
+  FlatBuffer side_;
   FlatBuffer buffers_;
   int64_t num_params_ = 0, dense_numel_ = 0, expert_numel_ = 0;
 };

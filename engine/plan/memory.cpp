@@ -16,13 +16,14 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 }  // namespace
 
 MemoryEstimate estimate_memory(int64_t dense, int64_t expert, int64_t dp, int64_t edp,
-                               int zero_stage, config::Precision precision) {
+                               int zero_stage, config::Precision precision, int64_t fp32_read) {
   const bool mixed = precision != config::Precision::kFp32;
   const double held = static_cast<double>(dense + expert);
   const double sharded = static_cast<double>(ceil_div(dense, dp) + ceil_div(expert, edp));
   MemoryEstimate m;
-  // Mixed precision holds the fp32 compute values and their 16-bit copy (docs/design.md §6.10).
-  m.weights = (mixed ? 6.0 : 4.0) * held;
+  // Mixed precision holds the 16-bit compute copy, and a widened side copy of the few tensors read
+  // in fp32 (docs/design.md §6.10).
+  m.weights = mixed ? 2.0 * held + 4.0 * double(fp32_read) : 4.0 * held;
   m.gradients = 4.0 * (zero_stage >= 2 ? sharded : held);
   const double state_per_param = mixed ? 12.0 : 8.0;  // (master +) m + v
   m.optimizer = state_per_param * (zero_stage >= 1 ? sharded : held);
@@ -106,12 +107,14 @@ ActivationMemory instance_activation_memory(const config::ModelConfig& m, const 
   const int64_t recomputing = !ac.enabled ? 0 : ac.num_layers ? *ac.num_layers : s.end_layer - s.first_layer;
   const int64_t cb = s.compute_bytes;
   const bool widen = cb == 2 && !s.native.attention;  // Q, K, V widened for fp32 attention
-  int64_t kept = 0, shared = 0, dyn_kept = 0, scratch = 0, ep_backward = 0;  // kept, shared: bytes
+  // ep_backward: the MoE layers' expert-parallel backward buffers, one set per instance that its
+  // layers share (the largest layer's); mtp_dh: the MTP modules' running output gradients.
+  int64_t kept = 0, shared = 0, dyn_kept = 0, scratch = 0, ep_backward = 0, mtp_dh = 0;  // kept, shared: bytes
   int64_t dyn_shared_max = 0;
   for (int64_t i = s.first_layer; i < s.end_layer; ++i) {
     const LayerFloats f = layer_floats(m, i, N, rows, tp, s.ep, cb, widen);
     scratch = std::max(scratch, f.scratch);
-    ep_backward += f.ep_backward;
+    ep_backward = std::max(ep_backward, f.ep_backward);
     if (i - s.first_layer >= recomputing) {
       kept += f.always + f.selective, dyn_kept += f.dyn_always + f.dyn_selective;
     } else if (full) {
@@ -132,14 +135,15 @@ ActivationMemory instance_activation_memory(const config::ModelConfig& m, const 
       model += 10 * r * H + 3 * r;  // (the head's input gradient among them)
       const LayerFloats f = layer_floats(m, m.num_hidden_layers + k - 1, r, r, tp, s.ep, cb, widen);
       kept += f.always + f.selective, dyn_kept += f.dyn_always + f.dyn_selective;
-      ep_backward += f.ep_backward + r * H;  // and the module's running output gradient
+      ep_backward = std::max(ep_backward, f.ep_backward);
+      mtp_dh += r * H;
       scratch = std::max({scratch, layer_floats(m, m.num_hidden_layers + k - 1, N, N, tp, s.ep, cb, widen).scratch, 2 * N * H + 64});
     }
   }
   // Backward temporaries (engine/model/deepseek_model.cpp): scratch, dz, dh, two [N,H] buffers,
   // ones, per-row losses and one chunk's logits (last stage), the sequence-parallel gathers.
   const int64_t work = scratch + N * H + rows * H + 2 * N * H + N + (s.has_head ? N + chunk * Vl : 0) +
-                       (sp ? 3 * N * H : 0) + ep_backward;
+                       (sp ? 3 * N * H : 0) + ep_backward + mtp_dh;
   // Under bf16 / fp16 the GEMMs' conversion workspaces (engine/model/layer_env.h, ComputeCast),
   // each as large as the largest input it converted (balanced routing for the experts' rows):
   // slot 0 a GEMM input or output gradient, slot 1 a weight-gradient GEMM's input, slot 2 an
@@ -151,18 +155,15 @@ ActivationMemory instance_activation_memory(const config::ModelConfig& m, const 
     const int64_t w = m.intermediate_size / tp, ws = m.num_shared() * m.moe_intermediate_size / tp;
     const int64_t nk = (N + tp - 1) / tp * m.num_experts_per_tok, I = m.moe_intermediate_size;
     const bool moe = m.num_routed() > 0;
-    // The saved 16-bit inputs — normed latents, SwiGLU outputs, dispatched rows — need no slot,
-    // unless the GEMMs take widened inputs (then they are widened in slot 0 forward, 1 backward).
-    const bool wide = !s.native.gemms;
-    const int64_t saved16 = !wide ? 0 : std::max({N * rq, N * rkv, N * w, N * ws, moe ? nk * H : 0, moe ? nk * I : 0});
+    // The saved 16-bit inputs — normed latents, SwiGLU outputs, dispatched rows — need no slot.
     const int64_t slot0 = std::max({N * nh * dqk, N * nh * (dn + dv), N * H, N * rq, N * rkv + N * m.qk_rope_head_dim,
                                     N * 2 * w, N * 2 * ws, moe ? nk * 2 * I : 0, moe ? nk * H : 0,
-                                    chunk * Vl, saved16});
+                                    chunk * Vl});
     const bool ep_rows = moe && s.ep > 1;  // the received rows are fp32
     const int64_t slot1 = std::max({N * H, N * nh * dv, ep_rows ? nk * I : 0, ep_rows ? nk * H : 0,
-                                    s.has_head && m.num_nextn_predict_layers > 0 ? N * 2 * H : 0, saved16});
+                                    s.has_head && m.num_nextn_predict_layers > 0 ? N * 2 * H : 0});
     const int64_t slot2 = std::max(N * H, N * nh * dv);
-    cast = (slot0 + slot1 + slot2) * (wide ? 3 : 1);  // widened: the 16-bit values and their fp32 copies
+    cast = slot0 + slot1 + slot2;
   }
   ActivationMemory out;
   out.kept = double(kept) + 4.0 * double(dyn_kept + model);

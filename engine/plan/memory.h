@@ -3,7 +3,9 @@
 // Model of dstrain's storage (docs/design.md §2.7):
 //   fp32:       weights 4 B/param (they are the master copy), gradients 4 B, AdamW m and v 8 B.
 //   bf16/fp16:  compute copy of the weights 2 B, fp32 master 4 B, fp32 gradients 4 B (micro-
-//               batches accumulate in fp32), AdamW m and v 8 B.
+//               batches accumulate in fp32), AdamW m and v 8 B: 18 B at ZeRO-0. No fp32 copy of
+//               the compute weights: only the small tensors read in fp32 (norms, biases, the
+//               router) keep a widened side copy, 4 B each.
 //   ZeRO-1 shards the optimizer state (master + m + v) over the data-parallel group; ZeRO-2 also
 //   the gradients. Dense parameters shard over DP, expert parameters over expert-DP.
 #pragma once
@@ -22,8 +24,10 @@ struct MemoryEstimate {
 };
 
 // `dense` / `expert`: parameters this rank holds; `dp` / `edp`: the groups they shard over.
+// `fp32_read`: elements of the parameters read in fp32, which mixed precision keeps a widened
+// side copy of (plan::read_in_fp32).
 MemoryEstimate estimate_memory(int64_t dense, int64_t expert, int64_t dp, int64_t edp,
-                               int zero_stage, config::Precision precision);
+                               int zero_stage, config::Precision precision, int64_t fp32_read = 0);
 
 // Activation memory of one model instance — one micro-batch of one (virtual) pipeline stage on
 // one rank — computed from the buffers the model allocates (docs/design.md §6.7), so that a run
@@ -44,12 +48,12 @@ struct ActivationMemory {
   ActivationMemory operator*(double f) const { return {kept * f, recomputed * f, workspace * f}; }
 };
 
-// Under bf16 / fp16, what the backend runs on 16-bit inputs (docs/design.md §6.10): the GEMMs
-// (Backend::low_precision_gemm_native), and the attention core (Backend::low_precision_attention,
-// only where the GEMMs take 16-bit operands too). Each that does not takes widened fp32 copies in
-// the model's workspaces. Assumed both where no backend is at hand (the dry run).
+// Under bf16 / fp16, whether the backend's attention core runs on 16-bit inputs (docs/design.md
+// §6.10, Backend::low_precision_attention); where it does not, Q, K and V are widened into fp32
+// copies in the model's buffers. Assumed where no backend is at hand (the dry run). (The GEMMs
+// always take 16-bit operands: a backend whose 16-bit GEMMs are not native widens inside them.)
 struct Native16 {
-  bool gemms = true, attention = true;
+  bool attention = true;
 };
 
 struct InstanceShape {
@@ -60,7 +64,7 @@ struct InstanceShape {
   bool sequence_parallel = false;  // only with tp > 1
   config::ActivationCheckpointingConfig checkpointing;
   int64_t compute_bytes = 4;  // 2 under bf16 / fp16: the GEMMs' conversion workspaces join the workspace
-  Native16 native;  // under bf16 / fp16: which of GEMMs and attention take 16-bit inputs
+  Native16 native;  // under bf16 / fp16: whether the attention takes 16-bit inputs
   int64_t loss_chunk_tokens = 0;  // kernels.loss_chunk_tokens (0: loss_chunk_rows' automatic size)
 };
 

@@ -52,7 +52,7 @@ ShardSpec ParallelPlan::shard(size_t param_index, int rank) const {
 MemoryEstimate ParallelPlan::memory(int stage, int zero_stage, config::Precision precision) const {
   const StageLoad& s = stage_loads.at(stage);
   return estimate_memory(s.dense_params, s.expert_params, degrees.dp, degrees.edp_group(), zero_stage,
-                         precision);
+                         precision, s.fp32_read);
 }
 
 ActivationMemory ParallelPlan::instance_activations(int virtual_stage, int64_t micro_batch,
@@ -222,6 +222,7 @@ ParallelPlan make_fixed_plan(const config::TrainConfig& cfg, int world_size) {
     else if (p.shard == Shard::kExpert)
       load.expert_params += s.local_numel();  // summed over all experts, divided below
     else load.dense_params += s.local_numel();
+    if (read_in_fp32(p)) load.fp32_read += (s.local_numel() + 15) / 16 * 16;
   }
   for (StageLoad& load : plan.stage_loads) load.expert_params /= plan.degrees.ep;
   return plan;

@@ -23,6 +23,7 @@ struct StageLoad {
   int64_t dense_params = 0;   // this rank's slice of non-expert parameters
   int64_t expert_params = 0;  // this rank's routed experts
   int64_t buffers = 0;
+  int64_t fp32_read = 0;      // elements of the parameters read in fp32 (plan::read_in_fp32), 16-aligned each
   int64_t params() const { return dense_params + expert_params; }
 };
 

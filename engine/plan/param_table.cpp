@@ -136,6 +136,14 @@ class TableBuilder {
 
 }  // namespace
 
+bool read_in_fp32(const ParamInfo& p) {
+  if (p.buffer || p.shard == Shard::kExpert) return false;
+  static const std::string router = ".mlp.gate.weight";
+  const std::string& n = p.name;
+  return p.shape.size() == 1 ||
+         (n.size() >= router.size() && n.compare(n.size() - router.size(), router.size(), router) == 0);
+}
+
 std::vector<ParamInfo> build_param_table(const config::ModelConfig& m) {
   return TableBuilder(m).build();
 }

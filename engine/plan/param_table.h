@@ -34,6 +34,12 @@ struct ParamInfo {
   int64_t numel() const;
 };
 
+// Under mixed precision, whether the model's ops read the parameter in fp32 (docs/design.md
+// §6.10): norm weights and biases (1-D) and the router's weight (its logits stay fp32, as in
+// Hugging Face) — small tensors, kept as a widened side copy of their rounded values; every other
+// parameter is read from its 16-bit compute copy only (the GEMMs, the embedding lookup).
+bool read_in_fp32(const ParamInfo& p);
+
 // Builds the table for a model in HF state-dict order (embedding, layers, MTP, norm, head).
 std::vector<ParamInfo> build_param_table(const config::ModelConfig& m);
 

@@ -840,8 +840,11 @@ TrainState Checkpointer::load_local(const std::string& path, model::ParamStore& 
       if (shape != v.info->shape)
         throw fail(fmt::format("tensor '{}' has shape [{}] in the checkpoint but [{}] in this config", ds,
                                fmt::join(shape, ", "), fmt::join(v.info->shape, ", ")));
+      // Under mixed precision the weights are the fp32 master weights, kept beside the moments
+      // (the compute copies are rounded from them once everything is read: Trainer).
+      const bool optimizer_state = k > 0 || (adam && adam->has_master() && !v.buffer);
       std::optional<Range> part;  // ZeRO: only the overlap with this rank's shard is kept
-      if (k > 0 && adam->sharded()) {
+      if (optimizer_state && adam->sharded()) {
         const Range sh = adam->shard(v.expert);
         const Range in = parallel::intersect({v.offset, v.offset + v.numel}, sh);
         if (in.empty()) continue;
@@ -862,7 +865,7 @@ TrainState Checkpointer::load_local(const std::string& path, model::ParamStore& 
         continue;
       }
       digest(t, ds, stored, slice, v, 0, int64_t(slice.size()));
-      if (k == 0) params.set_local_values(name, slice);
+      if (!optimizer_state) params.set_local_values(name, slice);
       else adam->moment(k, v.expert).write(v.offset, v.numel, slice.data());
     }
   }

@@ -45,22 +45,30 @@ AdamW::AdamW(const config::OptimizerConfig& cfg, model::ParamStore& params, kern
     if (!in.empty()) clipped.push_back({r.expert, in.begin, in.size(), r.decay});
   }
   runs_ = std::move(clipped);
+  master_ = params.has_compute_copy();
+  if (master_) take_master();
   m_dense_.assign(dense_shard_.size());
   v_dense_.assign(dense_shard_.size());
   m_expert_.assign(expert_shard_.size());
   v_expert_.assign(expert_shard_.size());
-  master_ = params.has_compute_copy();
-  if (master_) capture_master();
 }
 
-void AdamW::capture_master() {
+void AdamW::take_master() {
+  // The compute copies hold the initial weights rounded (as DeepSpeed casts the module before
+  // its optimizer copies it): the master weights start from them, widened — exact.
+  for (const bool expert : {false, true}) {
+    const Range r = shard(expert);
+    master(expert).assign(r.size());
+    be_.convert({master(expert).data(), kernels::DType::kF32},
+                {params_.compute_copy(expert).data() + r.begin, params_.compute_dtype()}, r.size());
+  }
+}
+
+void AdamW::publish_master() {
   if (!master_) return;
   for (const bool expert : {false, true}) {
     const Range r = shard(expert);
-    const float* f = params_.params(expert).data();
-    master(expert).assign(r.size());
-    be_.copy(master(expert).data(), f + r.begin, r.size() * int64_t(sizeof(float)));
-    params_.round_to_compute(be_, expert, 0, int64_t(params_.params(expert).size()));
+    params_.round_to_compute(be_, expert, r.begin, r.end, master(expert).data());
   }
 }
 
@@ -95,11 +103,10 @@ void AdamW::step(double lr, int64_t step, double grad_scale) {
       be_.adamw(w, g, m, v, r.numel, a);
       continue;
     }
-    // Mixed precision: the updated master weights straight into the compute copy and its fp32
-    // view, in one pass (the caller gathers the shards).
-    float* f = params_.params(r.expert).data() + r.offset;
+    // Mixed precision: the updated master weights straight into the compute copy, in one pass
+    // (the caller gathers the shards and widens the side copies).
     uint16_t* h = params_.compute_copy(r.expert).data() + r.offset;
-    be_.adamw_round(w, g, m, v, r.numel, a, {h, params_.compute_dtype()}, f);
+    be_.adamw_round(w, g, m, v, r.numel, a, {h, params_.compute_dtype()}, nullptr);
   }
   if (!master_) return;
   // What no run covers (buffers) is rounded from its master value as before: the shards' gaps.

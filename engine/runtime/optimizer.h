@@ -50,17 +50,18 @@ class AdamW {
 
   // Mixed precision (the parameter store has compute copies, docs/design.md §6.10): the fp32
   // master weights of the shards live here, beside the moments (master(expert)[i] is flat element
-  // shard(expert).begin + i); step() updates them and rounds the shards into the store's fp32
-  // buffers and compute copies, which the caller then all-gathers (the compute copy) and widens.
+  // shard(expert).begin + i) — the only fp32 copy of the weights. At construction they are taken
+  // from the store's compute copies (the initial weights, rounded, as DeepSpeed copies its cast
+  // module); step() updates them and rounds the shards into the store's compute copies, which
+  // the caller then all-gathers and widens (ParamStore::widen_compute).
   bool has_master() const { return master_; }
   model::FlatArray<float>& master(bool expert) { return expert ? w_expert_ : w_dense_; }
-  // Takes the master weights from the store's fp32 buffers — at construction (the initial
-  // weights, already rounded, as DeepSpeed copies its cast module), and after a checkpoint's
-  // master weights were loaded into them — then rounds the whole buffers to the compute type.
-  // Every rank of a group holds the same buffers then, so the rounding needs no gather.
-  void capture_master();
+  // After master weights were written (a checkpoint's): rounds this rank's shards into the
+  // store's compute copies; the caller gathers them as after a step.
+  void publish_master();
 
  private:
+  void take_master();
   struct Run {  // a contiguous range of one flat buffer with one weight-decay setting
     bool expert;
     int64_t offset, numel;

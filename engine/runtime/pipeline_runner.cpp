@@ -54,7 +54,10 @@ PipelineRunner::PipelineRunner(const plan::ParallelPlan& plan, const RankGroups&
     mirror_len_ = (std::min<int64_t>(m.vocab_size, v0 + block) - v0) * m.hidden_size;
     mirror_holder_ = r_ == last_rank;
     mirror_source_ = r_ == 0;
-    if (mirror_holder_) mirror_w_.resize(be, mirror_len_), mirror_g_.resize(be, mirror_len_);
+    // The weights travel as the model reads them: fp32, or the 16-bit compute copy (two to a word).
+    mirror_dtype_ = params.compute_dtype();
+    mirror_words_ = mirror_dtype_ == kernels::DType::kF32 ? mirror_len_ : (mirror_len_ + 1) / 2;
+    if (mirror_holder_) mirror_w_.resize(be, mirror_words_), mirror_g_.resize(be, mirror_len_);
     if (mirror_source_) mirror_in_.resize(be, mirror_len_);
   }
   for (int c = 0; c < v_; ++c) {
@@ -63,7 +66,7 @@ PipelineRunner::PipelineRunner(const plan::ParallelPlan& plan, const RankGroups&
     const plan::StageRange& s = plan.stages.at(size_t(ch.virtual_stage));
     ch.spec.first_layer = s.first_layer, ch.spec.end_layer = s.end_layer;
     ch.spec.embedding = s.has_embedding, ch.spec.head = s.has_head;
-    if (s.has_head && !s.has_embedding && mtp) ch.spec.embed_w = mirror_w_.data(), ch.spec.embed_g = mirror_g_.data();
+    if (s.has_head && !s.has_embedding && mtp) ch.spec.embed_table = {mirror_w_.data(), mirror_dtype_}, ch.spec.embed_g = mirror_g_.data();
     ch.spec.recompute = model::recompute_mode(cfg.activation_checkpointing);
     ch.spec.recompute_layers = cfg.activation_checkpointing.num_layers.value_or(-1);
     ch.spec.recompute_arena = recompute_arena_;  // every instance of this rank, one at a time
@@ -259,9 +262,9 @@ PipelineStepResult PipelineRunner::run(const Fetch& fetch, const model::LossScal
   const int m = schedule_.micro;
   // The mirror's weights (the first stage's embedding shard after the last optimizer step).
   if (mirror_source_)
-    mirror_work_ = embed_->send(params_.param("model.embed_tokens.weight"), mirror_len_, p_ - 1);
+    mirror_work_ = embed_->send(mirror_weights(), mirror_words_, p_ - 1);
   if (mirror_holder_) {
-    embed_->recv(mirror_w_.data(), mirror_len_, 0)->wait();
+    embed_->recv(mirror_w_.data(), mirror_words_, 0)->wait();
     be_.fill(mirror_g_.data(), 0.0f, mirror_len_);
   }
   const auto& list = schedule_.ranks[size_t(r_)];
@@ -369,10 +372,21 @@ PipelineStepResult PipelineRunner::run(const Fetch& fetch, const model::LossScal
   return r;
 }
 
+// The first stage's embedding shard as the mirror's words (fp32, or the compute copy's 16-bit
+// values two to a word; an odd count's last word carries the next element of the flat buffer,
+// which the holder never reads).
+const float* PipelineRunner::mirror_weights() const {
+  const std::string name = "model.embed_tokens.weight";
+  if (mirror_dtype_ == kernels::DType::kF32) return params_.param(name);
+  const uint16_t* lp = params_.compute_values(name);
+  DS_CHECK(reinterpret_cast<uintptr_t>(lp) % 4 == 0, "the embedding's compute copy is not word-aligned");
+  return reinterpret_cast<const float*>(lp);
+}
+
 model::Losses PipelineRunner::forward_only(int64_t micro_batches, const Fetch& fetch, const model::LossScale& scale) {
   model::Losses out;
-  if (mirror_source_) embed_->send(params_.param("model.embed_tokens.weight"), mirror_len_, p_ - 1)->wait();
-  if (mirror_holder_) embed_->recv(mirror_w_.data(), mirror_len_, 0)->wait();
+  if (mirror_source_) embed_->send(mirror_weights(), mirror_words_, p_ - 1)->wait();
+  if (mirror_holder_) embed_->recv(mirror_w_.data(), mirror_words_, 0)->wait();
   kernels::DeviceArray<float> in;
   for (int64_t micro = 0; micro < micro_batches; ++micro) {
     fetch(micro, tokens_.data());

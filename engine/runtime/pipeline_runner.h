@@ -134,7 +134,9 @@ class PipelineRunner final : public model::BackwardObserver {
   std::vector<int32_t> tokens_;
   // The embedding's mirror on the last stage (MTP modules without the embedding), and its roles.
   bool mirror_holder_ = false, mirror_source_ = false;
-  int64_t mirror_len_ = 0;
+  int64_t mirror_len_ = 0, mirror_words_ = 0;  // elements of the mirror; words its weights travel in
+  kernels::DType mirror_dtype_ = kernels::DType::kF32;
+  const float* mirror_weights() const;
   kernels::DeviceArray<float> mirror_w_, mirror_g_, mirror_in_;  // in the backend's memory
   std::unique_ptr<comm::Work> mirror_work_;
   bool armed_ = false;  // the op running now makes gradients final (the last micro-batch)

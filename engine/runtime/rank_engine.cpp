@@ -285,8 +285,13 @@ RankEngine build_rank_engine(const plan::ParallelPlan& plan, const RankGroups& g
   }
   // As DeepSpeed casts the module before its optimizer copies it: the initial weights rounded to
   // the compute type (the same on every rank), from which the master weights start.
-  for (const bool expert : {false, true})
-    e.params->round_to_compute(*e.backend, expert, 0, int64_t(e.params->params(expert).size()));
+  // From here the compute copies are the weights: no fp32 copy of them is kept (the optimizer's
+  // master weights start from the rounded values).
+  if (e.params->has_compute_copy()) {
+    for (const bool expert : {false, true})
+      e.params->round_to_compute(*e.backend, expert, 0, int64_t(e.params->params(expert).size()));
+    e.params->release_fp32();
+  }
   e.tp = make_communicator(groups.group(plan::Axis::kTensor), "tp", {cfg.parallel.comm_timeout_s}, *e.backend);
   e.ep = make_communicator(groups.group(plan::Axis::kExpert), "ep", {cfg.parallel.comm_timeout_s}, *e.backend);
   const int64_t micro = options.micro_batch > 0 ? options.micro_batch : plan.batch.micro;

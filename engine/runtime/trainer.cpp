@@ -39,7 +39,7 @@ std::string clock_text(double s) {
 // What this backend runs on 16-bit inputs under compute type `lp`, for the activation plan.
 plan::Native16 native16(kernels::Backend& be, kernels::DType lp) {
   if (lp == kernels::DType::kF32) return {};
-  return {be.low_precision_gemm_native(lp), be.low_precision_attention(lp)};
+  return {be.low_precision_attention(lp)};
 }
 
 std::atomic<int> g_stop_signal{0};
@@ -136,7 +136,10 @@ Trainer::Trainer(const plan::ParallelPlan& plan, RankGroups groups, int threads)
     }
     start_step_ = saved_step_ = st.step;
     saved_path_ = resumed->path;
-    adam_->capture_master();  // the checkpoint's weights are the master weights (mixed precision)
+    if (adam_->has_master()) {  // the checkpoint's weights went to the master weights' shards (mixed precision)
+      adam_->publish_master();
+      publish_weights();
+    }
     if (scaler_) scaler_->restore(st.scaler);
     if (rank_ == 0) spdlog::info("resumed from {} at step {}", resumed->path, start_step_);
   }
@@ -360,15 +363,7 @@ StepResult Trainer::train_step(int64_t step) {
   // Unscaling and clipping fused into AdamW's gradient factor.
   adam_->step(r.lr, taken + 1, clip_factor(r.grad_norm, cfg_.gradient_clipping) / scale);
   model::ParamStore& params = *engine_.params;
-  if (params.has_compute_copy()) {  // the updated shards' compute copies to every rank, widened
-    engine_.zero->gather_buffers(params.compute_copy(false).data(), params.compute_copy(true).data(),
-                                 cfg_.zero_optimization.allgather_bucket_size);
-    if (engine_.zero->shards_optimizer())
-      for (const bool expert : {false, true}) params.widen_compute(*engine_.backend, expert, 0, int64_t(params.params(expert).size()));
-  } else {
-    engine_.zero->gather_buffers(params.dense_params().data(), params.expert_params().data(),
-                                 cfg_.zero_optimization.allgather_bucket_size);
-  }
+  publish_weights();
   for (const auto& [id, moe] : engine_.pipeline->moe_layers_by_id()) {  // this rank's MoE layers
     const size_t i = size_t(std::find(moe_ids_.begin(), moe_ids_.end(), id) - moe_ids_.begin());
     if (moe->router_bias() && cfg_.model.bias_update_speed > 0) {  // on the host: E values
@@ -381,6 +376,21 @@ StepResult Trainer::train_step(int64_t step) {
   }
   r.optimizer_s = seconds_since(t0);
   return r;
+}
+
+// The updated shards to every rank of their ZeRO groups: the fp32 buffers, or under mixed
+// precision the compute copies, whose side copies (the parameters read in fp32) are then widened.
+void Trainer::publish_weights() {
+  model::ParamStore& params = *engine_.params;
+  if (params.has_compute_copy()) {
+    engine_.zero->gather_buffers(params.compute_copy(false).data(), params.compute_copy(true).data(),
+                                 cfg_.zero_optimization.allgather_bucket_size);
+    for (const bool expert : {false, true})
+      params.widen_compute(*engine_.backend, expert, 0, int64_t(params.compute_copy(expert).size()));
+  } else {
+    engine_.zero->gather_buffers(params.dense_params().data(), params.expert_params().data(),
+                                 cfg_.zero_optimization.allgather_bucket_size);
+  }
 }
 
 double Trainer::validate() {
@@ -522,8 +532,7 @@ std::vector<double> Trainer::memory_figures() {
   if (staging < double(kSharedMin)) staging = 0;
   const double comm_planned =
       staging + (engine_.grad_sync ? double(engine_.grad_sync->buffer_bytes()) : 0.0);  // (the bucket size is the config's)
-  const double weights = 4.0 * double(params.dense_numel() + params.expert_numel() + ps.buffers().size()) +
-                         (params.has_compute_copy() ? 2.0 * double(ps.compute_copy(false).size() + ps.compute_copy(true).size()) : 0.0);
+  const double weights = double(params.weight_bytes());
   const double grads = 4.0 * double(ps.dense_grads().size() + ps.expert_grads().size());
   double optimizer = 4.0 * double(adam_->exp_avg_dense().size() + adam_->exp_avg_sq_dense().size() +
                                   adam_->exp_avg_expert().size() + adam_->moment(2, true).size());
@@ -734,9 +743,10 @@ TrainSummary Trainer::run() {
         4.0 * double(zero.shards_gradients() ? zero.shard(false).size() + zero.shard(true).size() : params.num_params());
     const plan::Degrees& deg = plan_.degrees;
     spdlog::info("memory per rank: parameters {}{}, gradients {}{}, optimizer state {}{} (ZeRO-{}{})",
-                 human_bytes((params.has_compute_copy() ? 6.0 : 4.0) * double(params.num_params())),
+                 human_bytes(double(params.weight_bytes())),
                  params.has_compute_copy()
-                     ? fmt::format(" (fp32 and a {} compute copy; GEMMs {})", kernels::to_string(params.compute_dtype()),
+                     ? fmt::format(" (a {} compute copy, fp32 side copies of the norms, biases and routers; GEMMs {})",
+                                   kernels::to_string(params.compute_dtype()),
                                    engine_.backend->lowp_gemm_implementation(params.compute_dtype()))
                      : "",
                  human_bytes(grads),

@@ -124,6 +124,7 @@ class Trainer {
   void add_op_times(int64_t step, std::chrono::steady_clock::time_point t0);
   // Rank 0: the mean op time per step, by op (monitor.op_breakdown).
   void report_op_breakdown();
+  void publish_weights();
 
   const plan::ParallelPlan plan_;  // owned: the parameter store's views point into its registry
   const config::TrainConfig& cfg_;

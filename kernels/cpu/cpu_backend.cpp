@@ -544,10 +544,17 @@ class CpuBackend final : public Backend {
     const HostOpTimes::Scope op_scope(times_, "cross_entropy_finish");
     cpu::cross_entropy_finish(loss, logits, row_max, sums, target, v0, rows, V, grad_scale);
   }
-  void embedding_forward(float* out, const float* table, const int32_t* ids, int64_t N,
-                         int64_t H) override {
+  void embedding_forward(float* out, ConstView table, const int32_t* ids, int64_t N, int64_t H) override {
     const HostOpTimes::Scope op_scope(times_, "embedding_forward");
-    cpu::embedding_forward(out, table, ids, N, H);
+    if (table.dtype == DType::kF32) return cpu::embedding_forward(out, static_cast<const float*>(table.data), ids, N, H);
+    const auto* t16 = static_cast<const uint16_t*>(table.data);
+    const cpu::LowPrecision p = low(table.dtype);
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < N; ++t) {  // rows widened exactly (a negative id: a zero row)
+      float* o = out + t * H;
+      if (ids[t] < 0) std::fill(o, o + H, 0.0f);
+      else cpu::convert_from(o, t16 + int64_t(ids[t]) * H, H, p);
+    }
   }
   void embedding_backward(float* dtable, const float* dout, const int32_t* ids, int64_t N,
                           int64_t H, int64_t V) override {

@@ -322,9 +322,9 @@ class DeviceCheckBackend final : public Backend {
       in_->cross_entropy_finish(h(loss, op), h(logits, op), h(row_max, op), h(sums, op), h(target, op), v0, rows, V,
                                 grad_scale);
   }
-  void embedding_forward(float* out, const float* table, const int32_t* ids, int64_t N, int64_t H) override {
+  void embedding_forward(float* out, ConstView table, const int32_t* ids, int64_t N, int64_t H) override {
     const char* op = "embedding_forward";
-    if (N * H > 0) in_->embedding_forward(h(out, op), h(table, op), h(ids, op), N, H);
+    if (N * H > 0) in_->embedding_forward(h(out, op), {h(table.data, op), table.dtype}, h(ids, op), N, H);
   }
   void embedding_backward(float* dtable, const float* dout, const int32_t* ids, int64_t N, int64_t H,
                           int64_t V) override {

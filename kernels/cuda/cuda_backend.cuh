@@ -342,7 +342,7 @@ class CudaBackend final : public Backend {
                               int64_t v0, int64_t rows, int64_t V) override;
   void cross_entropy_finish(float* loss, float* logits, const float* row_max, const float* sums,
                             const int32_t* target, int64_t v0, int64_t rows, int64_t V, float grad_scale) override;
-  void embedding_forward(float* out, const float* table, const int32_t* ids, int64_t N, int64_t H) override;
+  void embedding_forward(float* out, ConstView table, const int32_t* ids, int64_t N, int64_t H) override;
   void embedding_backward(float* dtable, const float* dout, const int32_t* ids, int64_t N, int64_t H,
                           int64_t) override;
   void adamw(float* param, const float* grad, float* m, float* v, int64_t n, const AdamWParams& p) override;

@@ -79,10 +79,12 @@ __global__ void ce_finish_kernel(float* loss, float* logits, const float* row_ma
 
 // ---- Embedding ---------------------------------------------------------------------------------
 
-__global__ void embedding_forward_kernel(float* out, const float* table, const int32_t* ids, int64_t N, int64_t H) {
+template <int KIND>
+__global__ void embedding_forward_kernel(float* out, const dev::Storage<KIND>* table, const int32_t* ids, int64_t N,
+                                         int64_t H) {
   GRID_STRIDE(x, N * H) {
     const int32_t id = ids[x / H];
-    out[x] = id < 0 ? 0.0f : table[int64_t(id) * H + x % H];
+    out[x] = id < 0 ? 0.0f : dev::load<KIND>(table, int64_t(id) * H + x % H);
   }
 }
 // Over the tokens sorted by id (a stable sort: equal ids keep token order): a thread per (sorted
@@ -188,10 +190,16 @@ void CudaBackend::cross_entropy_finish(float* loss, float* logits, const float* 
   DS_LAUNCHED();
 }
 
-void CudaBackend::embedding_forward(float* out, const float* table, const int32_t* ids, int64_t N, int64_t H) {
+void CudaBackend::embedding_forward(float* out, ConstView table, const int32_t* ids, int64_t N, int64_t H) {
   const EventOpTimes::Scope op_scope(times_, "embedding_forward");
   if (N * H <= 0) return;
-  embedding_forward_kernel<<<blocks_for(N * H), kThreads, 0, stream_>>>(out, table, ids, N, H);
+  const auto* t16 = static_cast<const uint16_t*>(table.data);
+  if (table.dtype == DType::kF32)
+    embedding_forward_kernel<0><<<blocks_for(N * H), kThreads, 0, stream_>>>(out, f(table.data), ids, N, H);
+  else if (table.dtype == DType::kBF16)
+    embedding_forward_kernel<1><<<blocks_for(N * H), kThreads, 0, stream_>>>(out, t16, ids, N, H);
+  else
+    embedding_forward_kernel<2><<<blocks_for(N * H), kThreads, 0, stream_>>>(out, t16, ids, N, H);
   DS_LAUNCHED();
 }
 void CudaBackend::embedding_backward(float* dtable, const float* dout, const int32_t* ids, int64_t N, int64_t H,

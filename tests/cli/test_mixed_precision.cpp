@@ -89,11 +89,11 @@ TEST(MixedPrecision, LayoutsReproduceTheSingleRankRun) {
   }
 }
 
-// The two ways the CPU backend runs a 16-bit GEMM (docs/design.md §6.10) — on 16-bit operands
-// (oneDNN's native matmul, or where this CPU has none for the type, DSTRAIN_LOWP_GEMM=native
-// widening them inside each GEMM), or on the fp32 copies of the rounded values for sgemm — train
-// alike (the same products, summed in another order), each stating its path, and the plan's
-// activation figure follows each (the widened path's fp32 slots, the widened Q, K, V). Both
+// The two ways the CPU backend runs a 16-bit GEMM (docs/design.md §6.10) — oneDNN's native
+// matmul, or the 16-bit operands widened to fp32 inside the GEMM for sgemm (also where native is
+// forced on a CPU without the matmul) — train alike (the same products, summed in another
+// order), each stating its path, and the plan's activation figure follows each (the widened
+// Q, K, V where the attention is not 16-bit). Both
 // types on every CPU: the model's 16-bit-operand paths run here even where oneDNN has no matmul
 // for the type (fp16 on every CPU seen so far, bf16 on AVX2-only ones).
 TEST(MixedPrecision, NativeAndWidenedGemmsTrainAlike) {

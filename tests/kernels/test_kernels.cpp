@@ -719,7 +719,7 @@ TEST_P(Kernels, EmbeddingRepeatedIdsAccumulate) {
   const std::vector<int32_t> ids = {2, 4, 2, 0, 2, 4};
   const FVec table = to_f(randn(V * H, 31)), dout = to_f(randn(N * H, 32));
   FVec out(N * H), dtable(V * H, 0.0f);
-  be->embedding_forward(out.data(), table.data(), ids.data(), N, H);
+  be->embedding_forward(out.data(), kernels::f32(table.data()), ids.data(), N, H);
   be->embedding_backward(dtable.data(), dout.data(), ids.data(), N, H, V);
   for (int64_t t = 0; t < N; ++t)
     for (int64_t c = 0; c < H; ++c) EXPECT_EQ(out[t * H + c], table[ids[t] * H + c]);
@@ -729,6 +729,27 @@ TEST_P(Kernels, EmbeddingRepeatedIdsAccumulate) {
       for (int64_t t = 0; t < N; ++t) want += ids[t] == v ? dout[t * H + c] : 0.0;
       EXPECT_NEAR(dtable[v * H + c], want, 1e-6);
     }
+}
+
+// Under mixed precision the lookup reads the table's 16-bit compute copy (there is no fp32 copy
+// of it): each row widened exactly — the fp32 lookup of the widened table, bit for bit — and a
+// negative id (another shard's row) a zero row.
+TEST_P(Kernels, EmbeddingReadsA16BitTable) {
+  const int64_t V = 7, H = 4100, N = 9;  // H past a vector block, not a multiple of one
+  const std::vector<int32_t> ids = {6, -1, 2, 6, 0, 3, -5, 1, 2};
+  const FVec table = to_f(randn(V * H, 41));
+  for (const DType t : {DType::kBF16, DType::kF16}) {
+    std::vector<uint16_t> lp(size_t(V * H));
+    FVec wide(size_t(V * H)), want(size_t(N * H), -1.0f), got(size_t(N * H), -1.0f);
+    be->convert({lp.data(), t}, f32(table.data()), V * H);
+    be->convert({wide.data(), DType::kF32}, ConstView{lp.data(), t}, V * H);
+    be->embedding_forward(want.data(), f32(wide.data()), ids.data(), N, H);
+    be->embedding_forward(got.data(), ConstView{lp.data(), t}, ids.data(), N, H);
+    EXPECT_EQ(std::memcmp(want.data(), got.data(), want.size() * 4), 0) << to_string(t);
+    EXPECT_EQ(got[1 * H + 5], 0.0f);
+    EXPECT_EQ(got[2 * H + 17], wide[2 * H + 17]);
+    EXPECT_NE(got[2 * H + 17], 0.0f);
+  }
 }
 
 // The vocabulary-parallel cross-entropy over uneven column shards (the last one shorter, one
@@ -777,7 +798,7 @@ TEST_P(Kernels, EmbeddingSkipsIdsOfOtherShards) {
   const std::vector<int32_t> ids = {1, -1, 2, -1};
   const FVec table = to_f(randn(V * H, 34)), dout = to_f(randn(N * H, 35));
   FVec out(N * H, 7.0f), dtable(V * H, 0.0f);
-  be->embedding_forward(out.data(), table.data(), ids.data(), N, H);
+  be->embedding_forward(out.data(), kernels::f32(table.data()), ids.data(), N, H);
   be->embedding_backward(dtable.data(), dout.data(), ids.data(), N, H, V);
   for (int64_t t = 0; t < N; ++t)
     for (int64_t c = 0; c < H; ++c) EXPECT_EQ(out[t * H + c], ids[t] < 0 ? 0.0f : table[ids[t] * H + c]);

@@ -133,7 +133,7 @@ TEST_P(Golden, TwoPipelineStagesMatchHuggingFace) {
       model::StageSpec spec;
       spec.first_layer = r.first_layer, spec.end_layer = r.end_layer;
       spec.embedding = r.has_embedding, spec.head = r.has_head;
-      if (r.has_head && !r.has_embedding) spec.embed_w = mirror_w.data(), spec.embed_g = mirror_g.data();
+      if (r.has_head && !r.has_embedding) spec.embed_table = kernels::f32(mirror_w.data()), spec.embed_g = mirror_g.data();
       spec.loss_chunk_rows = split ? 7 : 0;  // the split run's head (and MTP head) in chunks of 7 rows
       stage.push_back(std::make_unique<model::DeepSeekModel>(m, *be, coll, *stores[size_t(s)], B, S, false, spec));
     }

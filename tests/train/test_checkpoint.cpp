@@ -54,6 +54,55 @@ TEST(Checkpoint, ResumeIsBitExactOnTheSameLayout) {
   EXPECT_EQ(second.params().buffers().to_host(), straight.params().buffers().to_host());  // router biases
 }
 
+// Mixed precision keeps no fp32 copy of the compute weights (docs/design.md §6.10): once built,
+// the store's fp32 buffers are gone, the GEMMs' weights and the embedding exist as 16-bit values
+// only, the tensors read in fp32 (norms, routers) a widened side copy of theirs, and AdamW's
+// master weights are the only fp32 weights; a resume rebuilds all of it bit for bit.
+TEST(Checkpoint, MixedPrecisionHoldsNoFp32CopyAndResumesBitExact) {
+  const std::string dir = fresh_dir("bf16");
+  const auto bf16 = [&](const std::string& sub, const std::string& resume) {
+    return tiny_plan(dir + "/" + sub, {"checkpoint.resume=" + resume, "bf16.enabled=true"});
+  };
+  const plan::ParallelPlan straight_plan = bf16("a", "none");
+  Trainer straight(straight_plan, 2);
+  model::ParamStore& ps = straight.params();
+  EXPECT_FALSE(ps.holds_fp32());
+  EXPECT_EQ(ps.params(false).size() + ps.params(true).size(), 0);
+  int64_t side = 0;
+  for (const std::string& name : ps.names()) {
+    const model::ParamView& v = ps.view(name);
+    if (v.buffer) continue;
+    const bool fp32 = model::ParamStore::reads_fp32(v);
+    EXPECT_EQ(ps.param(name) != nullptr, fp32) << name;
+    EXPECT_EQ(ps.compute_param(name) != nullptr, !fp32) << name;
+    if (!fp32) continue;
+    side += v.numel;
+    const float* p = ps.param(name);  // host memory on the CPU
+    EXPECT_EQ(std::vector<float>(p, p + v.numel), ps.local_values(name)) << name;
+  }
+  EXPECT_GT(side, 0);
+  // 2 bytes per parameter, plus the side copies and the router biases (buffers).
+  const double per_param = double(ps.weight_bytes() - 4 * ps.buffers().size()) / double(ps.num_params());
+  EXPECT_LT(per_param, 2.0 + 4.0 * double(side + 16 * 64) / double(ps.num_params()) + 0.01) << per_param;
+  std::vector<double> losses;
+  for (int64_t s = 0; s < 6; ++s) losses.push_back(straight.train_step(s).loss.ce);
+
+  std::string path;
+  {
+    const plan::ParallelPlan first_plan = bf16("b", "none");
+    Trainer first(first_plan, 2);
+    for (int64_t s = 0; s < 3; ++s) EXPECT_EQ(first.train_step(s).loss.ce, losses[s]);
+    path = first.save_checkpoint(3);
+  }
+  const plan::ParallelPlan second_plan = bf16("c", path);
+  Trainer second(second_plan, 2);
+  ASSERT_EQ(second.start_step(), 3);
+  for (int64_t s = 3; s < 6; ++s) EXPECT_EQ(second.train_step(s).loss.ce, losses[s]) << "step " << s + 1;
+  for (const bool expert : {false, true})
+    EXPECT_EQ(second.params().compute_copy(expert).to_host(), ps.compute_copy(expert).to_host());
+  for (const std::string& name : ps.names()) EXPECT_EQ(second.params().local_values(name), ps.local_values(name)) << name;
+}
+
 TEST(Checkpoint, LatestPointsAtTheNewestAndOldOnesArePruned) {
   const std::string dir = fresh_dir("prune");
   const plan::ParallelPlan p = tiny_plan(dir, {"train_steps=8", "checkpoint.interval=2", "checkpoint.keep_last=2",

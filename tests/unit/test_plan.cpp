@@ -191,9 +191,32 @@ TEST(Memory, ZeroShardsOptimizerStateThenGradients) {
   EXPECT_EQ(z1.gradients, z0.gradients);
   EXPECT_EQ(z2.gradients, 4.0 * (dense / dp + expert / edp));
   EXPECT_EQ(z2.weights, z0.weights);
-  const MemoryEstimate b1 = estimate_memory(dense, expert, dp, edp, 1, Precision::kBf16);
-  EXPECT_EQ(b1.weights, 6.0 * 1'400'000);  // fp32 compute values + the 16-bit copy
+  const MemoryEstimate b1 = estimate_memory(dense, expert, dp, edp, 1, Precision::kBf16, 5'000);
+  EXPECT_EQ(b1.weights, 2.0 * 1'400'000 + 4.0 * 5'000);  // the 16-bit copy + the fp32 side copies
   EXPECT_EQ(b1.optimizer, 12.0 * (dense / dp + expert / edp));  // fp32 master + m + v
+  // DeepSpeed's / Megatron's bytes at ZeRO-0: 2 + 4 + 4 + 8 = 18 per parameter (plus the side).
+  const MemoryEstimate b0 = estimate_memory(dense, expert, dp, edp, 0, Precision::kBf16);
+  EXPECT_EQ(b0.total(), 18.0 * 1'400'000);
+}
+
+// The tensors read in fp32 under mixed precision (their side copies): norms, biases, routers —
+// never a GEMM's weight, the embedding or an expert's.
+TEST(Memory, OnlyNormsBiasesAndRoutersAreReadInFp32) {
+  const ParallelPlan p = make_plan(load(testing::base_yaml(), {"bf16.enabled=true"}), 1);
+  int64_t side = 0, norms = 0, routers = 0;
+  for (const ParamInfo& i : p.params) {
+    if (!read_in_fp32(i)) continue;
+    side += (i.numel() + 15) / 16 * 16;
+    EXPECT_TRUE(i.shape.size() == 1 || i.name.find(".mlp.gate.weight") != std::string::npos) << i.name;
+    norms += i.name.find("norm.weight") != std::string::npos;
+    routers += i.name.find(".mlp.gate.weight") != std::string::npos;
+  }
+  EXPECT_GT(norms, 0);
+  EXPECT_GT(routers, 0);
+  EXPECT_EQ(p.stage_loads[0].fp32_read, side);
+  EXPECT_LT(double(side), 0.05 * double(p.stage_loads[0].params()));  // small beside the GEMMs' weights
+  const MemoryEstimate m = p.memory(0, 0, config::Precision::kBf16);
+  EXPECT_EQ(m.weights, 2.0 * double(p.stage_loads[0].params()) + 4.0 * double(side));
 }
 
 // The LM head's chunk (docs/design.md §6.13): automatic — the logits of a chunk as large as the
@@ -335,23 +358,30 @@ TEST(Plan, ChunkInFlightFollowsTheSchedule) {
   EXPECT_DOUBLE_EQ(inter.activations(0).total(), want.total());
 }
 
-// What the backend runs on 16-bit inputs moves the plan's workspace, and only that: widened
-// GEMM operands add the fp32 copies of the conversion slots, fp32 attention the widened Q, K, V
-// in scratch; the kept activations do not change, and fp32 ignores both.
-TEST(Plan, SixteenBitGemmsAndAttentionAreCountedApart) {
+// The expert-parallel backward buffers are one set per model instance, which its MoE layers
+// share (one runs its backward at a time): more MoE layers do not grow the workspace. (They
+// were each layer's own: DeepSeek-V2-Lite's 26 MoE layers planned a 31.9 GiB workspace.)
+TEST(Plan, ExpertParallelBackwardBuffersAreSharedByTheLayers) {
+  const auto workspace = [](int layers) {
+    const ParallelPlan p = make_plan(
+        load(testing::base_yaml(), {"parallel.expert=2", "model.num_hidden_layers=" + std::to_string(layers)}), 2);
+    return p.instance_activations(0).workspace;
+  };
+  EXPECT_GT(workspace(2), 0.0);
+  EXPECT_DOUBLE_EQ(workspace(6), workspace(2));  // 5 MoE layers, then 1
+}
+
+// What the backend runs on 16-bit inputs moves the plan's workspace, and only that: fp32
+// attention adds the widened Q, K, V; the kept activations do not change, and fp32 ignores it.
+// (The GEMMs always take 16-bit operands: no plan depends on how a backend multiplies them.)
+TEST(Plan, SixteenBitAttentionIsCountedApart) {
   const ParallelPlan bf16 = make_plan(load(testing::base_yaml(), {"bf16.enabled=true"}), 1);
-  const ActivationMemory both = bf16.activations(0, 0, {true, true}), no_attention = bf16.activations(0, 0, {true, false}),
-                         neither = bf16.activations(0, 0, {false, false});
-  EXPECT_DOUBLE_EQ(bf16.activations(0).total(), both.total());  // both assumed without a backend
-  EXPECT_LT(both.workspace, no_attention.workspace);
-  EXPECT_LT(no_attention.workspace, neither.workspace);
-  EXPECT_EQ(both.kept, no_attention.kept);
-  EXPECT_EQ(both.kept, neither.kept);
-  // The widened Q, K, V alone: the same difference whether the GEMMs widen or not.
-  const ActivationMemory gemms_only = bf16.activations(0, 0, {false, true});
-  EXPECT_DOUBLE_EQ(no_attention.workspace - both.workspace, neither.workspace - gemms_only.workspace);
+  const ActivationMemory native = bf16.activations(0, 0, {true}), widened = bf16.activations(0, 0, {false});
+  EXPECT_DOUBLE_EQ(bf16.activations(0).total(), native.total());  // assumed without a backend
+  EXPECT_LT(native.workspace, widened.workspace);
+  EXPECT_EQ(native.kept, widened.kept);
   const ParallelPlan fp32 = make_plan(load(testing::base_yaml(), {}), 1);
-  EXPECT_DOUBLE_EQ(fp32.activations(0, 0, {false, false}).total(), fp32.activations(0).total());
+  EXPECT_DOUBLE_EQ(fp32.activations(0, 0, {false}).total(), fp32.activations(0).total());
 }
 
 }  // namespace

@@ -604,12 +604,12 @@ void check_loss_embedding_optimizer(Backend& cpu, Backend& cuda) {
     IVec ids(static_cast<size_t>(N));
     for (int64_t t = 0; t < N; ++t) ids[size_t(t)] = t % 9 == 4 ? -1 : int32_t((t * 7) % 5);
     FVec out(size_t(N * H)), dtable = dt0;
-    cpu.embedding_forward(out.data(), table.data(), ids.data(), N, H);
+    cpu.embedding_forward(out.data(), kernels::f32(table.data()), ids.data(), N, H);
     cpu.embedding_backward(dtable.data(), dout.data(), ids.data(), N, H, Vt);
     Gpu g(cuda);
     const int32_t* gids = g.put(ids);
     float *gout = g.zeros<float>(out.size()), *gdt = g.put(dt0);
-    cuda.embedding_forward(gout, g.put(table), gids, N, H);
+    cuda.embedding_forward(gout, kernels::f32(g.put(table)), gids, N, H);
     cuda.embedding_backward(gdt, g.put(dout), gids, N, H, Vt);
     check("embedding forward (foreign ids zero)", g.get(gout, out.size()), out, 0);
     check_equal("embedding backward (repeated ids, in token order)", g.get(gdt, dtable.size()), dtable);

@@ -373,9 +373,9 @@ class Backend {
                                     float grad_scale) = 0;
 
   // Embedding: out[t] = table[ids[t]]; backward dtable[ids[t]] += dout[t]. A negative id (a
-  // row another rank's vocabulary shard holds) gives a zero row and no gradient.
-  virtual void embedding_forward(float* out, const float* table, const int32_t* ids, int64_t N,
-                                 int64_t H) = 0;
+  // row another rank's vocabulary shard holds) gives a zero row and no gradient. The table may
+  // be 16-bit (the compute copy under mixed precision): its rows are widened, exactly.
+  virtual void embedding_forward(float* out, ConstView table, const int32_t* ids, int64_t N, int64_t H) = 0;
   virtual void embedding_backward(float* dtable, const float* dout, const int32_t* ids, int64_t N,
                                   int64_t H, int64_t V) = 0;
 
