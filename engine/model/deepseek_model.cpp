@@ -10,6 +10,12 @@
 #include "engine/plan/param_table.h"
 
 namespace dstrain::model {
+namespace {
+// n floats in a shared workspace array: grown (its contents lost), never shrunk.
+void grow(kernels::DeviceArray<float>& a, kernels::Backend& be, int64_t n) {
+  if (n > a.size()) a.resize(be, n);
+}
+}  // namespace
 
 // ---- decoder layer ---------------------------------------------------------------------------
 
@@ -83,14 +89,14 @@ void DecoderLayer::forward(float* h_out, const float* h_in, int64_t B, int64_t S
   scale_ = scale;
   if (recompute_ != Recompute::kNone) env_.acts->set_holder(this);
   be.rmsnorm_forward(a_.data(), rstd1_.data(), h_in, in_norm_.w, n, H_, eps_);
-  float* attn = env_.sp ? env_.full[1] : h_mid_.data();
-  attn_.forward(attn, gathered(a_.data(), env_.full[0]), B, S);
+  float* attn = env_.sp ? env_.full_at(1) : h_mid_.data();
+  attn_.forward(attn, gathered(a_.data(), env_.full_at(0)), B, S);
   reduce_into(h_mid_.data(), attn);
   attn_.add_output_bias(h_mid_.data(), n);
   be.add(h_mid_.data(), h_in, n * H_);
   be.rmsnorm_forward(u_.data(), rstd2_.data(), h_mid_.data(), post_norm_.w, n, H_, eps_);
-  const float* u_full = gathered(u_.data(), env_.full[0]);
-  float* ffn = env_.sp ? env_.full[1] : h_out;
+  const float* u_full = gathered(u_.data(), env_.full_at(0));
+  float* ffn = env_.sp ? env_.full_at(1) : h_out;
   env_.scratch->reset();  // the attention's temporaries are dead
   if (moe_) moe_->forward(ffn, u_full, env_.sp ? u_.data() : u_full + part_.first * H_, part_, B, S, scale);
   else mlp_->forward(ffn, u_full, N_);
@@ -129,9 +135,9 @@ void DecoderLayer::backward(float* dh, const float* h_in, int64_t B, int64_t S, 
   env_.scratch->reset();
   // Feed-forward block: the complete output gradient of all tokens, this rank's part of the
   // input gradient, summed over the ranks.
-  const float* dout = gathered(dh, env_.full[2]);
-  const float* u_full = gathered(u_.data(), env_.full[0]);
-  float* du = env_.sp ? env_.full[1] : tmp1;
+  const float* dout = gathered(dh, env_.full_at(2));
+  const float* u_full = gathered(u_.data(), env_.full_at(0));
+  float* du = env_.sp ? env_.full_at(1) : tmp1;
   if (moe_) moe_->backward(du, dout, u_full, env_.sp ? u_.data() : u_full + part_.first * H_, part_, B, S);
   else mlp_->backward(du, dout, u_full, N_, 0.0f);
   reduce_into(tmp1, du);
@@ -140,9 +146,9 @@ void DecoderLayer::backward(float* dh, const float* h_in, int64_t B, int64_t S, 
   be.add(dh, tmp2, n * H_);  // dL/dh_mid
   // Attention: its input gradient comes out complete (the low-rank activations' gradients are
   // summed inside), so with sequence parallelism this rank just takes its rows.
-  const float* dmid = gathered(dh, env_.full[2]);
-  float* da = env_.sp ? env_.full[1] : tmp1;
-  attn_.backward(da, dmid, gathered(a_.data(), env_.full[0]), B, S);
+  const float* dmid = gathered(dh, env_.full_at(2));
+  float* da = env_.sp ? env_.full_at(1) : tmp1;
+  attn_.backward(da, dmid, gathered(a_.data(), env_.full_at(0)), B, S);
   env_.poll();
   norm_backward(tmp2, in_norm_, env_.sp ? da + part_.first * H_ : da, h_in, rstd1_.data());
   be.add(dh, tmp2, n * H_);  // dL/dh_in
@@ -200,12 +206,14 @@ DeepSeekModel::DeepSeekModel(const config::ModelConfig& cfg, kernels::Backend& b
   rows_ = sp_ ? part_.count : N;
   ones_.resize(be_, N);
   be_.fill(ones_.data(), 1.0f, N);
-  cast_ = std::make_unique<ComputeCast>(be_, params.compute_dtype());
-  env_ = LayerEnv{&cfg_, &be_, &coll_, &params, &scratch_, &acts_, ones_.data(), &progress_, tp_, coll.tp_rank(), sp_, {},
-                  cast_.get(), &ep_bwd_};
+  ws_ = stage.workspace ? stage.workspace : std::make_shared<InstanceWorkspace>();
+  if (!ws_->cast) ws_->cast = std::make_unique<ComputeCast>(be_, params.compute_dtype());
+  DS_CHECK(ws_->cast->dtype() == params.compute_dtype(), "instances of two compute types share a workspace");
+  env_ = LayerEnv{&cfg_, &be_, &coll_, &params, &ws_->scratch, &acts_, ones_.data(), &progress_, tp_, coll.tp_rank(), sp_,
+                  nullptr, 0, ws_->cast.get(), &ws_->ep};
   if (sp_) {  // the layers' three shared [N, H] buffers
-    full_.resize(be_, 3 * N * H_);
-    for (int i = 0; i < 3; ++i) env_.full[i] = full_.data() + i * N * H_;
+    grow(ws_->full, be_, 3 * N * H_);
+    env_.full = &ws_->full, env_.full_len = N * H_;
   }
   mtp_env_ = env_;
   mtp_env_.sp = false;
@@ -236,7 +244,7 @@ DeepSeekModel::DeepSeekModel(const config::ModelConfig& cfg, kernels::Backend& b
     mtp_.push_back(std::make_unique<Mtp>(mtp_env_, k, B, S, &rope_));
     scratch = std::max({scratch, mtp_.back()->layer->scratch_floats(N), 2 * N * H_ + 64});
   }
-  scratch_.reserve(be_, scratch);
+  ws_->scratch.reserve(be_, scratch);
   acts_.finalize(be_);
   ids_host_.resize(size_t(N)), local_ids_host_.resize(size_t(N)), targets_host_.resize(size_t(N));
   local_ids_.resize(be_, N), targets_.resize(be_, N);
@@ -245,24 +253,40 @@ DeepSeekModel::DeepSeekModel(const config::ModelConfig& cfg, kernels::Backend& b
     // From the vocabulary block, not this rank's rows (the last rank may hold fewer): every
     // tensor-parallel rank runs as many chunks, each with its reductions.
     chunk_ = plan::loss_chunk_rows(N, H_, std::min(V_, block), stage.loss_chunk_rows);
-    z_.resize(be_, rows_ * H_), rstd_f_.resize(be_, rows_), logits_.resize(be_, chunk_ * Vl_), loss_rows_.resize(be_, N);
+    z_.resize(be_, rows_ * H_), rstd_f_.resize(be_, rows_), dz_.resize(be_, N * H_);
+    grow(ws_->logits, be_, chunk_ * Vl_), grow(ws_->loss_rows, be_, N);
     if (sp_) z_full_.resize(be_, N * H_);
-    if (tp_ > 1) row_max_.resize(be_, chunk_), row_sums_.resize(be_, 2 * chunk_);
+    if (tp_ > 1) grow(ws_->row_max, be_, chunk_), grow(ws_->row_sums, be_, 2 * chunk_);
   }
-  dz_.resize(be_, N * H_), dh_.resize(be_, rows_ * H_), tmp1_.resize(be_, N * H_), tmp2_.resize(be_, N * H_);
-  norm_dw_.resize(be_, H_);
+  if (has_embed_) dh_ = &ws_->dh_first, grow(ws_->dh_first, be_, rows_ * H_);
+  else own_dh_.resize(be_, rows_ * H_);
+  grow(ws_->tmp1, be_, N * H_), grow(ws_->tmp2, be_, N * H_), grow(ws_->norm_dw, be_, H_);
+}
+
+int64_t InstanceWorkspace::bytes() const {
+  int64_t floats = scratch.capacity();
+  for (const kernels::DeviceArray<float>* v :
+       {&tmp1, &tmp2, &full, &logits, &row_max, &row_sums, &loss_rows, &norm_dw, &dh_first})
+    floats += v->size();
+  // (the conversions grow in the first step)
+  return floats * int64_t(sizeof(float)) + (cast ? cast->bytes() : 0) + ep.bytes();
 }
 
 DeepSeekModel::~DeepSeekModel() = default;
 
 void DeepSeekModel::mark_workspace_volatile(WeightGradDeferral& d) const {
-  d.add_volatile(scratch_.data(), scratch_.capacity());
+  // The shared workspace by object: another instance may grow (move) a buffer of it.
+  d.add_volatile(&ws_->scratch.buffer());
+  const InstanceWorkspace& w = *ws_;
+  const EpBackwardBuffers& ep = w.ep;
+  for (const kernels::DeviceArray<float>* v :
+       {&w.tmp1, &w.tmp2, &w.full, &w.logits, &ep.dYr, &ep.dYe, &ep.dMe, &ep.dGUe, &ep.Xs})
+    d.add_volatile(v);
   acts_.mark_volatile(d);  // a recomputing layer's buffers are rewritten by the next one's backward
-  for (const kernels::DeviceArray<float>* v : {&dz_, &dh_, &tmp1_, &tmp2_, &full_}) d.add_volatile(v->data(), v->size());
+  d.add_volatile(&ws_->dh_first);
+  for (const kernels::DeviceArray<float>* v : {&dz_, &own_dh_}) d.add_volatile(v->data(), v->size());
   // An MTP module's gradient buffer is its decoder layer's running output gradient.
   for (const auto& m : mtp_) d.add_volatile(m->dh.data(), m->dh.size());
-  for (const kernels::DeviceArray<float>* v : {&ep_bwd_.dYr, &ep_bwd_.dYe, &ep_bwd_.dMe, &ep_bwd_.dGUe, &ep_bwd_.dXe, &ep_bwd_.dXr})
-    d.add_volatile(v);  // by array: a later layer may grow (move) it
 }
 
 std::vector<int64_t> DeepSeekModel::moe_layer_ids() const {
@@ -310,12 +334,10 @@ int64_t DeepSeekModel::residual_region_bytes() const {
   return int64_t(sizeof(float)) * rows_ * H_ * (int64_t(hidden_.size()) + per_layer + (has_head_ ? 1 : 0));
 }
 
-int64_t DeepSeekModel::workspace_bytes() const {
-  int64_t floats = scratch_.capacity() + dz_.size() + dh_.size() + tmp1_.size() + tmp2_.size() + ones_.size() +
-                   loss_rows_.size() + logits_.size() + full_.size();
+int64_t DeepSeekModel::own_workspace_bytes() const {
+  int64_t floats = dz_.size() + own_dh_.size() + ones_.size();
   for (const auto& m : mtp_) floats += m->dh.size();
-  // (the conversions grow in the first step)
-  return floats * int64_t(sizeof(float)) + cast_->bytes() + ep_bwd_.bytes();
+  return floats * int64_t(sizeof(float));
 }
 
 // Token ids as rows of this rank's vocabulary shard: id - v0 when in [v0, v0 + Vl), else -1.
@@ -335,7 +357,7 @@ void DeepSeekModel::embed(float* out, const int32_t* local_ids, int64_t n) {
 
 // The LM head and the cross-entropy over `rows` tokens of z [rows,H] (all tokens), in chunks of
 // chunk_ rows (docs/design.md §6.13): a chunk's logits [c, Vl] — this rank's vocabulary columns
-// — live in logits_ only while the chunk is worked on. Vocabulary-parallel, the row maximum and
+// — live in the workspace's logits only while the chunk is worked on. Vocabulary-parallel, the row maximum and
 // the sums of exponentials are reduced over the ranks per chunk, never the logits. The fused
 // cross-entropy leaves the chunk's logit gradient in place, and when a backward follows it is
 // used at once: the chunk's rows of dz and its term of dW_lm. The head's weight gradient is
@@ -345,7 +367,7 @@ double DeepSeekModel::head_loss(const float* z, const int32_t* targets, int64_t 
                                 double loss_scale, float* dz, bool keep) {
   const float grad_scale = float(weight * loss_scale);
   const WeightGradDeferral::Scope now(nullptr);
-  float* logits = logits_.data();
+  float* logits = ws_->logits.data();
   if (keep) kept_logits_.resize(size_t(rows * Vl_));
   for (int64_t r0 = 0; r0 < rows; r0 += chunk_) {
     const int64_t c = std::min(chunk_, rows - r0);
@@ -353,20 +375,20 @@ double DeepSeekModel::head_loss(const float* z, const int32_t* targets, int64_t 
     linear_forward(env_, logits, zc, lm_head_, c, Vl_, H_);
     if (keep) be_.copy_to_host(kept_logits_.data() + r0 * Vl_, logits, c * Vl_ * int64_t(sizeof(float)));
     if (tp_ == 1) {
-      be_.cross_entropy(loss_rows_.data() + r0, logits, targets + r0, c, V_, grad_scale);
+      be_.cross_entropy(ws_->loss_rows.data() + r0, logits, targets + r0, c, V_, grad_scale);
     } else {
-      be_.cross_entropy_row_max(row_max_.data(), logits, c, Vl_);
-      coll_.tp_all_reduce_max(row_max_.data(), c);
-      be_.cross_entropy_row_sums(row_sums_.data(), logits, row_max_.data(), targets + r0, v0_, c, Vl_);
-      coll_.tp_all_reduce(row_sums_.data(), 2 * c);
-      be_.cross_entropy_finish(loss_rows_.data() + r0, logits, row_max_.data(), row_sums_.data(), targets + r0, v0_,
+      be_.cross_entropy_row_max(ws_->row_max.data(), logits, c, Vl_);
+      coll_.tp_all_reduce_max(ws_->row_max.data(), c);
+      be_.cross_entropy_row_sums(ws_->row_sums.data(), logits, ws_->row_max.data(), targets + r0, v0_, c, Vl_);
+      coll_.tp_all_reduce(ws_->row_sums.data(), 2 * c);
+      be_.cross_entropy_finish(ws_->loss_rows.data() + r0, logits, ws_->row_max.data(), ws_->row_sums.data(), targets + r0, v0_,
                                c, Vl_, grad_scale);
     }
     if (dz) linear_backward(env_, dz + r0 * H_, logits, zc, lm_head_, c, Vl_, H_);
     progress_.poll();
   }
   loss_host_.resize(size_t(rows));  // the loss is read on the host through the backend
-  be_.copy_to_host(loss_host_.data(), loss_rows_.data(), rows * int64_t(sizeof(float)));
+  be_.copy_to_host(loss_host_.data(), ws_->loss_rows.data(), rows * int64_t(sizeof(float)));
   double sum = 0;
   for (int64_t r = 0; r < rows; ++r) sum += loss_host_[size_t(r)];
   return sum * weight;
@@ -388,8 +410,8 @@ Losses DeepSeekModel::forward_stage(const int32_t* tokens, const float* h_in, co
     DS_CHECK(h_in, "a pipeline stage after the first needs the previous stage's output");
     be_.copy_strided(hidden_[0].data(), H_, h_in, H_, rows_, H_);
   } else if (sp_) {  // the lookup's sum over the ranks, scattered by token parts
-    be_.embedding_forward(tmp1_.data(), embed_table_, local_ids_.data(), N, H_);
-    coll_.tp_reduce_scatter_rows(hidden_[0].data(), tmp1_.data(), rows_, H_);
+    be_.embedding_forward(ws_->tmp1.data(), embed_table_, local_ids_.data(), N, H_);
+    coll_.tp_reduce_scatter_rows(hidden_[0].data(), ws_->tmp1.data(), rows_, H_);
   } else {
     const trace::Scope t("model", "forward embedding");
     embed(hidden_[0].data(), local_ids_.data(), N);
@@ -461,29 +483,29 @@ void DeepSeekModel::backward_stage(const float* dh_out) {
     if (!mtp_.empty()) mtp_backward(dz_.data());
     const float* dz = dz_.data() + (sp_ ? part_.first * H_ : 0);  // this rank's rows of the complete gradient
     if (sp_) {  // the final norm's weight gradient from this rank's tokens, summed over the ranks
-      be_.fill(norm_dw_.data(), 0.0f, H_);
-      be_.rmsnorm_backward(dh_.data(), norm_dw_.data(), dz, hidden_.back().data(), norm_.w, rstd_f_.data(), rows_, H_);
-      coll_.tp_all_reduce(norm_dw_.data(), H_);
-      be_.add(norm_.g, norm_dw_.data(), H_);
+      be_.fill(ws_->norm_dw.data(), 0.0f, H_);
+      be_.rmsnorm_backward(dh_->data(), ws_->norm_dw.data(), dz, hidden_.back().data(), norm_.w, rstd_f_.data(), rows_, H_);
+      coll_.tp_all_reduce(ws_->norm_dw.data(), H_);
+      be_.add(norm_.g, ws_->norm_dw.data(), H_);
     } else {
-      be_.rmsnorm_backward(dh_.data(), norm_.g, dz, hidden_.back().data(), norm_.w, rstd_f_.data(), rows_, H_);
+      be_.rmsnorm_backward(dh_->data(), norm_.g, dz, hidden_.back().data(), norm_.w, rstd_f_.data(), rows_, H_);
     }
     // The head and the MTP modules (which share lm_head) are final together.
     const int64_t D = int64_t(mtp_.size());
     for (int64_t l = L_ + D; l >= L_; --l) progress_.grads_final(l);
   } else {
     DS_CHECK(dh_out, "a pipeline stage before the last needs the next stage's input gradient");
-    be_.copy_strided(dh_.data(), H_, dh_out, H_, rows_, H_);
+    be_.copy_strided(dh_->data(), H_, dh_out, H_, rows_, H_);
   }
   for (int64_t j = int64_t(layers_.size()) - 1; j >= 0; --j) {
     const trace::Scope t("model", "backward layer", first_ + j);
-    layers_[size_t(j)]->backward(dh_.data(), hidden_[size_t(j)].data(), B_, S_, tmp1_.data(), tmp2_.data());
+    layers_[size_t(j)]->backward(dh_->data(), hidden_[size_t(j)].data(), B_, S_, ws_->tmp1.data(), ws_->tmp2.data());
     progress_.grads_final(first_ + j);
   }
   if (!has_embed_) return;
   const trace::Scope t("model", "backward embedding");
-  const float* dh0 = dh_.data();
-  if (sp_) coll_.tp_all_gather_rows(tmp1_.data(), dh_.data(), rows_, H_), dh0 = tmp1_.data();
+  const float* dh0 = dh_->data();
+  if (sp_) coll_.tp_all_gather_rows(ws_->tmp1.data(), dh_->data(), rows_, H_), dh0 = ws_->tmp1.data();
   be_.embedding_backward(embed_.g, dh0, local_ids_.data(), N, H_, Vl_);
   progress_.grads_final(-1);
 }
@@ -503,26 +525,26 @@ void DeepSeekModel::mtp_backward(float* dz) {
     // Its own head (the gradient of its normed states its forward made, summed over the ranks),
     // then the gradient module k+1 left in m.dh.
     coll_.tp_all_reduce(m.dz.data(), rows * H_);
-    be_.rmsnorm_backward(tmp2_.data(), m.head_norm.g, m.dz.data(), m.h.data(), m.head_norm.w,
+    be_.rmsnorm_backward(ws_->tmp2.data(), m.head_norm.g, m.dz.data(), m.h.data(), m.head_norm.w,
                          m.rstd_z.data(), rows, H_);
-    be_.add(m.dh.data(), tmp2_.data(), rows * H_);
-    m.layer->backward(m.dh.data(), m.m.data(), B_, n, tmp1_.data(), tmp2_.data());  // m.dh = dL/dm
-    scratch_.reset();
-    float* dcat = scratch_.take(rows * 2 * H_);
+    be_.add(m.dh.data(), ws_->tmp2.data(), rows * H_);
+    m.layer->backward(m.dh.data(), m.m.data(), B_, n, ws_->tmp1.data(), ws_->tmp2.data());  // m.dh = dL/dm
+    ws_->scratch.reset();
+    float* dcat = ws_->scratch.take(rows * 2 * H_);
     linear_backward(env_, dcat, m.dh.data(), m.cat.data(), m.eh_proj, rows, H_, 2 * H_);
     // Embedding half: enorm backward, then into this rank's rows of the shared embedding table.
-    be_.copy_strided(tmp1_.data(), H_, dcat, 2 * H_, rows, H_);
-    be_.rmsnorm_backward(tmp2_.data(), m.enorm.g, tmp1_.data(), m.e.data(), m.enorm.w,
+    be_.copy_strided(ws_->tmp1.data(), H_, dcat, 2 * H_, rows, H_);
+    be_.rmsnorm_backward(ws_->tmp2.data(), m.enorm.g, ws_->tmp1.data(), m.e.data(), m.enorm.w,
                          m.rstd_e.data(), rows, H_);
-    be_.embedding_backward(embed_.g, tmp2_.data(), m.ids.data(), rows, H_, Vl_);
+    be_.embedding_backward(embed_.g, ws_->tmp2.data(), m.ids.data(), rows, H_, Vl_);
     // Hidden half: hnorm backward, then into the first n positions of the previous hidden state.
-    be_.copy_strided(tmp1_.data(), H_, dcat + H_, 2 * H_, rows, H_);
-    be_.rmsnorm_backward(tmp2_.data(), m.hnorm.g, tmp1_.data(), m.hprev.data(), m.hnorm.w,
+    be_.copy_strided(ws_->tmp1.data(), H_, dcat + H_, 2 * H_, rows, H_);
+    be_.rmsnorm_backward(ws_->tmp2.data(), m.hnorm.g, ws_->tmp1.data(), m.hprev.data(), m.hnorm.w,
                          m.rstd_h.data(), rows, H_);
     float* dprev = k == 0 ? dz : mtp_[k - 1]->dh.data();
     const int64_t prev_len = n + 1;
     for (int64_t b = 0; b < B_; ++b)
-      be_.add_strided(dprev + b * prev_len * H_, H_, tmp2_.data() + b * n * H_, H_, n, H_);
+      be_.add_strided(dprev + b * prev_len * H_, H_, ws_->tmp2.data() + b * n * H_, H_, n, H_);
   }
 }
 

@@ -57,6 +57,23 @@ class DecoderLayer {
   kernels::DeviceArray<float> dw_;
 };
 
+// What a model instance needs only while it runs a forward or a backward, never between them:
+// the backward's scratch arena, the GEMMs' conversion workspaces, the expert-parallel backward
+// buffers, the [N, H] work buffers, the sequence-parallel gathers and one chunk of the head's
+// logits with their reductions. The instances one pipeline rank runs one at a time share one
+// (StageSpec::workspace; docs/design.md §7.4), which grows to the largest instance's needs —
+// so each micro-batch in flight holds only what its backward reads (its saved activations, the
+// head's input gradient, its input gradient on its way to the previous stage). A zero-bubble W
+// queue copies what it keeps from here (mark_workspace_volatile).
+struct InstanceWorkspace {
+  Scratch scratch;
+  std::unique_ptr<ComputeCast> cast;
+  EpBackwardBuffers ep;
+  kernels::DeviceArray<float> tmp1, tmp2, full, logits, row_max, row_sums, loss_rows, norm_dw;
+  kernels::DeviceArray<float> dh_first;  // the running gradient of a first stage's instance (never sent)
+  int64_t bytes() const;
+};
+
 // The part of the model one pipeline stage runs (docs/design.md §6.6): decoder layers
 // [first_layer, end_layer), the embedding on the first stage, the final norm, lm_head and the MTP
 // modules on the last. A last stage with MTP modules but without the embedding reads the
@@ -72,6 +89,9 @@ struct StageSpec {
   float* embed_g = nullptr;
   Recompute recompute = Recompute::kNone;
   int64_t recompute_layers = -1;
+  // Where the workspace lives: one for all instances of a pipeline rank (they run one at a
+  // time); null: the instance's own.
+  std::shared_ptr<InstanceWorkspace> workspace;
   // Where the recomputed buffers live: one arena for all instances of a pipeline rank (they run
   // one at a time); null: the instance's own.
   std::shared_ptr<RecomputeArena> recompute_arena;
@@ -105,7 +125,7 @@ class DeepSeekModel {
   // A pipeline stage's backward from `dh_out` (dL/d output(); null on the last stage), leaving
   // dL/dh_in in input_grad() (not on the first stage).
   void backward_stage(const float* dh_out);
-  const float* input_grad() const { return dh_.data(); }
+  const float* input_grad() const { return dh_->data(); }
   // Registers the buffers a backward pass overwrites as it goes (its workspace) with a deferral,
   // so that the weight-gradient GEMMs it queues copy what they read from them.
   void mark_workspace_volatile(WeightGradDeferral& d) const;
@@ -142,7 +162,11 @@ class DeepSeekModel {
   const ActivationStore& activation_store() const { return acts_; }
   // The same without the recompute arena (which other instances may share).
   int64_t own_activation_bytes() const;
-  int64_t workspace_bytes() const;
+  // The backward temporaries: this instance's own (the head's input gradient, its input
+  // gradient, the bias ones, the MTP modules' running gradients), and with the shared workspace.
+  int64_t own_workspace_bytes() const;
+  int64_t workspace_bytes() const { return own_workspace_bytes() + ws_->bytes(); }
+  const InstanceWorkspace& shared_workspace() const { return *ws_; }
   // Of the saved activations, the bytes of the norm and residual regions (the hidden states
   // between layers, the normed inputs, the residual sums): what sequence parallelism divides.
   int64_t residual_region_bytes() const;
@@ -165,8 +189,7 @@ class DeepSeekModel {
   Collectives& coll_;
   Progress progress_;
   LayerEnv env_, mtp_env_;  // the MTP modules' layers run without sequence parallelism
-  Scratch scratch_;
-  std::unique_ptr<ComputeCast> cast_;  // the GEMMs' conversions to the compute type
+  std::shared_ptr<InstanceWorkspace> ws_;  // scratch, conversions, work buffers: shared by a rank's instances
   ActivationStore acts_;
   kernels::DeviceArray<float> ones_;
   std::vector<float> loss_host_;  // the per-row losses, copied to the host
@@ -182,7 +205,6 @@ class DeepSeekModel {
   int64_t chunk_ = 0;        // token rows per chunk of the head (logits_ holds one chunk)
   WeightRef embed_, norm_, lm_head_;
   kernels::ConstView embed_table_;  // what the lookup reads: the fp32 table or its compute copy
-  EpBackwardBuffers ep_bwd_;  // the MoE layers' expert-parallel backward buffers, shared
   std::vector<std::unique_ptr<DecoderLayer>> layers_;
   std::vector<std::unique_ptr<Mtp>> mtp_;
   // The micro-batch's token ids and targets, made on the host from the batch and copied to the
@@ -191,8 +213,10 @@ class DeepSeekModel {
   kernels::DeviceArray<int32_t> local_ids_, targets_;
   // This instance's own buffers, on the backend's device (docs/design.md §6.1).
   std::vector<kernels::DeviceArray<float>> hidden_;  // h_first ... h_end, [rows, H] each
-  kernels::DeviceArray<float> z_, z_full_, rstd_f_, logits_, loss_rows_, row_max_, row_sums_, dz_, dh_, tmp1_, tmp2_,
-      full_, norm_dw_;
+  kernels::DeviceArray<float> z_, z_full_, rstd_f_, dz_, own_dh_;
+  // The backward's running gradient, dL/dh_in at the end: the instance's own where it is sent to
+  // the previous stage (asynchronously, so it outlives the backward), else the shared workspace's.
+  kernels::DeviceArray<float>* dh_ = &own_dh_;
   std::vector<float> kept_logits_;  // host copy
   bool keep_logits_ = false;
 };

@@ -1,6 +1,7 @@
 #include "engine/model/ffn.h"
 
 #include <fmt/format.h>
+#include <spdlog/spdlog.h>
 
 #include "engine/common/fault_inject.h"
 
@@ -43,7 +44,7 @@ void SwiGluMlp::backward(float* du, const float* dout, const float* u, int64_t N
   linear_backward(env_, du, dGU, u, gate_up_, N, 2 * w_, H_, beta);
 }
 
-MoeLayer::MoeLayer(const LayerEnv& env, const std::string& prefix, int64_t B, int64_t S) : env_(env) {
+MoeLayer::MoeLayer(const LayerEnv& env, const std::string& prefix, int64_t B, int64_t S) : env_(env), prefix_(prefix) {
   const config::ModelConfig& m = *env.cfg;
   H_ = m.hidden_size, E_ = m.num_routed(), k_ = m.num_experts_per_tok, I_ = m.moe_intermediate_size;
   rp_.num_experts = E_, rp_.top_k = k_, rp_.n_group = m.n_group, rp_.topk_group = m.topk_group;
@@ -80,8 +81,12 @@ MoeLayer::MoeLayer(const LayerEnv& env, const std::string& prefix, int64_t B, in
   scores_ = st.take(N * E_), w_ = st.take(N * k_), dscores_ = st.take(N * E_);
   // Under expert parallelism the dispatched rows are only sent: never read by backward.
   const kernels::DType lp = gemm_input_dtype(env);
-  Xp_ = st.take(N * k_ * H_, true, ep_ == 1 ? lp : kernels::DType::kF32), GUp_ = st.take(N * k_ * 2 * I_);
-  Mp_ = st.take(N * k_ * I_, true, lp);
+  // The experts' activations of the dispatched rows (GUp, Mp) exist only where the experts run
+  // here: under expert parallelism their owners hold them (GUe, Me).
+  // Under expert parallelism the dispatched rows are only sent: EpBackwardBuffers::Xs.
+  Xp_ = st.take(ep_ == 1 ? N * k_ * H_ : 0, true, lp);
+  GUp_ = st.take(ep_ == 1 ? N * k_ * 2 * I_ : 0);
+  Mp_ = st.take(ep_ == 1 ? N * k_ * I_ : 0, true, lp);
   Yp_ = st.take(N * k_ * H_);
   idx_dev_.resize(*env.be, N * k_), pos_dev_.resize(*env.be, N * k_), src_dev_.resize(*env.be, N * k_);
   counts_dev_.resize(*env.be, E_), counts32_.assign(size_t(E_), 0);
@@ -93,12 +98,13 @@ MoeLayer::MoeLayer(const LayerEnv& env, const std::string& prefix, int64_t B, in
   El_ = E_ / ep_, e0_ = env.coll->ep_rank() * El_;
   if (ep_ > 1) {  // sized for balanced routing (as many rows received as sent); grown when a step needs more
     Xr_ = st.take_dynamic(), Xe_ = st.take_dynamic(true), GUe_ = st.take_dynamic(), Me_ = st.take_dynamic(true);
-    Ye_ = st.take_dynamic(true), Yr_ = st.take_dynamic(true);
+    Ye_ = &env.ep_bwd->dYe, Yr_ = &env.ep_bwd->dYr;  // forward-only: in the backward buffers' space
     kernels::Backend& be = *env.be;
     const int64_t recv = N * k_;
+    stats_.recv_rows_balanced = recv;
     DS_CHECK(env.ep_bwd, "an expert-parallel MoE layer without its instance's backward buffers");
     EpBackwardBuffers& b = *env.ep_bwd;  // shared by the instance's MoE layers: reserve never shrinks
-    for (kernels::DeviceArray<float>* v : {Xr_, Xe_, Ye_, Yr_, &b.dYr, &b.dYe, &b.dXe, &b.dXr}) v->reserve(be, recv * H_);
+    for (kernels::DeviceArray<float>* v : {Xr_, Xe_, &b.dYr, &b.dYe, &b.Xs}) v->reserve(be, recv * H_);
     GUe_->reserve(be, recv * 2 * I_), b.dGUe.reserve(be, recv * 2 * I_);
     Me_->reserve(be, recv * I_), b.dMe.reserve(be, recv * I_);
   }
@@ -108,7 +114,10 @@ MoeLayer::MoeLayer(const LayerEnv& env, const std::string& prefix, int64_t B, in
 // The routed rows and the experts' activations straight into their saved type (16-bit: rounded
 // by the producing op, as a conversion of the fp32 values would round them).
 void MoeLayer::dispatch_rows(const float* u_part, int64_t rows) {
-  env_.be->gather_rows(Xp_.view(), u_part, src_dev_.data(), rows, H_);
+  if (ep_ == 1) return env_.be->gather_rows(Xp_.view(), u_part, src_dev_.data(), rows, H_);
+  kernels::DeviceArray<float>& xs = env_.ep_bwd->Xs;  // only sent
+  xs.resize(*env_.be, rows * H_);
+  env_.be->gather_rows(xs.data(), u_part, src_dev_.data(), rows, H_);
 }
 
 void MoeLayer::swiglu_into(kernels::View M, const float* GU, int64_t rows) {
@@ -132,7 +141,10 @@ void MoeLayer::recompute_selective(const float* u_part, int64_t N) {
 
 int64_t MoeLayer::scratch_floats(int64_t N) const {
   const int64_t rows = N * k_;
-  return rows * (2 * H_ + 3 * I_) + N * (k_ + 2 * E_) + E_ * H_ + (shared_ ? shared_->scratch_floats(N) : 0) + 192;
+  // (dM and dGU of the dispatched rows only where the experts run here; under expert
+  // parallelism they are the instance's EpBackwardBuffers)
+  return rows * (2 * H_ + (ep_ == 1 ? 3 * I_ : 0)) + N * (k_ + 2 * E_) + E_ * H_ +
+         (shared_ ? shared_->scratch_floats(N) : 0) + 192;
 }
 
 // Router, then the dispatch plan: rows sorted by (expert, token, slot), pos[t,j] = row of slot j,
@@ -215,9 +227,24 @@ void MoeLayer::forward(float* out_full, const float* u_full, const float* u_part
   // expert are already grouped by owner), run there grouped by local expert, and come back.
   plan_exchange(rows);
   const int64_t recv = recv_total_;
+  if (recv * H_ > Xr_->capacity()) {
+    // More rows than the receive side holds (it starts at balanced routing, which the plan
+    // counts): it grows once, with a quarter more room, and keeps that (no allocation in later
+    // steps unless the imbalance grows further) — said aloud, since the plan did not count it.
+    const int64_t room = recv + recv / 4;
+    spdlog::info("{}mlp (expert-parallel rank {}): its experts received {} rows, {:.2f}x the balanced {}; its "
+                 "receive buffers grow to {} rows",
+                 prefix_, env_.coll->ep_rank(), recv, double(recv) / double(stats_.recv_rows_balanced),
+                 stats_.recv_rows_balanced, room);
+    EpBackwardBuffers& b = *env_.ep_bwd;
+    for (kernels::DeviceArray<float>* v : {Xr_, Xe_, &b.dYr, &b.dYe}) v->reserve(be, room * H_);
+    GUe_->reserve(be, room * 2 * I_), b.dGUe.reserve(be, room * 2 * I_);
+    Me_->reserve(be, room * I_), b.dMe.reserve(be, room * I_);
+  }
   for (kernels::DeviceArray<float>* v : {Xr_, Xe_, Yr_, Ye_}) v->resize(be, recv * H_);
   GUe_->resize(be, recv * 2 * I_), Me_->resize(be, recv * I_);
-  auto dispatch = env_.coll->ep_all_to_all_v(Xr_->data(), scaled(recv_rows_, H_), Xp_.data(), scaled(send_rows_, H_));
+  auto dispatch =
+      env_.coll->ep_all_to_all_v(Xr_->data(), scaled(recv_rows_, H_), env_.ep_bwd->Xs.data(), scaled(send_rows_, H_));
   if (shared_) shared_->forward(out_full, u_full, N);  // while the rows travel
   else be.fill(out_full, 0.0f, N * H_);
   if (dispatch) dispatch->wait();
@@ -269,6 +296,7 @@ void MoeLayer::plan_exchange(int64_t rows) {
   eoffsets_.assign(size_t(El_ + 1), 0);
   for (int64_t le = 0; le < El_; ++le) eoffsets_[size_t(le + 1)] = eoffsets_[size_t(le)] + ecounts_[size_t(le)];
   recv_total_ = eoffsets_.back();
+  stats_.recv_rows_max = std::max(stats_.recv_rows_max, recv_total_);
   to_source_.resize(size_t(recv_total_)), to_expert_.resize(size_t(recv_total_));
   std::vector<int64_t> cursor(eoffsets_.begin(), eoffsets_.end() - 1);
   int64_t at = 0;  // row in the received (source-major) order
@@ -461,17 +489,19 @@ void MoeLayer::backward(float* du_full, const float* dout_full, const float* u_f
     // MoE layers (a zero-bubble W queue copies what it keeps from them).
     const int64_t recv = recv_total_;
     EpBackwardBuffers& b = *env_.ep_bwd;
-    for (kernels::DeviceArray<float>* v : {&b.dYr, &b.dYe, &b.dXe, &b.dXr}) v->resize(be, recv * H_);
+    for (kernels::DeviceArray<float>* v : {&b.dYr, &b.dYe}) v->resize(be, recv * H_);
     b.dMe.resize(be, recv * I_), b.dGUe.resize(be, recv * 2 * I_);
     auto out = env_.coll->ep_all_to_all_v(b.dYr.data(), scaled(recv_rows_, H_), dYp, scaled(send_rows_, H_));
     if (shared_) shared_->backward(du_full, dout_full, u_full, N, 0.0f);  // while the gradients travel
     else be.fill(du_full, 0.0f, N * H_);
     if (out) out->wait();
     be.gather_rows(b.dYe.data(), b.dYr.data(), to_source_dev_.data(), recv, H_);
-    experts_backward(b.dXe.data(), b.dYe.data(), kernels::f32(Xe_->data()), GUe_->data(), kernels::f32(Me_->data()),
+    float* dXe = b.dYr.data();  // dYr is read: its space takes the experts' input gradients
+    experts_backward(dXe, b.dYe.data(), kernels::f32(Xe_->data()), GUe_->data(), kernels::f32(Me_->data()),
                      b.dMe.data(), b.dGUe.data(), ecounts_.data(), eoffsets_.data(), e0_, El_, recv);
-    be.gather_rows(b.dXr.data(), b.dXe.data(), to_expert_dev_.data(), recv, H_);
-    auto back = env_.coll->ep_all_to_all_v(dXp, scaled(send_rows_, H_), b.dXr.data(), scaled(recv_rows_, H_));
+    float* dXr = b.dYe.data();  // and dYe's (read by the experts' backward; a W queue copied what it keeps)
+    be.gather_rows(dXr, dXe, to_expert_dev_.data(), recv, H_);
+    auto back = env_.coll->ep_all_to_all_v(dXp, scaled(send_rows_, H_), dXr, scaled(recv_rows_, H_));
     if (back) back->wait();
   }
   float* du_part = du_full + part.first * H_;

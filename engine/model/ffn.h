@@ -35,6 +35,9 @@ class SwiGluMlp {
 struct MoeStats {
   double aux_loss = 0.0;
   std::vector<int64_t> loads;  // [E], summed over forwards until cleared
+  // Under expert parallelism: the rows this rank's experts received in one forward, at most (the
+  // receive side's high water), against the balanced count its buffers were first sized for.
+  int64_t recv_rows_max = 0, recv_rows_balanced = 0;
 };
 
 // Scale of this micro-batch's losses within the global batch.
@@ -127,6 +130,7 @@ class MoeLayer {
   std::vector<int64_t> counts_, offsets_;
   int64_t routed_ = 0;  // tokens the last forward routed
   MoeStats stats_;
+  std::string prefix_;  // "model.layers.i."
   // Expert parallelism (ep_ > 1): this rank owns experts [e0_, e0_ + El_); the last forward's
   // exchange (rows to and from each rank, the received rows per local expert, the permutations
   // between the received order and the grouped one) and the owner side's saved activations

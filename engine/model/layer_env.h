@@ -37,6 +37,7 @@ class Scratch {
   }
   int64_t capacity() const { return buf_.bytes() / int64_t(sizeof(float)); }
   const float* data() const { return buf_.as<float>(); }
+  const kernels::DeviceBuffer& buffer() const { return buf_; }  // (replaced when reserve grows it)
 
  private:
   kernels::DeviceBuffer buf_;
@@ -229,15 +230,20 @@ class ComputeCast {
   kernels::DeviceBuffer buf_[kSlots];
 };
 
-// The expert-parallel backward buffers of a model instance's MoE layers (the owner side's
-// received output gradients, the experts' input gradients on their way back, and the experts'
-// dM, dGU): one set per instance, which its MoE layers share — one layer runs its backward at a
-// time — sized by the largest exchange (balanced routing at first, grown when a step receives
-// more). A zero-bubble W queue copies what it keeps from them (they are volatile:
-// DeepSeekModel::mark_workspace_volatile).
+// The expert-parallel backward buffers of a model instance's MoE layers: the owner side's
+// received output gradients (dYr, in the order received; dYe, grouped by expert), which then
+// hold the experts' input gradients on their way back (dXe in dYr's place once dYe is made,
+// dXr in dYe's once the experts' backward has read it), and the experts' dM, dGU. One set per
+// instance, which its MoE layers share — one layer runs its backward at a time — sized by the
+// largest exchange (balanced routing at first, grown when a step receives more). A zero-bubble W
+// queue copies what it keeps from them (they are volatile: DeepSeekModel::mark_workspace_volatile).
+// The forward's rows that no backward reads live here too: the rows this rank sends to the
+// experts' owners (Xs), and on the owner side the experts' outputs (Ye, in dYe's space) and
+// those outputs in the order they go back (Yr, in dYr's) — a layer's forward, or its
+// recomputation, ends before its backward begins.
 struct EpBackwardBuffers {
-  kernels::DeviceArray<float> dYr, dYe, dMe, dGUe, dXe, dXr;
-  int64_t bytes() const { return dYr.bytes() + dYe.bytes() + dXe.bytes() + dXr.bytes() + dMe.bytes() + dGUe.bytes(); }
+  kernels::DeviceArray<float> dYr, dYe, dMe, dGUe, Xs;
+  int64_t bytes() const { return dYr.bytes() + dYe.bytes() + dMe.bytes() + dGUe.bytes() + Xs.bytes(); }
 };
 
 struct LayerEnv {
@@ -253,9 +259,12 @@ struct LayerEnv {
   // Sequence parallelism in this layer: its input and output are this rank's token part only
   // (the MTP modules run without it).
   bool sp = false;
-  // Three [N, H] buffers for the whole micro-batch, shared by the layers (one runs at a time):
-  // the gathered inputs and the partial outputs of the tensor-parallel blocks.
-  float* full[3] = {nullptr, nullptr, nullptr};
+  // Sequence parallelism: three [N, H] buffers for the whole micro-batch, shared by the layers
+  // (one runs at a time) — the gathered inputs and the partial outputs of the tensor-parallel
+  // blocks — in `full` (the instances' shared workspace: its address is read at each use).
+  kernels::DeviceArray<float>* full = nullptr;
+  int64_t full_len = 0;  // N * H
+  float* full_at(int i) const { return full ? full->data() + i * full_len : nullptr; }
   ComputeCast* cast = nullptr;  // null or fp32: every GEMM in fp32
   EpBackwardBuffers* ep_bwd = nullptr;  // the instance's (MoE layers under expert parallelism)
   void poll() const {

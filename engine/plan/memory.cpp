@@ -75,14 +75,17 @@ LayerFloats layer_floats(const config::ModelConfig& m, int64_t index, int64_t N,
     }
     const int64_t n = (N + tp - 1) / tp;  // the most tokens a rank routes
     f.take(n * E), f.take(n * k), f.take(n * E);
-    f.take(n * k * H, true, ep == 1 ? cb : 4), f.take(n * k * 2 * I), f.take(n * k * I, true, cb), f.take(n * k * H);
+    // Xp, GUp, Mp, Yp (the first three only where the experts run here)
+    f.take(ep == 1 ? n * k * H : 0, true, cb), f.take(ep == 1 ? n * k * 2 * I : 0), f.take(ep == 1 ? n * k * I : 0, true, cb),
+        f.take(n * k * H);
     if (ep > 1) {
       const int64_t recv = n * k;  // balanced
-      f.dyn_always += recv * H + recv * 2 * I;                // Xr, GUe
-      f.dyn_selective += recv * H * 3 + recv * I;             // Xe, Ye, Yr, Me
-      f.ep_backward = recv * (4 * H + 3 * I);                 // dYr, dYe, dXe, dXr, dMe, dGUe
+      f.dyn_always += recv * H + recv * 2 * I;  // Xr, GUe
+      f.dyn_selective += recv * H + recv * I;   // Xe, Me
+      // dYr (Yr forward, dXe after), dYe (Ye forward, dXr after), dMe, dGUe; the sent rows Xs
+      f.ep_backward = recv * (2 * H + 3 * I) + n * k * H;
     }
-    ffn_scratch = N * k * (2 * H + 3 * I) + N * (k + 2 * E) + E * H + shared_scratch + 192;
+    ffn_scratch = N * k * (2 * H + (ep == 1 ? 3 * I : 0)) + N * (k + 2 * E) + E * H + shared_scratch + 192;
   } else {
     const int64_t w = m.intermediate_size / tp;
     f.take(N * 2 * w), f.take(N * w, true, cb);
@@ -142,8 +145,13 @@ ActivationMemory instance_activation_memory(const config::ModelConfig& m, const 
   }
   // Backward temporaries (engine/model/deepseek_model.cpp): scratch, dz, dh, two [N,H] buffers,
   // ones, per-row losses and one chunk's logits (last stage), the sequence-parallel gathers.
-  const int64_t work = scratch + N * H + rows * H + 2 * N * H + N + (s.has_head ? N + chunk * Vl : 0) +
-                       (sp ? 3 * N * H : 0) + ep_backward + mtp_dh;
+  // The instance's own (dz on the last stage, dh, ones, the MTP modules' gradients) and what a
+  // rank's instances share (model::InstanceWorkspace).
+  // (dh is shared on the first stage, which sends no input gradient)
+  const int64_t own = (s.has_head ? N * H : 0) + (s.has_embedding ? 0 : rows * H) + N + mtp_dh;
+  const int64_t shared_work = scratch + 2 * N * H + (s.has_head ? N + chunk * Vl : 0) + (sp ? 3 * N * H : 0) +
+                              ep_backward + (s.has_embedding ? rows * H : 0);
+  const int64_t work = own + shared_work;
   // Under bf16 / fp16 the GEMMs' conversion workspaces (engine/model/layer_env.h, ComputeCast),
   // each as large as the largest input it converted (balanced routing for the experts' rows):
   // slot 0 a GEMM input or output gradient, slot 1 a weight-gradient GEMM's input, slot 2 an
@@ -169,6 +177,7 @@ ActivationMemory instance_activation_memory(const config::ModelConfig& m, const 
   out.kept = double(kept) + 4.0 * double(dyn_kept + model);
   out.recomputed = double(shared) + 4.0 * double(dyn_shared_max);
   out.workspace = 4.0 * double(work) + double(s.compute_bytes == 2 ? 2 * cast : 0);
+  out.workspace_shared = 4.0 * double(shared_work) + double(s.compute_bytes == 2 ? 2 * cast : 0);
   return out;
 }
 

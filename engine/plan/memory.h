@@ -39,13 +39,19 @@ struct ActivationMemory {
   double kept = 0;        // saved buffers alive from forward to backward (hidden states, head, MTP)
   double recomputed = 0;  // the recomputing layers' shared buffers (the largest layer's)
   double workspace = 0;   // backward temporaries and the expert-parallel backward buffers
+  // Of the workspace, what the instances of a rank share (model::InstanceWorkspace: the scratch
+  // arena, conversions, work buffers, logits chunk, expert-parallel backward buffers); the rest
+  // is each instance's own (the head's and the input's gradients, the bias ones).
+  double workspace_shared = 0;
   double saved() const { return kept + recomputed; }
   double total() const { return saved() + workspace; }
   ActivationMemory& operator+=(const ActivationMemory& o) {
-    kept += o.kept, recomputed += o.recomputed, workspace += o.workspace;
+    kept += o.kept, recomputed += o.recomputed, workspace += o.workspace, workspace_shared += o.workspace_shared;
     return *this;
   }
-  ActivationMemory operator*(double f) const { return {kept * f, recomputed * f, workspace * f}; }
+  ActivationMemory operator*(double f) const {
+    return {kept * f, recomputed * f, workspace * f, workspace_shared * f};
+  }
 };
 
 // Under bf16 / fp16, whether the backend's attention core runs on 16-bit inputs (docs/design.md

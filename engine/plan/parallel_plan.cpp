@@ -85,18 +85,21 @@ int ParallelPlan::chunk_in_flight(int pp, int chunk) const {
 
 ActivationMemory ParallelPlan::activations(int pp, int64_t micro_batch, Native16 native) const {
   // The runtime builds one instance per chunk up front and more as the schedule holds more
-  // micro-batches of that chunk. The recomputed buffers live once per rank, shared by all its
-  // instances (sized for the largest chunk's layers).
+  // micro-batches of that chunk. The recomputed buffers and the shared workspace live once per
+  // rank, shared by all its instances (sized for the largest chunk's).
   ActivationMemory out;
-  double recomputed = 0;
+  double recomputed = 0, shared = 0;
   const std::vector<int> vs = virtual_stages_of(pp);
   for (int c = 0; c < int(vs.size()); ++c) {
     ActivationMemory m = instance_activations(vs[size_t(c)], micro_batch, native);
     recomputed = std::max(recomputed, m.recomputed);
+    shared = std::max(shared, m.workspace_shared);
     m.recomputed = 0;
+    m.workspace -= m.workspace_shared, m.workspace_shared = 0;
     out += m * double(chunk_in_flight(pp, c));
   }
   out.recomputed = recomputed;
+  out.workspace += shared, out.workspace_shared = shared;
   return out;
 }
 

@@ -1,6 +1,7 @@
 #include "engine/plan/report.h"
 
 #include <algorithm>
+#include <optional>
 #include <sstream>
 
 #include <fmt/format.h>
@@ -193,6 +194,27 @@ void memory_section(std::ostringstream& o, const ParallelPlan& p) {
                      human_bytes(one.workspace));
     if (p.degrees.pp > 1)
       o << fmt::format("; {} in flight: {}", p.in_flight(int(s)), human_bytes(p.activations(int(s)).total()));
+    o << "\n";
+  }
+  // What a rank of each stage needs in all, against memory_budget_gib where it is set: the rank
+  // and the part that overflows are named (a run over it is refused before it allocates:
+  // check_memory_fits, docs/design.md §7.4.1).
+  const std::optional<double> budget =
+      c.memory_budget_gib ? std::optional<double>(*c.memory_budget_gib * double(1ull << 30)) : std::nullopt;
+  o << fmt::format("  need per rank (state + activations){}:\n",
+                   budget ? fmt::format(", against memory_budget_gib {}", human_bytes(*budget)) : "");
+  for (size_t s = 0; s < ranks; ++s) {
+    const double state = p.memory(int(s), zero, prec).total();
+    const ActivationMemory a = p.activations(int(s));
+    const double need = state + a.total();
+    o << fmt::format("  stage {:<3} {} = state {} + saved activations {} + workspace {}", s, human_bytes(need),
+                     human_bytes(state), human_bytes(a.saved()), human_bytes(a.workspace));
+    if (budget && need > *budget) {
+      const double over = need - *budget;
+      const char* part = state > *budget ? "the model state alone" : a.saved() >= a.workspace ? "saved activations"
+                                                                                               : "workspace";
+      o << fmt::format("  OVER the budget by {} (largest part: {})", human_bytes(over), part);
+    }
     o << "\n";
   }
 }

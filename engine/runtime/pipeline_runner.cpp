@@ -70,6 +70,7 @@ PipelineRunner::PipelineRunner(const plan::ParallelPlan& plan, const RankGroups&
     ch.spec.recompute = model::recompute_mode(cfg.activation_checkpointing);
     ch.spec.recompute_layers = cfg.activation_checkpointing.num_layers.value_or(-1);
     ch.spec.recompute_arena = recompute_arena_;  // every instance of this rank, one at a time
+    ch.spec.workspace = workspace_;
     ch.spec.loss_chunk_rows = cfg.kernels.loss_chunk_tokens;
     chunks_.push_back(std::move(ch));
   }
@@ -158,9 +159,9 @@ int64_t PipelineRunner::deferred_copy_bytes_peak() const {
 }
 
 int64_t PipelineRunner::activation_bytes_held() const {
-  int64_t total = recompute_arena_->bytes();
+  int64_t total = recompute_arena_->bytes() + workspace_->bytes();
   for (const Chunk& ch : chunks_)
-    for (const auto& inst : ch.pool) total += inst->own_activation_bytes() + inst->workspace_bytes();
+    for (const auto& inst : ch.pool) total += inst->own_activation_bytes() + inst->own_workspace_bytes();
   return total;
 }
 

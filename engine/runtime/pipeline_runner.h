@@ -124,6 +124,8 @@ class PipelineRunner final : public model::BackwardObserver {
   std::vector<Chunk> chunks_;
   // The recomputed activations of every instance on this rank (docs/design.md §6.7).
   std::shared_ptr<model::RecomputeArena> recompute_arena_ = std::make_shared<model::RecomputeArena>();
+  // The instances' workspace (scratch, conversions, work buffers), one for the rank.
+  std::shared_ptr<model::InstanceWorkspace> workspace_ = std::make_shared<model::InstanceWorkspace>();
   std::unique_ptr<comm::Communicator> act_, grad_, embed_;
   std::map<std::pair<int, int>, int> active_;  // (micro, chunk) -> slot
   std::map<std::tuple<int, int, bool>, Pending> receives_;  // (micro, chunk, grad)

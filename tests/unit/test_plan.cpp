@@ -348,14 +348,20 @@ TEST(Plan, ChunkInFlightFollowsTheSchedule) {
   EXPECT_EQ(zb.chunk_in_flight(0, 0), 2);
   const ParallelPlan inter = plan_of("interleaved", 2);
   EXPECT_GE(inter.chunk_in_flight(0, 0) + inter.chunk_in_flight(0, 1), inter.in_flight(0));
-  // The plan's activations of a rank: each chunk's instances times its pool, plus one arena.
+  // The plan's activations of a rank: each chunk's instances times its pool, without the shared
+  // workspace, plus one recompute arena and one shared workspace (the largest chunk's).
   ActivationMemory want;
+  double shared = 0;
   for (int c = 0; c < 2; ++c) {
     ActivationMemory m = inter.instance_activations(inter.virtual_stages_of(0)[size_t(c)]);
-    m.recomputed = 0;
+    EXPECT_GT(m.workspace_shared, 0.0);
+    EXPECT_LT(m.workspace_shared, m.workspace);  // an instance keeps its own input gradient
+    shared = std::max(shared, m.workspace_shared);
+    m.recomputed = 0, m.workspace -= m.workspace_shared, m.workspace_shared = 0;
     want += m * double(inter.chunk_in_flight(0, c));
   }
-  EXPECT_DOUBLE_EQ(inter.activations(0).total(), want.total());
+  EXPECT_DOUBLE_EQ(inter.activations(0).total(), want.total() + shared);
+  EXPECT_DOUBLE_EQ(inter.activations(0).workspace_shared, shared);
 }
 
 // The expert-parallel backward buffers are one set per model instance, which its MoE layers
@@ -369,6 +375,40 @@ TEST(Plan, ExpertParallelBackwardBuffersAreSharedByTheLayers) {
   };
   EXPECT_GT(workspace(2), 0.0);
   EXPECT_DOUBLE_EQ(workspace(6), workspace(2));  // 5 MoE layers, then 1
+}
+
+// The presets plan within their GPUs (issue 43's targets; the presets' own settings: bf16, full
+// recomputation, ZeRO-1, micro-batch 1 x 4096): DeepSeek-V3 at the paper's layout (TP 1, PP 16,
+// EP 64 on 2048 ranks) at most 40 GiB on every rank, DeepSeek-V2-Lite on 8 ranks (EP 8) at most
+// 45 GiB — 16-bit state at 18 B/param, in-flight micro-batches that hold only their saved
+// activations, and one workspace per rank.
+TEST(Plan, PresetsFitTheirGpus) {
+  const auto worst = [](const std::string& file, int world) {
+    const ParallelPlan p = make_plan(config::load_config_file(file), world);
+    double need = 0;
+    for (int s = 0; s < p.degrees.pp; ++s) need = std::max(need, p.rank_need(s));
+    return need / double(1ull << 30);
+  };
+  const double v3 = worst("configs/deepseek-v3.yaml", 2048), lite = worst("configs/deepseek-v2-lite.yaml", 8);
+  EXPECT_LE(v3, 40.0);
+  EXPECT_GT(v3, 30.0);  // (the layout's real need, not an empty plan)
+  EXPECT_LE(lite, 45.0);
+  EXPECT_GT(lite, 39.0);  // its model state alone is 39.3 GiB
+}
+
+// memory_budget_gib under the plan's need: the dry run names the stage, by how much, and the part.
+TEST(Plan, TheDryRunNamesTheRankThatOverflowsItsBudget) {
+  const ParallelPlan p =
+      make_plan(config::load_config_file("configs/deepseek-v3.yaml", {"memory_budget_gib=35"}), 2048);
+  const std::string r = dry_run_report(p, {});
+  EXPECT_NE(r.find("against memory_budget_gib 35.00 GiB"), std::string::npos) << r;
+  EXPECT_NE(r.find("stage 0   "), std::string::npos);
+  const size_t line = r.find("\n  stage 0   ", r.find("need per rank"));
+  ASSERT_NE(line, std::string::npos) << r;
+  EXPECT_NE(r.substr(line, r.find('\n', line + 1) - line).find("OVER the budget by"), std::string::npos) << r;
+  const size_t mid = r.find("\n  stage 8   ", r.find("need per rank"));
+  ASSERT_NE(mid, std::string::npos);
+  EXPECT_EQ(r.substr(mid, r.find('\n', mid + 1) - mid).find("OVER"), std::string::npos) << r;
 }
 
 // What the backend runs on 16-bit inputs moves the plan's workspace, and only that: fp32
