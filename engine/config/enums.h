@@ -19,7 +19,7 @@ enum class TopkMethod { kNoauxTc, kGreedy, kGroupLimitedGreedy };
 enum class OptimizerType { kAdamW, kAdam };
 enum class SchedulerType { kWarmupLR, kWarmupDecayLR, kWarmupCosineLR };
 enum class WarmupType { kLog, kLinear };
-enum class DataFormat { kAuto, kText, kTokens };
+enum class DataFormat { kAuto, kText, kTokens, kMegatron };
 enum class PipelineScheduleKind { kGpipe, kOneFOneB, kInterleaved, kZbH1 };
 enum class CheckpointGranularity { kFull, kSelective };
 enum class CommDataType { kFp32, kFp16, kBf16 };
@@ -47,7 +47,7 @@ DSTRAIN_ENUM_NAMES(SchedulerType, {SchedulerType::kWarmupLR, "WarmupLR"},
                    {SchedulerType::kWarmupCosineLR, "WarmupCosineLR"});
 DSTRAIN_ENUM_NAMES(WarmupType, {WarmupType::kLog, "log"}, {WarmupType::kLinear, "linear"});
 DSTRAIN_ENUM_NAMES(DataFormat, {DataFormat::kAuto, "auto"}, {DataFormat::kText, "text"},
-                   {DataFormat::kTokens, "tokens"});
+                   {DataFormat::kTokens, "tokens"}, {DataFormat::kMegatron, "megatron"});
 DSTRAIN_ENUM_NAMES(PipelineScheduleKind, {PipelineScheduleKind::kGpipe, "gpipe"},
                    {PipelineScheduleKind::kOneFOneB, "1f1b"}, {PipelineScheduleKind::kInterleaved, "interleaved"},
                    {PipelineScheduleKind::kZbH1, "zb-h1"});

@@ -1,4 +1,5 @@
-// One-line meaning of every config key, shown by --config-reference and in the README.
+// One-line meaning of every config key, shown by --config-reference and in
+// docs/config-reference.md.
 // A unit test fails when a key of the schema has no entry here.
 #include "engine/config/yaml_io.h"
 
@@ -216,9 +217,15 @@ const std::string& key_meaning(const std::string& path) {
       {"parallel.comm_timeout_s",
        "seconds a collective may stay outstanding before the watchdog aborts the job with a report"},
       {"data.path",
-       "training data file (relative paths from the working directory)"},
+       "training data file (relative paths from the working directory); for Megatron's format the prefix, or its .idx "
+       "or .bin"},
+      {"data.paths",
+       "a blend of datasets as Megatron's --data-path: [weight, path, weight, path, ...], weights normalised; replaces "
+       "data.path when given"},
       {"data.format",
-       "auto: from the file's first bytes; text: raw bytes, token id = byte value; tokens: a dataset made by dstrain-prep"},
+       "auto: from the file's first bytes (a Megatron prefix by its .idx / .bin); text: raw bytes, token id = byte "
+       "value; tokens: a dataset made by dstrain-prep; megatron: Megatron-LM's indexed dataset (PREFIX.idx + "
+       "PREFIX.bin)"},
       {"data.eval_interval",
        "steps between validation-loss runs; 0 disables"},
       {"data.eval_iters",

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "engine/config/train_config.h"
@@ -32,6 +33,17 @@ std::vector<std::string> model_changes(const std::string& saved_json, const Mode
 
 // World-size-independent checks and defaults that depend on other keys (validate.cpp).
 void validate(TrainConfig& cfg);
+
+// data.path as a Megatron-LM indexed dataset's prefix: PREFIX, PREFIX.idx or PREFIX.bin -> PREFIX;
+// and whether a path names one (PREFIX.idx / PREFIX.bin, or a PREFIX beside an existing .idx).
+std::string megatron_prefix(const std::string& path);
+bool is_megatron_path(const std::string& path);
+bool is_hdf5_file(const std::string& path);
+// A data file's format: `format`, or under auto the file's own (as the config check resolves it).
+DataFormat data_format_of(const std::string& path, DataFormat format);
+// The datasets to train on with their normalised weights: data.paths' pairs (checked: an even
+// count of entries, positive weights), or data.path alone with weight 1.
+std::vector<std::pair<double, std::string>> data_blend(const TrainConfig& cfg);
 
 // "cfg.yaml:3:11: parallel.tensor: <message>" for errors raised after reading.
 [[noreturn]] void fail_at(const TrainConfig& cfg, const std::string& path, const std::string& message);

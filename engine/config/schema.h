@@ -203,6 +203,7 @@ void describe(V& v, ActivationCheckpointingConfig& c) {
 template <class V>
 void describe(V& v, DataConfig& c) {
   v.field("path", c.path, non_empty());
+  v.field("paths", c.paths);
   v.field("format", c.format);
   v.field("validation_fraction", c.validation_fraction, real_range(0.0, 0.5));
   v.field("eval_interval", c.eval_interval, at_least(0));

@@ -164,6 +164,9 @@ struct ActivationCheckpointingConfig {
 
 struct DataConfig {
   std::string path = "data/tinyshakespeare.txt";
+  // A blend, Megatron's --data-path semantics: weight, path, weight, path, ... (weights
+  // normalised); when given, it replaces `path`. Each dataset is read per data.format.
+  std::vector<std::string> paths;
   // text: raw bytes (token id = byte value); tokens: a dstrain-prep dataset (HDF5); auto: which
   // of the two the file is, from its first bytes (resolved when the config is loaded)
   DataFormat format = DataFormat::kAuto;

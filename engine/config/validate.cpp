@@ -1,4 +1,6 @@
 // Cross-key checks that do not depend on the world size, and defaults that depend on other keys.
+#include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -258,6 +260,45 @@ void validate_parallel(const TrainConfig& cfg) {
   }
 }
 
+// One data file checked against its format: the configured one, or under auto the file's own
+// (a Megatron prefix by its .idx / .bin, a dstrain-prep dataset by the HDF5 signature, else
+// text). Errors name `key`.
+DataFormat resolve_data_format(const TrainConfig& cfg, const char* key, const std::string& path, DataFormat format) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  // Megatron-LM's indexed dataset: the path is its prefix (or either file); both files must exist.
+  if (format == DataFormat::kMegatron || (format == DataFormat::kAuto && is_megatron_path(path))) {
+    const std::string prefix = megatron_prefix(path);
+    for (const char* ext : {".idx", ".bin"})
+      if (!fs::is_regular_file(prefix + ext, ec))
+        fail_at(cfg, key,
+                fmt::format("'{}{}' is not a readable file (working directory {}); valid: the prefix of a Megatron "
+                            "dataset whose .idx and .bin files exist",
+                            prefix, ext, fs::current_path(ec).string()));
+    return DataFormat::kMegatron;
+  }
+  if (!fs::is_regular_file(path, ec))
+    fail_at(cfg, key,
+            fmt::format("'{}' is not a readable file (working directory {}); valid: the path of "
+                        "the training data",
+                        path, fs::current_path(ec).string()));
+  if (fs::file_size(path, ec) == 0)
+    fail_at(cfg, key, fmt::format("'{}' is empty; valid: a file with training data", path));
+  const bool hdf5 = is_hdf5_file(path);  // a dstrain-prep dataset: its signature tells it from text
+  if (format == DataFormat::kAuto) return hdf5 ? DataFormat::kTokens : DataFormat::kText;
+  if (format == DataFormat::kText && hdf5)
+    fail_at(cfg, "data.format",
+            fmt::format("text, but '{}' is an HDF5 file (a dstrain-prep token dataset?): training on its "
+                        "bytes would be nonsense; valid: tokens, or auto",
+                        path));
+  if (format == DataFormat::kTokens && !hdf5)
+    fail_at(cfg, "data.format",
+            fmt::format("tokens, but '{}' is not an HDF5 file (dstrain-prep writes those); valid: text for "
+                        "raw text, or auto",
+                        path));
+  return format;
+}
+
 void validate_training(TrainConfig& cfg) {
   const auto& ts = cfg.monitor.trace_steps;
   if (ts.size() != 2 || ts[0] > ts[1])
@@ -284,31 +325,12 @@ void validate_training(TrainConfig& cfg) {
   }
   namespace fs = std::filesystem;
   std::error_code ec;
-  if (!fs::is_regular_file(cfg.data.path, ec))
-    fail_at(cfg, "data.path",
-            fmt::format("'{}' is not a readable file (working directory {}); valid: the path of "
-                        "the training data",
-                        cfg.data.path, fs::current_path(ec).string()));
-  if (fs::file_size(cfg.data.path, ec) == 0)
-    fail_at(cfg, "data.path", fmt::format("'{}' is empty; valid: a file with training data",
-                                          cfg.data.path));
-  // A dstrain-prep dataset is an HDF5 file: its signature tells it from text.
-  const bool hdf5 = [&] {
-    std::ifstream in(cfg.data.path, std::ios::binary);
-    char head[8] = {};
-    return in.read(head, 8) && std::memcmp(head, "\x89HDF\r\n\x1a\n", 8) == 0;
-  }();
-  if (cfg.data.format == DataFormat::kAuto) cfg.data.format = hdf5 ? DataFormat::kTokens : DataFormat::kText;
-  if (cfg.data.format == DataFormat::kText && hdf5)
-    fail_at(cfg, "data.format",
-            fmt::format("text, but '{}' is an HDF5 file (a dstrain-prep token dataset?): training on its "
-                        "bytes would be nonsense; valid: tokens, or auto",
-                        cfg.data.path));
-  if (cfg.data.format == DataFormat::kTokens && !hdf5)
-    fail_at(cfg, "data.format",
-            fmt::format("tokens, but '{}' is not an HDF5 file (dstrain-prep writes those); valid: text for "
-                        "raw text, or auto",
-                        cfg.data.path));
+  if (cfg.data.paths.empty()) {
+    cfg.data.format = resolve_data_format(cfg, "data.path", cfg.data.path, cfg.data.format);
+  } else {  // a blend: weight, path, weight, path, ... — each file checked; auto stays per file
+    const std::vector<std::pair<double, std::string>> blend = data_blend(cfg);
+    for (const auto& [w, path] : blend) resolve_data_format(cfg, "data.paths", path, cfg.data.format);
+  }
   const std::string& resume = cfg.checkpoint.resume;
   if (resume != "auto" && resume != "none" && !fs::exists(resume, ec))
     fail_at(cfg, "checkpoint.resume",
@@ -316,6 +338,52 @@ void validate_training(TrainConfig& cfg) {
 }
 
 }  // namespace
+
+bool is_hdf5_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  char head[8] = {};
+  return in.read(head, 8) && std::memcmp(head, "\x89HDF\r\n\x1a\n", 8) == 0;
+}
+
+DataFormat data_format_of(const std::string& path, DataFormat format) {
+  if (format != DataFormat::kAuto) return format;
+  if (is_megatron_path(path)) return DataFormat::kMegatron;
+  return is_hdf5_file(path) ? DataFormat::kTokens : DataFormat::kText;
+}
+
+std::vector<std::pair<double, std::string>> data_blend(const TrainConfig& cfg) {
+  const std::vector<std::string>& p = cfg.data.paths;
+  std::vector<std::pair<double, std::string>> out;
+  if (p.empty()) return {{1.0, cfg.data.path}};
+  if (p.size() % 2 != 0)
+    fail_at(cfg, "data.paths",
+            fmt::format("{} entries; valid: pairs of a weight and a path, as Megatron's --data-path 0.7 a 0.3 b",
+                        p.size()));
+  double total = 0;
+  for (size_t i = 0; i < p.size(); i += 2) {
+    char* end = nullptr;
+    const double w = std::strtod(p[i].c_str(), &end);
+    if (p[i].empty() || *end != '\0' || !(w > 0) || !std::isfinite(w))
+      fail_at(cfg, "data.paths",
+              fmt::format("entry {} is '{}' where a weight belongs; valid: pairs of a positive weight and a path", i + 1,
+                          printable(p[i], 60)));
+    out.emplace_back(w, p[i + 1]);
+    total += w;
+  }
+  for (auto& [w, path] : out) w /= total;
+  return out;
+}
+
+std::string megatron_prefix(const std::string& path) {
+  const auto ends = [&](const char* tail) { return path.size() >= 4 && path.compare(path.size() - 4, 4, tail) == 0; };
+  return ends(".idx") || ends(".bin") ? path.substr(0, path.size() - 4) : path;
+}
+
+bool is_megatron_path(const std::string& path) {
+  std::error_code ec;
+  if (megatron_prefix(path) != path) return true;
+  return !std::filesystem::is_regular_file(path, ec) && std::filesystem::is_regular_file(path + ".idx", ec);
+}
 
 void validate(TrainConfig& cfg) {
   validate_model(cfg);

@@ -249,6 +249,16 @@ std::vector<float> H5File::read_floats(const std::string& name, const std::strin
 std::vector<int32_t> H5File::read_ints(const std::string& name) const {
   return read_impl<int32_t>(file_, path_, name, H5T_NATIVE_INT32, shape(name));
 }
+void H5File::read_ints(const std::string& name, int64_t first, int64_t n, int32_t* out) const {
+  if (n <= 0) return;
+  Handle ds{check(H5Dopen2(file_, name.c_str(), H5P_DEFAULT), "open dataset " + name, path_), H5Dclose};
+  Handle file_space{H5Dget_space(ds.id), H5Sclose};
+  const hsize_t start = hsize_t(first), count = hsize_t(n);
+  check(H5Sselect_hyperslab(file_space.id, H5S_SELECT_SET, &start, nullptr, &count, nullptr), "select " + name, path_,
+        0);
+  Handle mem{check(H5Screate_simple(1, &count, nullptr), "memory space " + name, path_), H5Sclose};
+  check(H5Dread(ds.id, H5T_NATIVE_INT32, mem.id, file_space.id, H5P_DEFAULT, out), "read " + name, path_, 0);
+}
 std::vector<std::string> H5File::list(const std::string& group) const {
   Handle g{check(H5Gopen2(file_, group.c_str(), H5P_DEFAULT), "open group " + group, path_), H5Gclose};
   // One pass in the group's native order, sorted here: by-name indexed access to a group with

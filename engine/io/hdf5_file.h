@@ -49,6 +49,8 @@ class H5File {
   // "" when the dataset has no such attribute; throws when either cannot be read).
   std::vector<float> read_floats(const std::string& name, const std::string& attr, std::string* value) const;
   std::vector<int32_t> read_ints(const std::string& name) const;
+  // Elements [first, first + n) of a one-dimensional integer dataset, into out (a token window).
+  void read_ints(const std::string& name, int64_t first, int64_t n, int32_t* out) const;
   // Names of the datasets directly under group `group`.
   std::vector<std::string> list(const std::string& group) const;
 

@@ -725,10 +725,17 @@ void Trainer::report_op_breakdown() {
 TrainSummary Trainer::run() {
   const data::DatasetInfo& d = dataset_->info();
   if (rank_ == 0) {
-    spdlog::info("data {}: {} tokens ({}), {} train / {} validation samples of {} tokens; {} tokens per step",
-                 d.path, with_commas(d.tokens), d.tokenizer, with_commas(d.train_samples),
+    spdlog::info("data {}: {} tokens ({}{}), {} train / {} validation samples of {} tokens; {} tokens per step",
+                 d.path, with_commas(d.tokens), d.tokenizer,
+                 d.documents > 0 ? fmt::format(", {} documents", with_commas(d.documents)) : "",
+                 with_commas(d.train_samples),
                  with_commas(d.validation_samples), cfg_.seq_length + 1,
                  with_commas(plan_.batch.tokens_per_step()));
+    if (const auto shares = dataset_->blend(); shares.size() > 1)
+      for (const auto& s : shares)
+        spdlog::info("  blend {:5.1f}%  {}: {} tokens, {} train / {} validation samples", 100.0 * s.weight, s.info.path,
+                     with_commas(s.info.tokens), with_commas(s.info.train_samples),
+                     with_commas(s.info.validation_samples));
     if (const auto& a = plan_.auto_micro)
       spdlog::info("train_micro_batch_size_per_gpu auto: {} (x {} accumulation x {} data-parallel), planned {} per rank "
                    "of a {} budget{}",

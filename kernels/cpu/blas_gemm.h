@@ -21,7 +21,8 @@ inline void blas_gemm(double* C, const double* A, const double* B, int64_t M, in
 }
 
 // With leading dimensions (sub-matrices of strided tensors). Float goes to oneDNN (the faster
-// library here, see README), double to the CPU BLAS. Single-threaded inside OpenMP regions.
+// library here, see docs/design.md §12.3), double to the CPU BLAS. Single-threaded inside OpenMP
+// regions.
 inline void blas_gemm_ld(float* C, int64_t ldc, const float* A, int64_t lda, const float* B,
                          int64_t ldb, int64_t M, int64_t N, int64_t K, bool ta, bool tb,
                          float alpha, float beta) {

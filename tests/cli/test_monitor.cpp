@@ -266,5 +266,44 @@ TEST(Monitor, MemoryBreakdownPlannedAndMeasuredPerRank) {
   EXPECT_NE(t.out.find("largest now (rank)"), std::string::npos) << t.out;
 }
 
+// The plan is the truth (docs/design.md §7.4): on `small`, cheap layouts across precision,
+// recomputation, pipeline parallelism with four micro-batches in flight and ZeRO, every rank's
+// buffers after a step total within 10% of what the plan gives its stage — 16-bit state, one
+// workspace per pipeline rank, micro-batches in flight holding their saved activations. (ZeRO-2
+// is left out: it still holds the whole gradient buffer where the plan counts a shard.)
+TEST(Monitor, EveryRanksBuffersMatchThePlan) {
+  const std::string dir = fresh_dir("memory_plan");
+  const std::string base = " configs/small.yaml --resume none --set seq_length=128 --set train_batch_size=8"
+                           " --set checkpoint.dir=" + dir + "/ckpt --memory-breakdown";
+  const std::string full = " --set activation_checkpointing.enabled=true";
+  const std::string selective = full + " --set activation_checkpointing.granularity=selective";
+  const std::pair<std::string, std::string> cases[] = {
+      {"bf16 full recompute, PP 2, 4 micro-batches",
+       " --set bf16.enabled=true --set parallel.pipeline=2 --set train_micro_batch_size_per_gpu=2" + full},
+      {"fp16 selective, DP 2, ZeRO-1", " --set fp16.enabled=true --set zero_optimization.stage=1" + selective},
+      {"fp32, PP 2 interleaved, 4 micro-batches",
+       " --set parallel.pipeline=2 --set parallel.virtual_stages=2 --set parallel.pipeline_schedule=interleaved"
+       " --set train_micro_batch_size_per_gpu=2"},
+      {"bf16, DP 2, ZeRO-0", " --set bf16.enabled=true --set zero_optimization.stage=0"},
+  };
+  for (const auto& [name, extra] : cases) {
+    const Result r = run(mpirun(2) + kDstrain + base + extra);
+    ASSERT_EQ(r.rc, 0) << name << r.err;
+    const auto lines = lines_with(r.out, "total  ");
+    ASSERT_EQ(lines.size(), 1u) << name << r.out;
+    std::vector<double> f;  // r0 plan, r0 now, r1 plan, r1 now (MiB)
+    const std::regex figure(R"(([0-9.]+) (B|KiB|MiB|GiB))");
+    for (std::sregex_iterator it(lines[0].begin(), lines[0].end(), figure), end; it != end; ++it) {
+      const std::string unit = (*it)[2];
+      const double scale = unit == "B" ? 1.0 / 1048576 : unit == "KiB" ? 1.0 / 1024 : unit == "MiB" ? 1.0 : 1024.0;
+      f.push_back(std::stod((*it)[1]) * scale);
+    }
+    ASSERT_EQ(f.size(), 4u) << name << lines[0];
+    for (int rank = 0; rank < 2; ++rank)
+      EXPECT_NEAR(f[size_t(2 * rank + 1)], f[size_t(2 * rank)], 0.1 * f[size_t(2 * rank)])
+          << name << ", rank " << rank << ": " << lines[0];
+  }
+}
+
 }  // namespace
 }  // namespace dstrain::testing

@@ -214,6 +214,41 @@ TEST(Data, SampleOrderIsTheSameFor1And2And4DataParallelSlices) {
   }
 }
 
+// A blend too: each data-parallel rank, with its own dataset object reading only its slices, and
+// a run resumed mid-epoch at step 1,234 (a fresh object starting there), see the samples one rank
+// reading every position in order sees — dataset and sample.
+TEST(Data, BlendOrderIsTheSameFor1And2And4DataParallelSlicesAndOnResume) {
+  const std::string dir = ::testing::TempDir();
+  std::vector<int32_t> a(30000), b(9000);
+  for (size_t i = 0; i < a.size(); ++i) a[i] = int32_t(i % 256);
+  for (size_t i = 0; i < b.size(); ++i) b[i] = int32_t((i * 7) % 256);
+  data::write_token_dataset(dir + "/order_a.h5", a, 256, "bytes", "", "a");
+  data::write_token_dataset(dir + "/order_b.h5", b, 256, "bytes", "", "b");
+  const config::TrainConfig cfg =
+      tiny({"data.paths=[2, " + dir + "/order_a.h5, 1, " + dir + "/order_b.h5]"});
+  const int64_t G = 16;
+  const data::TokenDataset one(cfg);
+  for (int64_t step : {0, 7, 1234}) {
+    std::vector<std::pair<int, int64_t>> single;
+    for (int64_t i = 0; i < G; ++i) single.push_back(one.train_sample(data::TokenDataset::position(step, G, 0, 1, 0, G) + i));
+    const data::TokenDataset resumed(cfg);  // a fresh walk from this step
+    std::vector<std::pair<int, int64_t>> again;
+    for (int64_t i = 0; i < G; ++i) again.push_back(resumed.train_sample(data::TokenDataset::position(step, G, 0, 1, 0, G) + i));
+    EXPECT_EQ(again, single) << "resumed at step " << step;
+    for (int64_t dp : {2, 4}) {
+      const int64_t micro = 2, accum = G / dp / micro;
+      std::vector<std::pair<int, int64_t>> joined;
+      for (int64_t r = 0; r < dp; ++r) {
+        const data::TokenDataset rank(cfg);  // each rank its own
+        for (int64_t m = 0; m < accum; ++m)
+          for (int64_t j = 0; j < micro; ++j)
+            joined.push_back(rank.train_sample(data::TokenDataset::position(step, G, r, dp, m, micro) + j));
+      }
+      EXPECT_EQ(joined, single) << "dp " << dp << " step " << step;
+    }
+  }
+}
+
 TEST(Data, EachEpochVisitsEverySampleOnceInASeededOrder) {
   const data::TokenDataset ds(tiny());
   const int64_t n = ds.info().train_samples;

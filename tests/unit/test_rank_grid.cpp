@@ -98,7 +98,7 @@ TEST(RankGrid, TensorParallelRanksAreAdjacent) {
   }
 }
 
-// The worked example of TP=2 x PP=2 x DP=2 from the README.
+// The worked example of TP=2 x PP=2 x DP=2 from docs/design.md §2.1.
 TEST(RankGrid, Tp2Pp2Dp2Example) {
   const RankGrid g({2, 2, 2, 2});
   EXPECT_EQ(g.group(Axis::kTensor, 1), (std::vector<int>{2, 3}));

@@ -4,7 +4,11 @@
 //
 //   dstrain-prep --input FILE [--input FILE ...] --output DATA.h5
 //                [--tokenizer bytes|bpe] [--vocab-size N] [--tokenizer-file PATH] [--force]
+//                [--output-format dstrain|megatron]
 //
+// --output-format megatron writes Megatron-LM's indexed dataset instead (DATA.bin + DATA.idx,
+// --output naming the prefix; engine/data/indexed_dataset.h), one document per input file, which
+// Megatron and dstrain (data.format: megatron) both train on.
 // With --tokenizer bpe and no --tokenizer-file, a BPE of --vocab-size tokens is trained on the
 // inputs and saved as DATA.tokenizer; with --tokenizer-file, that tokenizer is applied as is.
 // Existing outputs are kept unless --force; a --vocab-size the inputs cannot reach (BPE stops
@@ -23,6 +27,8 @@
 #include "engine/common/host_memory.h"
 #include "engine/common/error.h"
 #include "engine/common/strings.h"
+#include "engine/config/load_config.h"
+#include "engine/data/indexed_dataset.h"
 #include "engine/data/token_dataset.h"
 #include "engine/data/tokenizer.h"
 
@@ -30,14 +36,15 @@ namespace {
 
 struct Args {
   std::vector<std::string> inputs;
-  std::string output, tokenizer = "bytes", tokenizer_file;
+  std::string output, tokenizer = "bytes", tokenizer_file, output_format = "dstrain";
   int64_t vocab_size = 0;
   bool force = false;
 };
 
 const char* kUsage =
     "usage: dstrain-prep --input FILE [--input FILE ...] --output DATA.h5\n"
-    "                    [--tokenizer bytes|bpe] [--vocab-size N] [--tokenizer-file PATH] [--force]\n";
+    "                    [--tokenizer bytes|bpe] [--vocab-size N] [--tokenizer-file PATH] [--force]\n"
+    "                    [--output-format dstrain|megatron]\n";
 
 Args parse(int argc, char** argv) {
   Args a;
@@ -57,6 +64,7 @@ Args parse(int argc, char** argv) {
     else if (k == "--output") a.output = v;
     else if (k == "--tokenizer") a.tokenizer = v;
     else if (k == "--tokenizer-file") a.tokenizer_file = v;
+    else if (k == "--output-format") a.output_format = v;
     else if (k == "--vocab-size") {
       char* end = nullptr;
       a.vocab_size = std::strtoll(v.c_str(), &end, 10);
@@ -67,6 +75,8 @@ Args parse(int argc, char** argv) {
   }
   if (a.inputs.empty() || a.output.empty())
     throw dstrain::ConfigError(fmt::format("--input and --output are required\n{}", kUsage));
+  if (a.output_format != "dstrain" && a.output_format != "megatron")
+    throw dstrain::ConfigError(fmt::format("--output-format {}: valid: dstrain, megatron", a.output_format));
   if (a.tokenizer != "bytes" && a.tokenizer != "bpe")
     throw dstrain::ConfigError(fmt::format("--tokenizer {}: valid: bytes, bpe", a.tokenizer));
   if (!a.tokenizer_file.empty() && a.tokenizer != "bpe")
@@ -112,14 +122,21 @@ int run(const Args& a) {
   const auto t0 = Clock::now();
   std::string text;
   std::error_code ec;
-  const std::filesystem::path out_path(a.output);
-  const std::filesystem::path tokenizer_path = out_path.parent_path() / (out_path.stem().string() + ".tokenizer");
-  refuse_overwriting_inputs(a, a.tokenizer == "bpe" ? std::vector<std::filesystem::path>{out_path, tokenizer_path}
-                                                    : std::vector<std::filesystem::path>{out_path});
-  for (const std::string& in : a.inputs) text += read_all(in);
+  const bool megatron = a.output_format == "megatron";
+  const std::string prefix = dstrain::config::megatron_prefix(a.output);  // (Megatron: the files' prefix)
+  const std::filesystem::path out_path(megatron ? prefix + ".bin" : a.output);
+  const std::filesystem::path tokenizer_path =
+      out_path.parent_path() / ((megatron ? std::filesystem::path(prefix).filename().string() : out_path.stem().string()) +
+                                ".tokenizer");
+  std::vector<std::filesystem::path> outputs = {out_path};
+  if (megatron) outputs.push_back(prefix + ".idx");
+  if (a.tokenizer == "bpe") outputs.push_back(tokenizer_path);
+  refuse_overwriting_inputs(a, outputs);
+  std::vector<std::string> documents;  // one per input file
+  for (const std::string& in : a.inputs) documents.push_back(read_all(in)), text += documents.back();
   if (text.empty()) throw dstrain::ConfigError("the inputs are empty");
-  for (const auto& p : {out_path, tokenizer_path})
-    if (!a.force && std::filesystem::exists(p, ec) && (p == out_path || (a.tokenizer == "bpe")))
+  for (const auto& p : outputs)
+    if (!a.force && std::filesystem::exists(p, ec))
       throw dstrain::ConfigError(fmt::format("{} exists already; valid: another --output, or --force to replace it",
                                              p.string()));
   const auto parent = out_path.parent_path();
@@ -127,8 +144,11 @@ int run(const Args& a) {
   std::vector<int32_t> tokens;
   int64_t vocab = 256;
   std::string tok_file;
+  std::vector<std::vector<int32_t>> docs;  // (Megatron: each input file encoded on its own)
   if (a.tokenizer == "bytes") {
     tokens = dstrain::data::ByteTokenizer().encode(text);
+    if (megatron)
+      for (const std::string& d : documents) docs.push_back(dstrain::data::ByteTokenizer().encode(d));
   } else {
     dstrain::data::BpeTokenizer bpe = a.tokenizer_file.empty()
                                           ? dstrain::data::BpeTokenizer::train(text, a.vocab_size)
@@ -143,12 +163,19 @@ int run(const Args& a) {
     tokens = bpe.encode(text);
     vocab = bpe.vocab_size();
     if (bpe.decode(tokens) != text) throw dstrain::Error("BPE round trip failed: decode(encode(text)) != text");
+    if (megatron)
+      for (const std::string& d : documents) docs.push_back(bpe.encode(d));
   }
-  dstrain::data::write_token_dataset(a.output, tokens, vocab, a.tokenizer, tok_file,
-                                     dstrain::join(a.inputs, "\n"));
+  if (megatron) {  // one document per input file
+    tokens.clear();
+    for (const auto& d : docs) tokens.insert(tokens.end(), d.begin(), d.end());
+    dstrain::data::write_megatron_dataset(prefix, docs, vocab);
+  } else {
+    dstrain::data::write_token_dataset(a.output, tokens, vocab, a.tokenizer, tok_file, dstrain::join(a.inputs, "\n"));
+  }
   const double secs = std::chrono::duration<double>(Clock::now() - t0).count();
   std::printf("%s: %s tokens from %s bytes (%.2f bytes/token), vocab %ld (%s%s), %.1f s\n",
-              a.output.c_str(), dstrain::with_commas(int64_t(tokens.size())).c_str(),
+              megatron ? (prefix + ".bin/.idx (Megatron)").c_str() : a.output.c_str(), dstrain::with_commas(int64_t(tokens.size())).c_str(),
               dstrain::with_commas(int64_t(text.size())).c_str(), double(text.size()) / double(tokens.size()),
               long(vocab), a.tokenizer.c_str(), tok_file.empty() ? "" : (", " + tok_file).c_str(), secs);
   return 0;
