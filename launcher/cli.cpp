@@ -24,7 +24,8 @@ options:
                         communication buffers), planned and measured, then exit
   --threads N           CPU threads (default: all cores, or OMP_NUM_THREADS)
   --check-comm          build every process group's communicator, check its members, and exit
-  --ranks-needed        print the rank count the config needs (parallel.data must be a number)
+  --ranks-needed        print the rank count the config needs (parallel.data a number, or auto
+                        with --world-size SLOTS: every slot)
   --config-reference    print every config key (type, default, valid values) as Markdown
   --version             print the version
   -h, --help            this help
@@ -86,9 +87,9 @@ Options parse_args(const std::vector<std::string>& args) {
   }
   if (!o.help && !o.version && !o.config_reference && o.config_path.empty())
     throw std::invalid_argument("no config file given (see dstrain --help)");
-  if (o.world_size && !o.dry_run && !o.print_config)
-    throw std::invalid_argument("--world-size plans for another rank count; use it with --dry-run "
-                                "or --print-config");
+  if (o.world_size && !o.dry_run && !o.print_config && !o.ranks_needed)
+    throw std::invalid_argument("--world-size plans for another rank count; use it with --dry-run, "
+                                "--print-config or --ranks-needed");
   return o;
 }
 

@@ -109,15 +109,28 @@ void report_groups(const plan::ParallelPlan& p, int rank, int world,
                            world, groups.size());
 }
 
-// --ranks-needed: what dsrun passes to mpirun -np. Needs no MPI.
+// --ranks-needed: what dsrun passes to mpirun -np. Needs no MPI. With --world-size SLOTS (the
+// slots a hostfile offers) and parallel.data: auto, every slot — as DeepSpeed's launcher uses
+// them — when tensor x pipeline divides their count.
 int print_ranks_needed(const launcher::Options& opts) {
   try {
     const config::TrainConfig cfg = config::load_config_file(opts.config_path, opts.overrides);
     const config::ParallelConfig& p = cfg.parallel;
+    if (p.data.is_auto() && opts.world_size) {
+      const int64_t model = p.tensor * p.pipeline, slots = *opts.world_size;
+      if (slots % model != 0)
+        config::fail_at(cfg, "parallel.data",
+                        fmt::format("auto over the hostfile's {} slots, which tensor x pipeline = {} does not divide; "
+                                    "valid: a slot count that is a multiple of {}, or -np N",
+                                    slots, model, model));
+      std::cout << slots << "\n";
+      return 0;
+    }
     if (p.data.is_auto())
       config::fail_at(cfg, "parallel.data",
                       "auto, so the rank count is whatever mpirun starts; valid: a number to size "
-                      "the job from the config, or pass the rank count yourself (dsrun -np N)");
+                      "the job from the config, a --hostfile (every slot), or the rank count yourself "
+                      "(dsrun -np N)");
     std::cout << p.tensor * p.pipeline * p.data.value << "\n";
     return 0;
   } catch (const Error& e) {

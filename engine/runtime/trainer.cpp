@@ -595,6 +595,15 @@ void Trainer::log_memory_breakdown(bool all_ranks) {
   }
   table += fmt::format("\n{:<24}", gpu ? "GPU pool peak" : "process peak RSS");
   for (int r : shown) table += fmt::format(" | {:>11} {:>11}", "", human_bytes(all[size_t(r * kFigures + 2 * kKinds)]));
+  // Under expert parallelism: the receive side's high water on this rank against the balanced
+  // routing the plan counts (the buffers grow past it, with room, when routing is uneven).
+  int64_t most = 0, balanced = 0;
+  for (auto* moe : engine_.pipeline->all_moe_layers())
+    if (moe->stats().recv_rows_max > most) most = moe->stats().recv_rows_max, balanced = moe->stats().recv_rows_balanced;
+  if (most > 0)
+    table += fmt::format("\nexpert-parallel receive high water on r0: {} rows in one layer ({:.2f}x the balanced {} the "
+                         "plan counts)",
+                         with_commas(most), double(most) / double(balanced), with_commas(balanced));
   spdlog::info("memory breakdown (plan: the plan's figures for the rank's stage; now: its buffers after step {}):\n{}",
                start_step_ + 1, table);
 }

@@ -44,6 +44,32 @@ TEST(Dsrun, HostfileNamingThisMachineTwiceTrainsOnBoth) {
   EXPECT_NE(r.out.find("x 2 data-parallel ranks"), std::string::npos) << r.out;
 }
 
+// As DeepSpeed's launcher: with a hostfile and no -np every chosen slot is a rank, and
+// parallel.data: auto takes slots / (tensor x pipeline); -np beyond the slots is refused in one
+// line, below them the job runs on the first slots; where the ranks go is printed.
+TEST(Dsrun, HostfileSlotsSetTheWorld) {
+  const std::string dir = fresh_dir("dsrun_slots");
+  const std::string hf = write(dir + "/hostfile", "localhost slots=2\n");
+  const std::string job = train_cmd(dir, "slots", 2, "--resume none --set parallel.data=auto").substr(kDstrain.size() + 1);
+  Result r = run(kDsrun + " --hostfile " + hf + " " + job);
+  ASSERT_EQ(r.rc, 0) << r.err;
+  EXPECT_NE(mpirun_line(r).find(" -np 2 "), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("dsrun: 2 ranks of 2 chosen slots: localhost 2 of 2 slots"), std::string::npos) << r.err;
+  EXPECT_NE(r.out.find("x 2 data-parallel ranks"), std::string::npos) << r.out;
+  r = run(kDsrun + " --dry-run -np 1 --hostfile " + hf + " configs/tiny.yaml");
+  EXPECT_EQ(r.rc, 0) << r.err;
+  EXPECT_NE(r.err.find("dsrun: 1 ranks of 2 chosen slots: localhost 1 of 2 slots"), std::string::npos) << r.err;
+  r = run(kDsrun + " --dry-run -np 3 --hostfile " + hf + " configs/tiny.yaml");
+  EXPECT_EQ(r.rc, 2);
+  EXPECT_NE(r.err.find("the job needs 3 ranks but the chosen hosts offer 2 slots"), std::string::npos) << r.err;
+  const std::string three = write(dir + "/three", "localhost slots=3\n");
+  r = run(kDsrun + " --dry-run --hostfile " + three + " configs/tiny.yaml --set parallel.tensor=2");
+  EXPECT_NE(r.rc, 0);
+  EXPECT_NE(r.err.find("auto over the hostfile's 3 slots, which tensor x pipeline = 2 does not divide"),
+            std::string::npos) << r.err;
+  EXPECT_EQ(count(r.err, "\n"), 1) << r.err;  // one line
+}
+
 TEST(Dsrun, IncludeExcludeSlotsBindingAndEnvironment) {
   const std::string dir = fresh_dir("dsrun_dry");
   const std::string hf = write(dir + "/hostfile", "node1 slots=4\nnode2 slots=4\nnode3 slots=2\n");
