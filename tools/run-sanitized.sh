@@ -11,14 +11,14 @@ cmake --preset sanitize >/dev/null
 # Only what the stage runs: the unit and command-line test binaries, the executables test_cli
 # starts, and the fuzz targets (the kernel / model / MPI test binaries run in the main suite).
 cmake --build --preset sanitize --target test_unit test_cli dstrain dstrain-ckpt dstrain-prep dstrain-bench dstrain-report \
-  fuzz_config fuzz_tokenizer fuzz_checkpoint
+  fuzz_config fuzz_tokenizer fuzz_checkpoint fuzz_safetensors
 ctest --preset sanitize "$@"
 seconds=${DSTRAIN_FUZZ_SECONDS:-12}
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 crashes=build-sanitize/fuzz-crashes  # inputs that made a target fail are kept here
 mkdir -p "$crashes"
-for target in config tokenizer checkpoint; do
+for target in config tokenizer checkpoint safetensors; do
   mkdir -p "$work/$target"  # new inputs go here; the committed seed corpus stays as it is
   echo "fuzz_$target: ${seconds} s"
   ASAN_OPTIONS=detect_leaks=0 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \

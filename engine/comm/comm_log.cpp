@@ -85,6 +85,14 @@ class LoggedCommunicator final : public Communicator {
   std::unique_ptr<Work> all_reduce(int64_t* buf, int64_t n, ReduceOp op) override {
     return logged("all_reduce_i64", buf, 8.0 * double(n), [&] { return in_->all_reduce(buf, n, op); });
   }
+  std::unique_ptr<Work> all_reduce(uint16_t* buf, int64_t n, Half type, ReduceOp op) override {
+    return logged("all_reduce", buf, 2.0 * double(n), [&] { return in_->all_reduce(buf, n, type, op); }, true);
+  }
+  std::unique_ptr<Work> reduce_scatter_v(uint16_t* buf, const std::vector<int64_t>& counts, Half type,
+                                         ReduceOp op) override {
+    return logged("reduce_scatter", buf, 2.0 * double(total(counts)),
+                  [&] { return in_->reduce_scatter_v(buf, counts, type, op); }, true);
+  }
   std::unique_ptr<Work> reduce_scatter(float* out, const float* in, int64_t n, ReduceOp op) override {
     return logged("reduce_scatter", in, 4.0 * double(n) * size(), [&] { return in_->reduce_scatter(out, in, n, op); });
   }

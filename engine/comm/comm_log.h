@@ -4,7 +4,7 @@
 // is counted per (group, operation) in the process's CommLog while it is enabled, and recorded
 // as an async trace event (engine/common/trace.h) while a trace records.
 //
-// Operations are named all_reduce (floats), all_reduce_f64 / all_reduce_i64 (doubles, integers:
+// Operations are named all_reduce (floats, or 16-bit values: 2 bytes each), all_reduce_f64 / all_reduce_i64 (doubles, integers:
 // the scalars and counts), reduce_scatter, all_gather (also the -v forms), all_to_all, send,
 // recv, broadcast, barrier. Sizes and bandwidths follow nccl-tests: an operation's size is the bytes of the whole buffer
 // it produces or consumes on a rank — all-reduce and broadcast: the buffer; reduce-scatter and

@@ -21,6 +21,11 @@ namespace dstrain::comm {
 
 enum class ReduceOp { kSum, kMax };
 
+// The 16-bit floating-point types a reduction carries on the wire: bf16 or IEEE fp16 values as
+// their bit patterns (uint16_t), as dstrain/kernels/half.h converts them.
+enum class Half : uint8_t { kBf16, kFp16 };
+inline const char* to_string(Half h) { return h == Half::kBf16 ? "bf16" : "fp16"; }
+
 class Work {
  public:
   virtual ~Work() = default;
@@ -47,6 +52,16 @@ class Communicator {
   virtual std::unique_ptr<Work> all_reduce(float* buf, int64_t n, ReduceOp op) = 0;
   virtual std::unique_ptr<Work> all_reduce(double* buf, int64_t n, ReduceOp op) = 0;
   virtual std::unique_ptr<Work> all_reduce(int64_t* buf, int64_t n, ReduceOp op) = 0;
+  // The same two reductions over 16-bit values (communication_data_type: bf16 / fp16): what
+  // crosses between ranks is 16-bit, half the bytes of fp32. Every addition is done in fp32 and
+  // rounded back to the 16-bit type (to nearest even). Where the sum is taken: over MPI through
+  // registered peer memory, each block's owner adds every rank's values in fp32 in rank order
+  // and rounds once — bit for bit the fp32 reduction of the 16-bit inputs, rounded; over MPI
+  // messages, a ring: the partial sum is rounded at each of its size() - 1 hops; NCCL: its own
+  // bf16 / fp16 sums.
+  virtual std::unique_ptr<Work> all_reduce(uint16_t* buf, int64_t n, Half type, ReduceOp op) = 0;
+  virtual std::unique_ptr<Work> reduce_scatter_v(uint16_t* buf, const std::vector<int64_t>& counts, Half type,
+                                                 ReduceOp op) = 0;
   // out[n] = this rank's block of the reduction of in[n * size] (block r to rank r).
   virtual std::unique_ptr<Work> reduce_scatter(float* out, const float* in, int64_t n, ReduceOp op) = 0;
   // In place, blocks of unequal size: buf holds size() consecutive blocks of counts[p] floats;

@@ -1,7 +1,8 @@
 // The host implementation of Communicator over MPI.
 //
-// Large float reductions (all-reduce, reduce-scatter-v) and gathers (all-gather-v) are rings of
-// point-to-point messages driven by a small state machine, not MPI's non-blocking collectives:
+// Large float reductions (all-reduce, reduce-scatter-v), every 16-bit one (MPI has no bf16 /
+// fp16 sum), and gathers (all-gather-v) are rings of point-to-point messages driven by a small
+// state machine, not MPI's non-blocking collectives:
 // Open MPI's allocate a message-sized temporary on every call (an mmap and fresh page faults
 // for large ones, docs/design.md §9) and only advance inside MPI calls, so a ring we
 // step ourselves — reusing pooled receive buffers and reducing as each piece arrives — is both
@@ -19,8 +20,10 @@
 #include <cstdio>
 #include <cstdlib>
 #include <climits>
+#include <cstring>
 #include <thread>
 
+#include "dstrain/kernels/half.h"
 #include "engine/common/shared_memory.h"
 
 #include "engine/comm/mpi_communicator.h"
@@ -31,12 +34,69 @@ namespace dstrain::comm {
 namespace {
 
 constexpr int64_t kRingMinBytes = kMpiRingMinBytes;  // below this, one MPI_Iallreduce (latency-bound)
-constexpr int64_t kChunkFloats = 4 << 20;    // 16 MiB of floats per ring chunk
+constexpr int64_t kChunkElems = 4 << 20;     // elements per ring chunk: 16 MiB of floats
 constexpr int kUserTag = 0;                  // point-to-point messages; rings use 1..kMaxRingTag
 constexpr int kMaxRingTag = 32000;           // MPI guarantees tags up to 32767
 
 MPI_Op mpi_op(ReduceOp op) { return op == ReduceOp::kMax ? MPI_MAX : MPI_SUM; }
 int mod(int a, int n) { return ((a % n) + n) % n; }
+
+// The element types of the reductions and gathers this file runs itself: fp32, and the 16-bit
+// types of communication_data_type (summed in fp32, rounded back).
+enum class Elem : uint8_t { kF32, kBf16, kFp16 };
+Elem elem_of(Half h) { return h == Half::kBf16 ? Elem::kBf16 : Elem::kFp16; }
+int64_t elem_bytes(Elem e) { return e == Elem::kF32 ? 4 : 2; }
+MPI_Datatype mpi_type(Elem e) { return e == Elem::kF32 ? MPI_FLOAT : MPI_UINT16_T; }
+const char* elem_name(Elem e) { return e == Elem::kF32 ? "floats" : e == Elem::kBf16 ? "bf16" : "fp16"; }
+
+template <class Widen, class Narrow>
+void combine16(ReduceOp op, uint16_t* y, const uint16_t* x, int64_t n, Widen widen, Narrow narrow) {
+  if (op == ReduceOp::kSum) {
+    for (int64_t i = 0; i < n; ++i) y[i] = narrow(widen(y[i]) + widen(x[i]));
+  } else {
+    for (int64_t i = 0; i < n; ++i) y[i] = narrow(std::max(widen(y[i]), widen(x[i])));
+  }
+}
+
+// y[i] = y[i] op x[i] over n elements of type e; 16-bit ones in fp32, rounded back.
+void combine(Elem e, ReduceOp op, void* yv, const void* xv, int64_t n) {
+  if (e == Elem::kF32) {
+    float* y = static_cast<float*>(yv);
+    const float* x = static_cast<const float*>(xv);
+    if (op == ReduceOp::kSum) {
+      for (int64_t i = 0; i < n; ++i) y[i] += x[i];
+    } else {
+      for (int64_t i = 0; i < n; ++i) y[i] = std::max(y[i], x[i]);
+    }
+    return;
+  }
+  uint16_t* y = static_cast<uint16_t*>(yv);
+  const uint16_t* x = static_cast<const uint16_t*>(xv);
+  if (e == Elem::kBf16) combine16(op, y, x, n, kernels::from_bf16, kernels::to_bf16);
+  else combine16(op, y, x, n, kernels::from_fp16, kernels::to_fp16);
+}
+
+// y[i] = the reduction of src[0][i], src[1][i], ... taken in fp32 in that order, rounded once
+// to the 16-bit type: a block's owner reducing every rank's copy read through peer memory.
+template <class Widen, class Narrow>
+void reduce_rows16(ReduceOp op, uint16_t* y, const std::vector<const uint16_t*>& src, int64_t n, Widen widen,
+                   Narrow narrow) {
+  constexpr int64_t kTile = 2048;
+  float acc[kTile];
+  for (int64_t t = 0; t < n; t += kTile) {
+    const int64_t m = std::min(kTile, n - t);
+    for (int64_t i = 0; i < m; ++i) acc[i] = widen(src[0][t + i]);
+    for (size_t q = 1; q < src.size(); ++q) {
+      const uint16_t* x = src[q] + t;
+      if (op == ReduceOp::kSum) {
+        for (int64_t i = 0; i < m; ++i) acc[i] += widen(x[i]);
+      } else {
+        for (int64_t i = 0; i < m; ++i) acc[i] = std::max(acc[i], widen(x[i]));
+      }
+    }
+    for (int64_t i = 0; i < m; ++i) y[t + i] = narrow(acc[i]);
+  }
+}
 
 class MpiCommunicator;
 
@@ -106,8 +166,15 @@ class MpiCommunicator final : public Communicator {
   std::unique_ptr<Work> all_reduce(int64_t* buf, int64_t n, ReduceOp op) override {
     return small_all_reduce(buf, n, MPI_INT64_T, op);
   }
+  std::unique_ptr<Work> all_reduce(uint16_t* buf, int64_t n, Half type, ReduceOp op) override {
+    return large_all_reduce(buf, elem_of(type), n, op);  // (always the ring or peer memory: MPI has no 16-bit sum)
+  }
   std::unique_ptr<Work> reduce_scatter(float* out, const float* in, int64_t n, ReduceOp op) override;
   std::unique_ptr<Work> reduce_scatter_v(float* buf, const std::vector<int64_t>& counts, ReduceOp op) override;
+  std::unique_ptr<Work> reduce_scatter_v(uint16_t* buf, const std::vector<int64_t>& counts, Half type,
+                                         ReduceOp op) override {
+    return blocks_in_place("reduce_scatter_v", buf, elem_of(type), counts, true, false, op);
+  }
   std::unique_ptr<Work> all_gather(float* out, const float* in, int64_t n) override;
   std::unique_ptr<Work> all_gather_v(float* buf, const std::vector<int64_t>& counts) override;
   std::unique_ptr<Work> all_to_all_v(float* out, const std::vector<int64_t>& out_counts, const float* in,
@@ -134,21 +201,26 @@ class MpiCommunicator final : public Communicator {
   }
 
   bool register_peer_memory(float* base, int64_t n) override;
-  // The peers' copies of [p, p + n) when it lies in a registered buffer; empty otherwise.
-  std::vector<const float*> peers_of(const float* p, int64_t n) const {
-    for (const PeerMapping& m : mappings_)
-      if (p >= m.base && p + n <= m.base + m.n) {
-        std::vector<const float*> out;
-        for (const float* q : m.peer) out.push_back(q ? q + (p - m.base) : nullptr);
+  // The peers' copies of the bytes [p, p + bytes) when they lie in a registered buffer; empty
+  // otherwise.
+  std::vector<const char*> peers_of(const void* pv, int64_t bytes) const {
+    const char* p = static_cast<const char*>(pv);
+    for (const PeerMapping& m : mappings_) {
+      const char* base = reinterpret_cast<const char*>(m.base);
+      if (p >= base && p + bytes <= base + m.n * int64_t(sizeof(float))) {
+        std::vector<const char*> out;
+        for (const float* q : m.peer) out.push_back(q ? reinterpret_cast<const char*>(q) + (p - base) : nullptr);
         return out;
       }
+    }
     return {};
   }
 
   void attach(MpiWork* w) { live_.push_back(w); }
   void detach(MpiWork* w) { live_.erase(std::remove(live_.begin(), live_.end(), w), live_.end()); }
 
-  // Receive buffers of the rings, reused across calls (no allocation per collective).
+  // Receive buffers of the rings, reused across calls (no allocation per collective): n floats,
+  // or room for n * 4 bytes of another type.
   std::vector<float> take_buffer(int64_t n) {
     for (size_t i = 0; i < pool_.size(); ++i)
       if (int64_t(pool_[i].capacity()) >= n) {
@@ -179,8 +251,11 @@ class MpiCommunicator final : public Communicator {
  private:
   template <class T>
   std::unique_ptr<Work> small_all_reduce(T* buf, int64_t n, MPI_Datatype type, ReduceOp op);
-  std::unique_ptr<Work> blocks_in_place(const char* op_name, float* buf, const std::vector<int64_t>& counts,
+  std::unique_ptr<Work> blocks_in_place(const char* op_name, void* buf, Elem elem, const std::vector<int64_t>& counts,
                                         bool reduce, bool gather, ReduceOp op);
+  // A large all-reduce of n elements: through peer memory where the buffer is registered, else
+  // a ring.
+  std::unique_ptr<Work> large_all_reduce(void* buf, Elem elem, int64_t n, ReduceOp op);
 
   MPI_Comm comm_ = MPI_COMM_NULL;
   std::string name_;
@@ -266,15 +341,17 @@ class RequestWork final : public MpiWork {
 // blocks after another. Reduce-scatter step s (of size-1): send block r-s-1 to the right
 // neighbour, receive block r-s-2 from the left one and reduce it in — after the last step rank
 // r holds the whole reduction of block r. All-gather step s: send block r-s, receive block
-// r-s-1 straight into place.
+// r-s-1 straight into place. 16-bit elements travel as 16 bits; each received piece is added in
+// fp32 and rounded back.
 class RingWork final : public MpiWork {
  public:
   struct Chunk {
-    float* base;
-    std::vector<int64_t> counts;  // per rank
+    char* base;
+    std::vector<int64_t> counts;  // elements per rank
   };
-  RingWork(MpiCommunicator& c, std::string what, std::vector<Chunk> chunks, bool reduce, bool gather, ReduceOp op)
-      : MpiWork(c, std::move(what)), chunks_(std::move(chunks)), reduce_(reduce), gather_(gather), op_(op),
+  RingWork(MpiCommunicator& c, std::string what, Elem elem, std::vector<Chunk> chunks, bool reduce, bool gather,
+           ReduceOp op)
+      : MpiWork(c, std::move(what)), elem_(elem), chunks_(std::move(chunks)), reduce_(reduce), gather_(gather), op_(op),
         tag_(c.ring_tag()), P_(c.size()), r_(c.rank()) {
     phase_ = reduce_ ? Phase::kReduce : Phase::kGather;
     int64_t most = 0;
@@ -284,7 +361,7 @@ class RingWork final : public MpiWork {
         most = std::max(most, n);
       }
     }
-    if (reduce_) tmp_ = c.take_buffer(most);
+    if (reduce_) tmp_ = c.take_buffer((most * elem_bytes(elem_) + 3) / 4);
     if (P_ == 1) chunk_ = chunks_.size();
   }
   ~RingWork() override {
@@ -307,7 +384,8 @@ class RingWork final : public MpiWork {
       if (rc != MPI_SUCCESS) throw CommError(mpi_error_text(rc));
       if (!flag) return false;
       posted_ = false;
-      if (phase_ == Phase::kReduce) combine(block(recv_block_), tmp_.data(), chunks_[chunk_].counts[recv_block_]);
+      if (phase_ == Phase::kReduce)
+        combine(elem_, op_, block(recv_block_), tmp_.data(), chunks_[chunk_].counts[recv_block_]);
       if (++step_ < P_ - 1) continue;
       step_ = 0;
       if (phase_ == Phase::kReduce && gather_) {
@@ -319,11 +397,11 @@ class RingWork final : public MpiWork {
     }
   }
 
-  float* block(int p) const {
+  char* block(int p) const {
     const Chunk& ch = chunks_[chunk_];
     int64_t off = 0;
     for (int q = 0; q < p; ++q) off += ch.counts[q];
-    return ch.base + off;
+    return ch.base + off * elem_bytes(elem_);
   }
 
   void post() {
@@ -331,7 +409,7 @@ class RingWork final : public MpiWork {
     const int right = mod(r_ + 1, P_), left = mod(r_ - 1, P_);
     const MPI_Comm c = comm_.mpi();
     int send_block, rc;
-    float* into;
+    void* into;
     if (phase_ == Phase::kReduce) {
       send_block = mod(r_ - step_ - 1, P_), recv_block_ = mod(r_ - step_ - 2, P_);
       into = tmp_.data();
@@ -339,21 +417,15 @@ class RingWork final : public MpiWork {
       send_block = mod(r_ - step_, P_), recv_block_ = mod(r_ - step_ - 1, P_);
       into = block(recv_block_);
     }
-    rc = MPI_Irecv(into, int(ch.counts[recv_block_]), MPI_FLOAT, left, tag_, c, &reqs_[0]);
+    const MPI_Datatype type = mpi_type(elem_);
+    rc = MPI_Irecv(into, int(ch.counts[recv_block_]), type, left, tag_, c, &reqs_[0]);
     if (rc == MPI_SUCCESS)
-      rc = MPI_Isend(block(send_block), int(ch.counts[send_block]), MPI_FLOAT, right, tag_, c, &reqs_[1]);
+      rc = MPI_Isend(block(send_block), int(ch.counts[send_block]), type, right, tag_, c, &reqs_[1]);
     if (rc != MPI_SUCCESS) throw CommError(mpi_error_text(rc));
     posted_ = true;
   }
 
-  void combine(float* y, const float* x, int64_t n) const {
-    if (op_ == ReduceOp::kSum) {
-      for (int64_t i = 0; i < n; ++i) y[i] += x[i];
-    } else {
-      for (int64_t i = 0; i < n; ++i) y[i] = std::max(y[i], x[i]);
-    }
-  }
-
+  Elem elem_;
   std::vector<Chunk> chunks_;
   bool reduce_, gather_;
   ReduceOp op_;
@@ -371,12 +443,13 @@ class RingWork final : public MpiWork {
 // it, then — for an all-gather — copies every peer's block from that peer. Empty messages order
 // the accesses: "ready" (my data is final), "reduced" (my block is complete; an all-reduce's
 // gather may read it, and I no longer read yours), "done" (I no longer read your buffer — only
-// then may the owner reuse it, so a completed Work leaves nothing pending).
+// then may the owner reuse it, so a completed Work leaves nothing pending). 16-bit elements:
+// the owner adds every rank's copy in fp32 in rank order and rounds once.
 class DirectWork final : public MpiWork {
  public:
-  DirectWork(MpiCommunicator& c, std::string what, float* buf, std::vector<int64_t> counts,
-             std::vector<const float*> peers, bool reduce, bool gather, ReduceOp op)
-      : MpiWork(c, std::move(what)), buf_(buf), counts_(std::move(counts)), peers_(std::move(peers)),
+  DirectWork(MpiCommunicator& c, std::string what, Elem elem, char* buf, std::vector<int64_t> counts,
+             std::vector<const char*> peers, bool reduce, bool gather, ReduceOp op)
+      : MpiWork(c, std::move(what)), elem_(elem), buf_(buf), counts_(std::move(counts)), peers_(std::move(peers)),
         reduce_(reduce), gather_(gather), op_(op), tag_(c.ring_tag()), P_(c.size()), r_(c.rank()) {
     int64_t off = 0;
     for (int64_t n : counts_) offsets_.push_back(off), off += n;
@@ -441,27 +514,31 @@ class DirectWork final : public MpiWork {
   }
 
   void reduce_own_block() {
-    float* y = buf_ + offsets_[r_];
-    const int64_t n = counts_[r_];
-    for (int q = 0; q < P_; ++q) {
-      if (q == r_) continue;
-      const float* x = peers_[q] + offsets_[r_];
-      if (op_ == ReduceOp::kSum) {
-        for (int64_t i = 0; i < n; ++i) y[i] += x[i];
-      } else {
-        for (int64_t i = 0; i < n; ++i) y[i] = std::max(y[i], x[i]);
-      }
+    const int64_t eb = elem_bytes(elem_), n = counts_[r_];
+    char* y = buf_ + offsets_[r_] * eb;
+    if (elem_ == Elem::kF32) {  // own value first, then the peers' in rank order
+      for (int q = 0; q < P_; ++q)
+        if (q != r_) combine(elem_, op_, y, peers_[q] + offsets_[r_] * eb, n);
+      return;
     }
+    std::vector<const uint16_t*> src;
+    for (int q = 0; q < P_; ++q)
+      src.push_back(reinterpret_cast<const uint16_t*>(q == r_ ? y : peers_[q] + offsets_[r_] * eb));
+    uint16_t* y16 = reinterpret_cast<uint16_t*>(y);
+    if (elem_ == Elem::kBf16) reduce_rows16(op_, y16, src, n, kernels::from_bf16, kernels::to_bf16);
+    else reduce_rows16(op_, y16, src, n, kernels::from_fp16, kernels::to_fp16);
   }
 
   void gather_blocks() {
+    const int64_t eb = elem_bytes(elem_);
     for (int q = 0; q < P_; ++q)
-      if (q != r_) std::copy(peers_[q] + offsets_[q], peers_[q] + offsets_[q] + counts_[q], buf_ + offsets_[q]);
+      if (q != r_) std::memcpy(buf_ + offsets_[q] * eb, peers_[q] + offsets_[q] * eb, size_t(counts_[q] * eb));
   }
 
-  float* buf_;
+  Elem elem_;
+  char* buf_;
   std::vector<int64_t> counts_, offsets_;
-  std::vector<const float*> peers_;
+  std::vector<const char*> peers_;
   bool reduce_, gather_;
   ReduceOp op_;
   int tag_, P_, r_;
@@ -557,13 +634,14 @@ std::unique_ptr<Work> MpiCommunicator::small_all_reduce(T* buf, int64_t n, MPI_D
   });
 }
 
-// Equal blocks of at most 16 MiB in all per chunk (multiples of 16 floats, the last one short).
-std::vector<RingWork::Chunk> even_chunks(float* buf, int64_t n, int P) {
+// Equal blocks of at most kChunkElems elements in all per chunk (multiples of 16, the last one
+// short).
+std::vector<RingWork::Chunk> even_chunks(char* buf, Elem elem, int64_t n, int P) {
   std::vector<RingWork::Chunk> out;
-  for (int64_t off = 0; off < n; off += kChunkFloats) {
-    const int64_t len = std::min(kChunkFloats, n - off);
+  for (int64_t off = 0; off < n; off += kChunkElems) {
+    const int64_t len = std::min(kChunkElems, n - off);
     const int64_t per = (len + 16 * P - 1) / (16 * P) * 16;
-    RingWork::Chunk ch{buf + off, {}};
+    RingWork::Chunk ch{buf + off * elem_bytes(elem), {}};
     for (int p = 0; p < P; ++p) ch.counts.push_back(std::clamp<int64_t>(len - p * per, 0, per));
     out.push_back(std::move(ch));
   }
@@ -572,15 +650,20 @@ std::vector<RingWork::Chunk> even_chunks(float* buf, int64_t n, int P) {
 
 std::unique_ptr<Work> MpiCommunicator::all_reduce(float* buf, int64_t n, ReduceOp op) {
   if (size_ == 1 || n * int64_t(sizeof(float)) < kRingMinBytes) return small_all_reduce(buf, n, MPI_FLOAT, op);
-  std::string what = describe(fmt::format("all_reduce of {} floats", n));
-  if (auto peers = peers_of(buf, n); !peers.empty()) {
+  return large_all_reduce(buf, Elem::kF32, n, op);
+}
+
+std::unique_ptr<Work> MpiCommunicator::large_all_reduce(void* buf, Elem elem, int64_t n, ReduceOp op) {
+  std::string what = describe(fmt::format("all_reduce of {} {}", n, elem_name(elem)));
+  char* bytes = static_cast<char*>(buf);
+  if (auto peers = peers_of(buf, n * elem_bytes(elem)); !peers.empty()) {
     std::vector<int64_t> counts;  // one block per rank over the whole buffer
     const int64_t per = (n + 16 * size_ - 1) / (16 * size_) * 16;
     for (int p = 0; p < size_; ++p) counts.push_back(std::clamp<int64_t>(n - p * per, 0, per));
-    return std::make_unique<DirectWork>(*this, std::move(what), buf, std::move(counts), std::move(peers), true, true,
-                                        op);
+    return std::make_unique<DirectWork>(*this, std::move(what), elem, bytes, std::move(counts), std::move(peers), true,
+                                        true, op);
   }
-  return std::make_unique<RingWork>(*this, std::move(what), even_chunks(buf, n, size_), true, true, op);
+  return std::make_unique<RingWork>(*this, std::move(what), elem, even_chunks(bytes, elem, n, size_), true, true, op);
 }
 
 std::unique_ptr<Work> MpiCommunicator::reduce_scatter(float* out, const float* in, int64_t n, ReduceOp op) {
@@ -593,7 +676,7 @@ std::unique_ptr<Work> MpiCommunicator::reduce_scatter(float* out, const float* i
 }
 
 std::unique_ptr<Work> MpiCommunicator::reduce_scatter_v(float* buf, const std::vector<int64_t>& counts, ReduceOp op) {
-  return blocks_in_place("reduce_scatter_v", buf, counts, true, false, op);
+  return blocks_in_place("reduce_scatter_v", buf, Elem::kF32, counts, true, false, op);
 }
 
 std::unique_ptr<Work> MpiCommunicator::all_gather(float* out, const float* in, int64_t n) {
@@ -606,23 +689,25 @@ std::unique_ptr<Work> MpiCommunicator::all_gather(float* out, const float* in, i
 }
 
 std::unique_ptr<Work> MpiCommunicator::all_gather_v(float* buf, const std::vector<int64_t>& counts) {
-  return blocks_in_place("all_gather_v", buf, counts, false, true, ReduceOp::kSum);
+  return blocks_in_place("all_gather_v", buf, Elem::kF32, counts, false, true, ReduceOp::kSum);
 }
 
 // reduce_scatter_v / all_gather_v: through mapped peer memory when the buffer is registered, else
 // a ring of messages.
-std::unique_ptr<Work> MpiCommunicator::blocks_in_place(const char* op_name, float* buf,
+std::unique_ptr<Work> MpiCommunicator::blocks_in_place(const char* op_name, void* buf, Elem elem,
                                                        const std::vector<int64_t>& counts, bool reduce, bool gather,
                                                        ReduceOp op) {
   if (int(counts.size()) != size_)
     throw CommError(fmt::format("group {}: {} needs {} counts, got {}", name_, op_name, size_, counts.size()));
   int64_t total = 0;
   for (int64_t c : counts) total += c;
-  std::string what = describe(fmt::format("{} of {} floats", op_name, total));
-  if (auto peers = peers_of(buf, total); !peers.empty())
-    return std::make_unique<DirectWork>(*this, std::move(what), buf, counts, std::move(peers), reduce, gather, op);
-  return std::make_unique<RingWork>(*this, std::move(what), std::vector<RingWork::Chunk>{{buf, counts}}, reduce,
-                                    gather, op);
+  std::string what = describe(fmt::format("{} of {} {}", op_name, total, elem_name(elem)));
+  char* bytes = static_cast<char*>(buf);
+  if (auto peers = peers_of(buf, total * elem_bytes(elem)); !peers.empty())
+    return std::make_unique<DirectWork>(*this, std::move(what), elem, bytes, counts, std::move(peers), reduce, gather,
+                                        op);
+  return std::make_unique<RingWork>(*this, std::move(what), elem, std::vector<RingWork::Chunk>{{bytes, counts}},
+                                    reduce, gather, op);
 }
 
 std::unique_ptr<Work> MpiCommunicator::all_to_all_v(float* out, const std::vector<int64_t>& out_counts,

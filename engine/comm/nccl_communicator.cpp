@@ -20,6 +20,7 @@ void cuda_check(cudaError_t e, const std::string& what) {
 }
 
 ncclRedOp_t nccl_op(ReduceOp op) { return op == ReduceOp::kSum ? ncclSum : ncclMax; }
+ncclDataType_t nccl_half(Half h) { return h == Half::kBf16 ? ncclBfloat16 : ncclFloat16; }
 
 // An operation's completion event, shared by its Work, the watchdog's poll and the backend's
 // pool (record_use). Recorded on the communicator's stream once NCCL has launched the
@@ -122,6 +123,24 @@ class NcclCommunicator final : public Communicator {
   }
   std::unique_ptr<Work> all_reduce(int64_t* buf, int64_t n, ReduceOp op) override {
     return issue("all_reduce", {buf}, [&] { return ncclAllReduce(buf, buf, size_t(n), ncclInt64, nccl_op(op), comm_, stream_); });
+  }
+  // 16-bit: NCCL's own bf16 / fp16 reductions.
+  std::unique_ptr<Work> all_reduce(uint16_t* buf, int64_t n, Half type, ReduceOp op) override {
+    return issue("all_reduce", {buf},
+                 [&] { return ncclAllReduce(buf, buf, size_t(n), nccl_half(type), nccl_op(op), comm_, stream_); });
+  }
+  std::unique_ptr<Work> reduce_scatter_v(uint16_t* buf, const std::vector<int64_t>& counts, Half type,
+                                         ReduceOp op) override {
+    check_counts(counts, "reduce_scatter_v");
+    return issue("reduce_scatter_v", {buf}, [&] {
+      ncclResult_t r = ncclGroupStart();
+      int64_t at = 0;
+      for (int p = 0; p < size_ && r == ncclSuccess; at += counts[size_t(p)], ++p)
+        if (counts[size_t(p)] > 0)
+          r = ncclReduce(buf + at, buf + at, size_t(counts[size_t(p)]), nccl_half(type), nccl_op(op), p, comm_, stream_);
+      const ncclResult_t end = ncclGroupEnd();
+      return r != ncclSuccess ? r : end;
+    });
   }
   std::unique_ptr<Work> reduce_scatter(float* out, const float* in, int64_t n, ReduceOp op) override {
     return issue("reduce_scatter", {out, in},

@@ -61,6 +61,14 @@ class RoutingCommunicator final : public Communicator {
   std::unique_ptr<Work> all_reduce(int64_t* buf, int64_t n, ReduceOp op) override {
     return routed("all_reduce", buf, [&](Communicator& c) { return c.all_reduce(buf, n, op); });
   }
+  std::unique_ptr<Work> all_reduce(uint16_t* buf, int64_t n, Half type, ReduceOp op) override {
+    return routed("all_reduce", buf, [&](Communicator& c) { return c.all_reduce(buf, n, type, op); });
+  }
+  std::unique_ptr<Work> reduce_scatter_v(uint16_t* buf, const std::vector<int64_t>& counts, Half type,
+                                         ReduceOp op) override {
+    return routed("reduce_scatter_v", buf,
+                  [&](Communicator& c) { return c.reduce_scatter_v(buf, counts, type, op); });
+  }
   std::unique_ptr<Work> reduce_scatter(float* out, const float* in, int64_t n, ReduceOp op) override {
     return routed("reduce_scatter", out, in, [&](Communicator& c) { return c.reduce_scatter(out, in, n, op); });
   }
@@ -199,6 +207,15 @@ class MappedCommunicator final : public Communicator {
   std::unique_ptr<Work> all_reduce(int64_t* buf, int64_t n, ReduceOp op) override {
     int64_t* b = map(buf, "all_reduce");
     return add("all_reduce", [=, this] { return in_->all_reduce(b, n, op); });
+  }
+  std::unique_ptr<Work> all_reduce(uint16_t* buf, int64_t n, Half type, ReduceOp op) override {
+    uint16_t* b = map(buf, "all_reduce");
+    return add("all_reduce", [=, this] { return in_->all_reduce(b, n, type, op); });
+  }
+  std::unique_ptr<Work> reduce_scatter_v(uint16_t* buf, const std::vector<int64_t>& counts, Half type,
+                                         ReduceOp op) override {
+    uint16_t* b = map(buf, "reduce_scatter_v");
+    return add("reduce_scatter_v", [=, this] { return in_->reduce_scatter_v(b, counts, type, op); });
   }
   std::unique_ptr<Work> reduce_scatter(float* out, const float* in, int64_t n, ReduceOp op) override {
     float* o = map(out, "reduce_scatter");

@@ -27,6 +27,11 @@ class SelfCommunicator final : public Communicator {
   std::unique_ptr<Work> all_reduce(float*, int64_t, ReduceOp) override { return done(); }
   std::unique_ptr<Work> all_reduce(double*, int64_t, ReduceOp) override { return done(); }
   std::unique_ptr<Work> all_reduce(int64_t*, int64_t, ReduceOp) override { return done(); }
+  std::unique_ptr<Work> all_reduce(uint16_t*, int64_t, Half, ReduceOp) override { return done(); }
+  std::unique_ptr<Work> reduce_scatter_v(uint16_t*, const std::vector<int64_t>& counts, Half, ReduceOp) override {
+    check_counts(counts);
+    return done();
+  }
   std::unique_ptr<Work> reduce_scatter(float* out, const float* in, int64_t n, ReduceOp) override {
     std::copy(in, in + n, out);
     return done();

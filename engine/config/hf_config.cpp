@@ -6,6 +6,7 @@
 
 #include <string>
 
+#include "engine/common/error.h"
 #include "engine/config/load_config.h"
 
 namespace dstrain::config {
@@ -108,6 +109,65 @@ std::vector<std::string> model_changes(const std::string& saved_json, const Mode
     if (*it != value) out.push_back(fmt::format("model.{} {} in the checkpoint, {} here", key, text(*it), text(value)));
   }
   return out;
+}
+
+ModelConfig model_from_hf_config(const std::string& json_text, const std::string& file,
+                                 std::vector<std::string>* ignored) {
+  const auto fail = [&](const std::string& what) { return ConfigError(fmt::format("{}: {}", file, what)); };
+  Json hf;
+  try {
+    hf = Json::parse(json_text);
+  } catch (const std::exception&) {
+    throw fail("not valid JSON");
+  }
+  if (!hf.is_object()) throw fail("not a JSON object");
+  const auto type = hf.find("model_type");
+  if (type == hf.end() || !type->is_string() || (*type != "deepseek_v2" && *type != "deepseek_v3"))
+    throw fail(fmt::format("model_type {}: dstrain trains DeepSeek-V2 / V3 models; valid: deepseek_v2, deepseek_v3",
+                           type == hf.end() ? "missing" : type->dump()));
+  if (hf.contains("quantization_config"))
+    throw fail("a quantized checkpoint (quantization_config, e.g. DeepSeek-V3's FP8 release): dequantize it to "
+               "bf16 first; dstrain imports F32, BF16 and F16 tensors");
+  // The keys dstrain's model has are those to_hf_config_json writes; rope_scaling's likewise.
+  const Json known = Json::parse(to_hf_config_json(ModelConfig{}));
+  static const char* kRopeKeys[] = {"type", "factor", "original_max_position_embeddings", "beta_fast",
+                                    "beta_slow", "mscale", "mscale_all_dim"};
+  // transformers 5 writes RoPE as rope_parameters {rope_theta, rope_type, and YaRN's keys}; the
+  // DeepSeek releases as rope_theta and rope_scaling.
+  if (const auto rp = hf.find("rope_parameters"); rp != hf.end() && rp->is_object()) {
+    Json params = *rp;
+    if (params.contains("rope_theta") && !hf.contains("rope_theta")) hf["rope_theta"] = params["rope_theta"];
+    params.erase("rope_theta");
+    const std::string rope_type = params.value("rope_type", params.value("type", std::string("default")));
+    if (rope_type != "default" && (!hf.contains("rope_scaling") || hf["rope_scaling"].is_null()))
+      hf["rope_scaling"] = params;
+    hf.erase("rope_parameters");
+  }
+  Json kept = Json::object();
+  for (const auto& [key, value] : hf.items()) {
+    if (!known.contains(key)) {
+      if (ignored) ignored->push_back(key);
+      continue;
+    }
+    if (key != "rope_scaling" || !value.is_object()) {
+      kept[key] = value;
+      continue;
+    }
+    Json rope = Json::object();
+    for (const auto& [k, v] : value.items()) {
+      const std::string name = k == "rope_type" ? "type" : k;  // newer transformers write rope_type
+      bool have = false;
+      for (const char* r : kRopeKeys) have = have || name == r;
+      if (have) rope[name] = v;
+      else if (ignored) ignored->push_back("rope_scaling." + k);
+    }
+    kept[key] = rope;
+  }
+  // JSON is YAML: the kept keys become the model section of a config that checks them as a
+  // YAML file's would (types, ranges, the model's consistency).
+  const std::string text = "train_batch_size: 1\ntrain_micro_batch_size_per_gpu: 1\nseq_length: 1\nmodel: " +
+                           kept.dump() + "\n";
+  return load_config_text(text, file).model;
 }
 
 }  // namespace dstrain::config

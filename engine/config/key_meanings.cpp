@@ -50,7 +50,7 @@ const std::string& key_meaning(const std::string& path) {
       {"bf16.enabled",
        "bf16 compute; fp32 master weights and optimizer state"},
       {"communication_data_type",
-       "dtype the gradient reduction rounds to (fp32, fp16, bf16); null: fp32 (DeepSpeed)"},
+       "dtype the gradient reduction sends and sums in (fp32, fp16, bf16: 16-bit messages); null: fp32 (DeepSpeed)"},
       {"zero_optimization.stage",
        "0: all-reduce gradients; 1: shard AdamW state over data parallelism; 2: gradients too"},
       {"zero_optimization.overlap_comm",

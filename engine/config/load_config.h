@@ -24,6 +24,13 @@ std::string to_yaml(const TrainConfig& cfg);
 
 // The model's Hugging Face config.json (docs/model.md §2 fields) as a JSON object.
 std::string to_hf_config_json(const ModelConfig& m);
+// The model of a Hugging Face config.json (DeepseekV2ForCausalLM / DeepseekV3ForCausalLM): the
+// keys dstrain's model has (to_hf_config_json's), checked as the YAML config's model section is;
+// keys it has not (torch_dtype, use_cache, auto_map, ...) are skipped and, with `ignored`, listed
+// there. Throws ConfigError naming `file` for another model_type, a quantization_config (FP8
+// weights must be dequantized first) or a value the model section refuses.
+ModelConfig model_from_hf_config(const std::string& json_text, const std::string& file,
+                                 std::vector<std::string>* ignored = nullptr);
 // The keys that change what the model computes and whose values in `saved_json` (a checkpoint's
 // hf_config) differ from m's, each as "model.rope_theta 10000.0 in the checkpoint, 50000.0
 // here"; none when they agree. Keys that only matter for training from scratch or for the loss

@@ -76,11 +76,21 @@ GradSync::GradSync(model::ParamStore& params, const ZeroSharding& zero, const st
   };
   std::stable_sort(buckets_.begin(), buckets_.end(),
                    [&](const GradBucket& a, const GradBucket& b) { return key(a) < key(b); });
-  if (options.comm_dtype != kernels::DType::kF32) {
+  if (options.comm_dtype != kernels::DType::kF32 && !buckets_.empty()) {
     DS_CHECK(options.backend, "a gradient reduction in {} needs the backend", kernels::to_string(options.comm_dtype));
     int64_t largest = 0;
     for (const GradBucket& b : buckets_) largest = std::max(largest, b.range.size());
-    round_buf_ = kernels::DeviceBuffer(*options.backend, largest * kernels::dtype_size(options.comm_dtype));
+    wire_stride_ = (largest + 31) / 32 * 32;  // 64-byte aligned slots
+    const int slots = int(std::min<size_t>(kWireSlots, buckets_.size()));
+    wire_ = model::FlatArray<uint16_t>(options.backend);
+    wire_.assign(wire_stride_ * slots);
+    wire_busy_.assign(size_t(slots), false);
+    for (const bool e : {false, true}) {  // collective, as the gradient buffers' registration above
+      comm::Communicator& g = zero.group(e);
+      if (g.size() == 1 || !options.peer_memory) continue;
+      peer_memory_ = g.register_peer_memory(reinterpret_cast<float*>(wire_.data()), int64_t(wire_.size() / 2)) ||
+                     peer_memory_;
+    }
   }
   layer_buckets_.resize(position_.size());
   for (size_t i = 0; i < buckets_.size(); ++i)
@@ -91,7 +101,8 @@ void GradSync::begin() {
   pending_.clear();
   for (const GradBucket& b : buckets_) pending_.push_back(int64_t(b.layers.size()));
   next_ = 0;
-  work_.clear();
+  launches_ = 0;
+  DS_CHECK(flights_.empty(), "gradient buckets still in flight at the start of a step");
 }
 
 void GradSync::grads_final(int64_t layer) {
@@ -101,41 +112,72 @@ void GradSync::grads_final(int64_t layer) {
 }
 
 void GradSync::poll() {
-  if (work_.empty()) return;
+  if (flights_.empty()) return;
   zero_.group(false).progress();
   zero_.group(true).progress();
+  while (!flights_.empty() && flights_.front().wire_slot >= 0 && flights_.front().work->done()) land();
 }
 
 void GradSync::launch_ready() {
   while (next_ < buckets_.size() && pending_[next_] <= 0) launch(next_++);
 }
 
-void GradSync::round_to_comm_dtype(const GradBucket& b) {
-  if (options_.comm_dtype == kernels::DType::kF32) return;
-  float* grads = (b.expert ? params_.expert_grads() : params_.dense_grads()).data() + b.range.begin;
-  kernels::Backend& be = *options_.backend;
-  be.convert({round_buf_.data(), options_.comm_dtype}, kernels::f32(grads), b.range.size());
-  be.convert({grads, kernels::DType::kF32}, {round_buf_.data(), options_.comm_dtype}, b.range.size());
+float* GradSync::grads_of(const GradBucket& b) {
+  return (b.expert ? params_.expert_grads() : params_.dense_grads()).data() + b.range.begin;
 }
 
 void GradSync::launch(size_t i) {
   const GradBucket& b = buckets_[i];
-  round_to_comm_dtype(b);
   comm::Communicator& g = zero_.group(b.expert);
-  float* grads = (b.expert ? params_.expert_grads() : params_.dense_grads()).data() + b.range.begin;
-  if (zero_.shards_gradients())
-    work_.push_back(g.reduce_scatter_v(grads, zero_.partition(b.expert).counts_in(b.range), comm::ReduceOp::kSum));
-  else
-    work_.push_back(g.all_reduce(grads, b.range.size(), comm::ReduceOp::kSum));
+  float* grads = grads_of(b);
+  Flight f;
+  f.bucket = i;
+  if (options_.comm_dtype == kernels::DType::kF32) {
+    if (zero_.shards_gradients())
+      f.work = g.reduce_scatter_v(grads, zero_.partition(b.expert).counts_in(b.range), comm::ReduceOp::kSum);
+    else
+      f.work = g.all_reduce(grads, b.range.size(), comm::ReduceOp::kSum);
+  } else {
+    // The k-th launch of a step takes slot k mod slots on every rank — through peer memory a rank
+    // reads the same slot of its peers — once the bucket there has landed.
+    f.wire_slot = int(launches_++ % int64_t(wire_busy_.size()));
+    while (wire_busy_[size_t(f.wire_slot)]) land();
+    wire_busy_[size_t(f.wire_slot)] = true;
+    uint16_t* wire = wire_.data() + f.wire_slot * wire_stride_;
+    options_.backend->convert({wire, options_.comm_dtype}, kernels::f32(grads), b.range.size());
+    const comm::Half half = options_.comm_dtype == kernels::DType::kBF16 ? comm::Half::kBf16 : comm::Half::kFp16;
+    if (zero_.shards_gradients())
+      f.work = g.reduce_scatter_v(wire, zero_.partition(b.expert).counts_in(b.range), half, comm::ReduceOp::kSum);
+    else
+      f.work = g.all_reduce(wire, b.range.size(), half, comm::ReduceOp::kSum);
+  }
+  flights_.push_back(std::move(f));
   g.progress();
+}
+
+void GradSync::land() {
+  Flight f = std::move(flights_.front());
+  flights_.pop_front();
+  f.work->wait();
+  if (f.wire_slot < 0) return;
+  const GradBucket& b = buckets_[f.bucket];
+  Range own{0, b.range.size()};  // ZeRO-2: only this rank's part holds sums
+  if (zero_.shards_gradients()) {
+    const std::vector<int64_t> counts = zero_.partition(b.expert).counts_in(b.range);
+    const int r = zero_.group(b.expert).rank();
+    for (int p = 0; p < r; ++p) own.begin += counts[size_t(p)];
+    own.end = own.begin + counts[size_t(r)];
+  }
+  const uint16_t* wire = wire_.data() + f.wire_slot * wire_stride_;
+  options_.backend->convert({grads_of(b) + own.begin, kernels::DType::kF32}, {wire + own.begin, options_.comm_dtype},
+                            own.size());
+  wire_busy_[size_t(f.wire_slot)] = false;
 }
 
 double GradSync::finish() {
   const auto t0 = std::chrono::steady_clock::now();
   while (next_ < buckets_.size()) launch(next_++);
-  for (auto& w : work_) w->wait();
-  work_.clear();
-  for (const GradBucket& b : buckets_) round_to_comm_dtype(b);  // the sums, in the communication type
+  while (!flights_.empty()) land();
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 

@@ -8,17 +8,26 @@
 // runs while the rank still computes. finish() launches what is left (the embedding) and waits.
 // ZeRO 0/1: all-reduce; ZeRO-2: reduce-scatter, each rank keeping the sums of its own part.
 //
+// communication_data_type bf16 / fp16: a bucket is rounded into a 16-bit staging slot, reduced
+// there — 16-bit messages, half the bytes of fp32 (Communicator's 16-bit reductions: sums in
+// fp32, rounded back) — and the sums widened back into the fp32 gradients (ZeRO-2: the own
+// part). kWireSlots slots of one bucket each, taken in turn (the same slot for the same bucket on
+// every rank); a launch whose slot is still in flight waits for it, so the staging memory is at
+// most kWireSlots buckets whatever the model.
+//
 // Every rank of a group builds the same buckets and launches them in the same order (the
 // model's backward order), as the Communicator's same-order contract requires. The sums do not
 // depend on timing: with overlap off the same buckets are reduced after the backward pass.
 #pragma once
 
 #include <cstdint>
+#include <deque>
 #include <memory>
 #include <vector>
 
 #include "dstrain/kernels/backend.h"
 #include "engine/comm/communicator.h"
+#include "engine/model/flat_array.h"
 #include "engine/model/layer_env.h"
 #include "engine/model/param_store.h"
 #include "engine/parallel/zero/zero_sharding.h"
@@ -29,8 +38,8 @@ struct GradSyncOptions {
   bool overlap = true;         // launch buckets during backward (zero_optimization.overlap_comm)
   int64_t bucket_elems = 4 << 20;
   bool peer_memory = true;     // read peers' gradient buffers directly where possible (one host)
-  // communication_data_type: with bf16 / fp16 each rank's gradients are rounded to it before
-  // the reduction and the sums after it (through `backend`); fp32 leaves them as they are.
+  // communication_data_type: with bf16 / fp16 the buckets travel and are summed in it (rounded
+  // and widened through `backend`); fp32 leaves them as they are.
   kernels::DType comm_dtype = kernels::DType::kF32;
   kernels::Backend* backend = nullptr;
 };
@@ -59,14 +68,26 @@ class GradSync final : public model::BackwardObserver {
   const std::vector<GradBucket>& buckets() const { return buckets_; }
   // Whether gradient buffers are reduced through mapped peer memory (else messages).
   bool peer_memory() const { return peer_memory_; }
-  // Bytes of its own buffers (a bucket in the communication type, when that is not fp32).
-  int64_t buffer_bytes() const { return round_buf_.bytes(); }
+  // Bytes of its own buffers (the 16-bit staging slots, when the communication type is not fp32).
+  int64_t buffer_bytes() const { return int64_t(wire_.size()) * 2; }
+  // Staging slots of a 16-bit reduction.
+  static constexpr int kWireSlots = 4;
 
  private:
+  // A bucket launched and not yet landed: its Work, and the staging slot it is reduced in (-1:
+  // in place, fp32).
+  struct Flight {
+    size_t bucket = 0;
+    int wire_slot = -1;
+    std::unique_ptr<comm::Work> work;
+  };
   void launch_ready();
   void launch(size_t b);
+  // Waits for the oldest flight; a 16-bit one's sums are widened into the gradients and its slot
+  // freed.
+  void land();
   size_t slot(int64_t layer) const;
-  void round_to_comm_dtype(const GradBucket& b);
+  float* grads_of(const GradBucket& b);
 
   model::ParamStore& params_;
   const ZeroSharding& zero_;
@@ -77,8 +98,11 @@ class GradSync final : public model::BackwardObserver {
   std::vector<int64_t> pending_;                    // per bucket: layers not final yet
   size_t next_ = 0;                                 // buckets launch in index order
   bool peer_memory_ = false;
-  std::vector<std::unique_ptr<comm::Work>> work_;
-  kernels::DeviceBuffer round_buf_;  // a bucket in the communication type
+  std::deque<Flight> flights_;  // in launch order
+  model::FlatArray<uint16_t> wire_;  // kWireSlots slots of wire_stride_ 16-bit values
+  int64_t wire_stride_ = 0;
+  std::vector<bool> wire_busy_;  // per slot: a bucket launched there has not landed
+  int64_t launches_ = 0;         // 16-bit launches this step
 };
 
 // Buckets of a flat buffer's parameters (offset, numel, layer; sorted by offset), at most

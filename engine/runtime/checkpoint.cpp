@@ -77,14 +77,18 @@ int64_t first_non_finite(const float* x, int64_t n) {
 // mixed in, so that the values of one tensor stored under another's name do not pass.
 uint64_t name_term(const std::string& dataset) { return fmix64(fnv1a64(dataset)); }
 
-// A checkpoint tensor: the Fletcher-32-checked dataset and its end-to-end checksum attribute.
-void write_tensor(io::H5File& f, const std::string& dataset, const float* data, const std::vector<int64_t>& shape) {
+}  // namespace
+
+void write_checkpoint_tensor(io::H5File& f, const std::string& dataset, const float* data,
+                             const std::vector<int64_t>& shape) {
   int64_t n = 1;
   for (int64_t d : shape) n *= d;
   const int64_t chunk = fault_at(Fault::kCheckpointChunkElements);
   f.write_checked(dataset, data, shape, chunk > 0 ? chunk : int64_t(1) << 20);
   f.set_object_attr(dataset, kChecksumAttr, hex64(name_term(dataset) + sum64(data, n)));
 }
+
+namespace {
 
 // Removes a half-written file, never throwing (the save's own error is what gets reported).
 void remove_quietly(const std::string& path) {
@@ -298,7 +302,7 @@ std::string Checkpointer::save(const TrainState& state, model::ParamStore& param
       return;
     }
     try {
-      write_tensor(*file, name, full.data(), shape);
+      write_checkpoint_tensor(*file, name, full.data(), shape);
     } catch (const std::exception& e) {
       error = e.what();
     }
@@ -369,7 +373,7 @@ std::string Checkpointer::save(const TrainState& state, model::ParamStore& param
         const trace::Scope t("checkpoint", "checkpoint write (background)");
         try {
           io::H5File f(tmp, io::H5File::Mode::kCreate, io::H5File::Driver::kDirect);
-          for (const auto& t : p->tensors) write_tensor(f, t.name, t.data.data(), t.shape);
+          for (const auto& t : p->tensors) write_checkpoint_tensor(f, t.name, t.data.data(), t.shape);
           write_meta(f);
           f.close();  // the driver's last bytes and fsync: an error here must stop the rename
         } catch (const std::exception& e) {
@@ -707,12 +711,23 @@ std::vector<float> read_checked_tensor(const io::H5File& f, const std::string& d
   return data;
 }
 
+bool weights_only(const io::H5File& f) {
+  if (!f.has_attr("weights_only")) return false;
+  try {
+    return f.attr_double("weights_only") == 1;
+  } catch (const Error&) {
+    return false;  // (a string there: a full checkpoint, whose optimizer groups are then read)
+  }
+}
+
 int64_t verify_checkpoint(const std::string& path, int* version) {
   int v = 0;
   const std::unique_ptr<io::H5File> f = open_checkpoint_file(path, &v);
   if (version) *version = v;
   int64_t tensors = 0;
+  const bool weights = weights_only(*f);
   for (const char* group : {"model", "optimizer/exp_avg", "optimizer/exp_avg_sq"}) {
+    if (weights && group[0] == 'o') continue;
     std::vector<std::string> names;
     try {
       names = f->list(group);
@@ -809,6 +824,7 @@ TrainState Checkpointer::load_local(const std::string& path, model::ParamStore& 
       throw fail(fmt::format("attribute '{}' = {} is not a count from 0 to {}", attr, v, max));
     return int64_t(v);
   };
+  const bool weights = weights_only(*f);
   std::unordered_map<std::string, size_t> index;
   for (size_t i = 0; i < plan_.params.size(); ++i) index.emplace(plan_.params[i].name, i);
   const size_t P = plan_.params.size();
@@ -831,7 +847,7 @@ TrainState Checkpointer::load_local(const std::string& path, model::ParamStore& 
     const model::ParamView& v = params.view(name);
     const auto it = index.find(name);
     DS_CHECK(it != index.end(), "a parameter outside the plan's registry");
-    for (int k = 0; k < (v.buffer ? 1 : (adam ? 3 : 1)); ++k) {
+    for (int k = 0; k < (v.buffer || weights ? 1 : (adam ? 3 : 1)); ++k) {
       const std::string ds = kGroups[k] + name;
       const size_t t = size_t(k) * P + it->second;
       if (!f->exists(ds))
@@ -902,6 +918,8 @@ TrainState Checkpointer::load_local(const std::string& path, model::ParamStore& 
     s.hf_config = f->attr_string("hf_config");
   } catch (const Error&) {
   }
+  s.weights_only = weights;
+  if (weights && s.step != 0) throw fail("a weights-only checkpoint at a step other than 0");
   return s;
 }
 

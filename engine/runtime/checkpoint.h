@@ -45,6 +45,9 @@ struct TrainState {
   std::string data_tokenizer;
   int64_t data_vocab_size = 0;
   std::string hf_config;  // the model's config.json when it was saved (read at load; "" if absent)
+  // A file of weights alone (`weights_only` 1: dstrain-ckpt import-hf): no optimizer state is
+  // read — the moments stay as they were (fresh) — and step 0 starts the schedule afresh.
+  bool weights_only = false;
 };
 
 class Checkpointer {
@@ -133,6 +136,12 @@ uint64_t attributes_digest(const io::H5File& f);
 // 2 on) root attributes that fail their checksum. `version`, when given, receives the format
 // version.
 std::unique_ptr<io::H5File> open_checkpoint_file(const std::string& path, int* version = nullptr);
+// Writes one checkpoint tensor: the dataset in Fletcher-32-checked chunks and its end-to-end
+// checksum attribute (docs/checkpoint-format.md). For the saver and the Hugging Face importer.
+void write_checkpoint_tensor(io::H5File& f, const std::string& dataset, const float* data,
+                             const std::vector<int64_t>& shape);
+// Whether an opened checkpoint holds weights only (attribute weights_only = 1).
+bool weights_only(const io::H5File& f);
 // Tensor `dataset` ("model/NAME", "optimizer/exp_avg/NAME", ...) of a checkpoint opened so,
 // whole, its Fletcher-32 and (version 2 on) end-to-end checksum checked: a ConfigError naming
 // the file and the tensor when either fails or it cannot be read.

@@ -181,10 +181,11 @@ std::vector<PlannedTransfer> planned_step_communication(const plan::ParallelPlan
   std::vector<PlannedTransfer> out;
   const int zero = int(cfg.zero_optimization.stage);
   const double elem = cfg.precision() == config::Precision::kFp32 ? 4.0 : 2.0;  // the all-gather moves compute copies
+  const double reduce_elem = double(kernels::dtype_size(comm_dtype(cfg)));     // communication_data_type
   for (const auto& [group, numel, ranks] :
        {std::tuple<std::string, int64_t, int>{"dp", dense, d.dp}, {"edp", expert, d.edp_group()}}) {
     if (ranks == 1 || numel == 0) continue;
-    out.push_back({group, zero >= 2 ? "reduce_scatter" : "all_reduce", 4.0 * double(numel)});
+    out.push_back({group, zero >= 2 ? "reduce_scatter" : "all_reduce", reduce_elem * double(numel)});
     if (zero >= 1)
       out.push_back({group, "all_gather", elem * double(parallel::FlatPartition(numel, ranks, parallel::kZeroAlign).padded())});
   }

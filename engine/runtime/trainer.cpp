@@ -140,8 +140,13 @@ Trainer::Trainer(const plan::ParallelPlan& plan, RankGroups groups, int threads)
       adam_->publish_master();
       publish_weights();
     }
-    if (scaler_) scaler_->restore(st.scaler);
-    if (rank_ == 0) spdlog::info("resumed from {} at step {}", resumed->path, start_step_);
+    if (scaler_ && !st.weights_only) scaler_->restore(st.scaler);  // (weights only: the configured initial scale)
+    if (rank_ == 0 && st.weights_only)
+      spdlog::info("started from the weights of {} (weights only, e.g. imported from Hugging Face): fresh optimizer "
+                   "state and learning-rate schedule from step 0",
+                   resumed->path);
+    else if (rank_ == 0)
+      spdlog::info("resumed from {} at step {}", resumed->path, start_step_);
   }
 }
 
@@ -362,7 +367,6 @@ StepResult Trainer::train_step(int64_t step) {
   if (!r.diverged.empty()) return r;
   // Unscaling and clipping fused into AdamW's gradient factor.
   adam_->step(r.lr, taken + 1, clip_factor(r.grad_norm, cfg_.gradient_clipping) / scale);
-  model::ParamStore& params = *engine_.params;
   publish_weights();
   for (const auto& [id, moe] : engine_.pipeline->moe_layers_by_id()) {  // this rank's MoE layers
     const size_t i = size_t(std::find(moe_ids_.begin(), moe_ids_.end(), id) - moe_ids_.begin());

@@ -21,44 +21,6 @@ namespace dstrain::kernels::cpu {
 
 const char* to_string(LowPrecision p) { return p == LowPrecision::kBf16 ? "bf16" : "fp16"; }
 
-namespace {
-uint32_t bits(float x) {
-  uint32_t u;
-  std::memcpy(&u, &x, 4);
-  return u;
-}
-float from_bits(uint32_t u) {
-  float x;
-  std::memcpy(&x, &u, 4);
-  return x;
-}
-}  // namespace
-
-uint16_t to_bf16(float x) {
-  const uint32_t u = bits(x);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x0040u);  // NaN, kept quiet
-  return uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);                   // nearest, ties to even
-}
-
-float from_bf16(uint16_t h) { return from_bits(uint32_t(h) << 16); }
-
-uint16_t to_fp16(float x) {
-  const uint32_t u = bits(x), sign = (u >> 16) & 0x8000u, a = u & 0x7fffffffu;
-  if (a > 0x7f800000u) return uint16_t(sign | 0x7e00u | ((a >> 13) & 0x3ffu));  // NaN, kept quiet
-  if (a >= 0x477ff000u) return uint16_t(sign | 0x7c00u);  // from 65520 (the tie above 65504, odd): inf
-  if (a < 0x38800000u)  // below 2^-14: a multiple of 2^-24, rounded (nearbyint: to even)
-    return uint16_t(sign | uint32_t(std::nearbyint(from_bits(a) * 16777216.0f)));
-  const uint32_t m = a - 0x38000000u;  // exponent rebiased from 127 to 15
-  return uint16_t(sign | ((m + 0xfffu + ((m >> 13) & 1u)) >> 13));  // a carry moves to the next binade
-}
-
-float from_fp16(uint16_t h) {
-  const uint32_t sign = uint32_t(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
-  if (e == 0) return from_bits(sign | bits(float(m) * 5.9604644775390625e-8f));  // m x 2^-24
-  if (e == 31) return from_bits(sign | 0x7f800000u | (m << 13));
-  return from_bits(sign | ((e + 112u) << 23) | (m << 13));
-}
-
 void convert_to(uint16_t* out, const float* in, int64_t n, LowPrecision p) {
   int64_t i = 0;
   if (p == LowPrecision::kBf16) {

@@ -12,17 +12,18 @@
 #include <tuple>
 #include <vector>
 
+#include "dstrain/kernels/half.h"
+
 namespace dstrain::kernels::cpu {
 
 enum class LowPrecision : uint8_t { kBf16, kFp16 };
 const char* to_string(LowPrecision p);
 
-// Round to nearest even; NaN stays NaN (quiet), infinities and overflow go to infinity (fp16
-// above 65504 rounds to inf, as IEEE says), fp16 keeps subnormals.
-uint16_t to_bf16(float x);
-float from_bf16(uint16_t h);
-uint16_t to_fp16(float x);
-float from_fp16(uint16_t h);
+// The scalar conversions (round to nearest even; dstrain/kernels/half.h).
+using kernels::from_bf16;
+using kernels::from_fp16;
+using kernels::to_bf16;
+using kernels::to_fp16;
 // Arrays, with the vector instructions of the build where it has them (AVX512-BF16, F16C).
 void convert_to(uint16_t* out, const float* in, int64_t n, LowPrecision p);
 void convert_from(float* out, const uint16_t* in, int64_t n, LowPrecision p);

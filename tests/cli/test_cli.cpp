@@ -479,6 +479,43 @@ TEST(CheckpointTool, InfoDiffAndHuggingFaceExport) {
   EXPECT_EQ(r.rc, 1);
 }
 
+// import-hf: export -> import is bit-exact; a transformers-saved model (tests/data/hf_import)
+// becomes a weights-only checkpoint that one rank and a TP 2 layout start from alike, with fresh
+// optimizer state (said in the log); a config that does not match it is refused in one line.
+TEST(CheckpointTool, HuggingFaceImportRoundTripsAndAnyLayoutStartsFromIt) {
+  const std::string dir = ::testing::TempDir() + "/ckpt_import";
+  std::filesystem::remove_all(dir);
+  const std::string tool = std::string(DSTRAIN_CKPT_BIN);
+  ASSERT_EQ(run(train_cmd(dir, "run", 2, "--resume none")).rc, 0);
+  ASSERT_EQ(run(tool + " export-hf " + dir + "/run " + dir + "/hf").rc, 0);
+  Result r = run(tool + " import-hf " + dir + "/hf " + dir + "/back.h5");
+  ASSERT_EQ(r.rc, 0) << r.err;
+  EXPECT_NE(r.out.find("wrote " + dir + "/back.h5: 41 tensors"), std::string::npos) << r.out;
+  r = run(tool + " diff " + dir + "/run " + dir + "/back.h5");
+  EXPECT_EQ(r.rc, 0) << r.out;
+  EXPECT_NE(r.out.find("comparing model/ alone"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("0 tensors differ (largest difference 0), 0 missing"), std::string::npos) << r.out;
+
+  const std::string imported = dir + "/tiny_bf16.h5";
+  r = run(tool + " import-hf tests/data/hf_import/tiny_bf16 " + imported);
+  ASSERT_EQ(r.rc, 0) << r.err;
+  EXPECT_NE(r.out.find("read as BF16, F32"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("ignored): "), std::string::npos) << r.out;
+  r = run(tool + " info " + imported);
+  EXPECT_NE(r.out.find("optimizer state none: weights only"), std::string::npos) << r.out;
+  EXPECT_EQ(run(tool + " verify " + imported).rc, 0);
+  r = run(train_cmd(dir, "one", 4, "--resume " + imported));
+  ASSERT_EQ(r.rc, 0) << r.err;
+  EXPECT_NE(r.out.find("started from the weights of " + imported + " (weights only"), std::string::npos) << r.out;
+  r = run(mpirun(2) + train_cmd(dir, "tp2", 4, "--resume " + imported + " --set parallel.tensor=2"));
+  ASSERT_EQ(r.rc, 0) << r.err;
+  expect_same_curve(dir, "one", "tp2", 4);
+  r = run(train_cmd(dir, "other", 1, "--resume " + imported + " --set model.moe_intermediate_size=48"));
+  EXPECT_EQ(r.rc, 1);
+  EXPECT_NE(r.err.find("has shape [32, 64] in the checkpoint but [48, 64] in this config"), std::string::npos)
+      << r.err;
+}
+
 TEST(Dsrun, SizesTheJobFromTheConfigOrFromNp) {
   Result r = run(kDsrun + " configs/tiny.yaml --set parallel.data=2 --check-comm");
   EXPECT_EQ(r.rc, 0) << r.err;

@@ -171,6 +171,9 @@ TEST(Monitor, CommLogBytesEqualThePlan) {
       {2, "zero0", " --set zero_optimization.stage=0", 2},  // dp and edp all-reduces
       {2, "zero1_bf16", " --set zero_optimization.stage=1 --set bf16.enabled=true", 4},
       {2, "zero2", " --set zero_optimization.stage=2", 4},
+      // communication_data_type: the gradient reductions carry 2 bytes per value (the plan says so)
+      {2, "zero0_bf16_comm", " --set zero_optimization.stage=0 --set communication_data_type=bf16", 2},
+      {2, "zero2_fp16_comm", " --set zero_optimization.stage=2 --set bf16.enabled=true --set communication_data_type=fp16", 4},
       {2, "pp2", " --set parallel.pipeline=2", 2},
       {4, "pp2_dp2_zero2", " --set parallel.pipeline=2 --set zero_optimization.stage=2", 4},
   };
@@ -214,6 +217,11 @@ TEST(Monitor, CommLogBytesEqualThePlan) {
     for (const auto& [key, bytes] : plan)
       EXPECT_EQ(four[key] - three[key], bytes) << c.name << ": " << key.first << " " << key.second;
   }
+  // 16-bit messages: the same buckets in half the bytes of fp32's.
+  const auto fp32 = planned(2, cases[0].extra), bf16 = planned(2, cases[3].extra);
+  EXPECT_GT(fp32.at({"dp", "all_reduce"}), 0);
+  EXPECT_EQ(2 * bf16.at({"dp", "all_reduce"}), fp32.at({"dp", "all_reduce"}));
+  EXPECT_EQ(2 * bf16.at({"edp", "all_reduce"}), fp32.at({"edp", "all_reduce"}));
 }
 
 // --memory-breakdown: one step, not saved, then every rank's memory by kind, planned and measured:

@@ -6,9 +6,11 @@
 #include <mpi.h>
 
 #include <chrono>
+#include <cmath>
 #include <thread>
 
 #include "dstrain/kernels/backend.h"
+#include "dstrain/kernels/half.h"
 #include "engine/comm/mpi_communicator.h"
 #include "engine/comm/routing_communicator.h"
 #include "engine/comm/watchdog.h"
@@ -220,6 +222,69 @@ TEST(Communicator, OutstandingWorkIsRegisteredWithTheWatchdog) {
     if (r == 1) {
       const float v = 42.0f;
       c->send(&v, 1, 0)->wait();
+    }
+  }
+}
+
+// 16-bit reductions (communication_data_type bf16 / fp16): the values travel as 16 bits and every
+// sum is taken in fp32 and rounded back. Through peer memory the owner of a block adds every
+// rank's value in fp32 in rank order and rounds once, so the result is bit for bit that; on the
+// ring each hop rounds the partial sum — exact on two ranks, and within size-1 roundings (a unit
+// roundoff u of the sum of magnitudes each, and half of fp16's subnormal step) on more. Maxima are exact either way.
+TEST(Communicator, SixteenBitReductionsRoundEachSumOfTheWidenedValues) {
+  auto c = world();
+  const int r = c->rank(), P = c->size();
+  for (const Half h : {Half::kBf16, Half::kFp16}) {
+    const auto narrow = [h](float x) { return h == Half::kBf16 ? kernels::to_bf16(x) : kernels::to_fp16(x); };
+    const auto widen = [h](uint16_t x) { return h == Half::kBf16 ? kernels::from_bf16(x) : kernels::from_fp16(x); };
+    const double u = h == Half::kBf16 ? 1.0 / 256 : 1.0 / 2048;
+    // Values of several magnitudes and both signs, different on every rank.
+    const auto value = [&](int q, int64_t i) {
+      return narrow(float(std::sin(0.37 * double(i) + 1.3 * q) * std::ldexp(1.0, int(i % 9) - 4)));
+    };
+    for (const bool shared : {false, true}) {
+      const int64_t n = shared ? 600011 : 100003;  // a shared buffer from 1 MiB
+      SharedVector<uint16_t> sbuf(shared ? n + 1 : 0);
+      std::vector<uint16_t> hbuf(shared ? 0 : n);
+      uint16_t* x = shared ? sbuf.data() : hbuf.data();
+      const bool direct = shared && c->register_peer_memory(reinterpret_cast<float*>(x), (n + 1) / 2);
+      EXPECT_EQ(direct, shared && P > 1);
+      const auto check = [&](int64_t begin, int64_t end, const char* what) {
+        int64_t bad = 0;
+        for (int64_t i = begin; i < end; ++i) {
+          float rank_order = widen(value(0, i));
+          double exact = double(rank_order), magnitude = std::abs(exact);
+          for (int q = 1; q < P; ++q) {
+            rank_order += widen(value(q, i));
+            exact += double(widen(value(q, i)));
+            magnitude += std::abs(double(widen(value(q, i))));
+          }
+          const double got = widen(x[i]);
+          if (direct || P == 2) bad += x[i] != narrow(rank_order);
+          else bad += std::abs(got - exact) > double(P - 1) * (1.01 * u * magnitude + std::ldexp(1.0, -24));
+        }
+        EXPECT_EQ(bad, 0) << what << " " << to_string(h) << (direct ? " through peer memory" : " on the ring");
+      };
+      for (int64_t i = 0; i < n; ++i) x[i] = value(r, i);
+      c->all_reduce(x, n, h, ReduceOp::kSum)->wait();
+      check(0, n, "all_reduce");
+      // Unequal blocks, one empty: each rank checks its own.
+      std::vector<int64_t> counts;
+      for (int p = 0; p < P; ++p) counts.push_back(p == 1 ? 0 : 20000 + 37 * p);
+      int64_t total = 0, at = 0;
+      for (int p = 0; p < P; ++p) total += counts[p], at += p < r ? counts[p] : 0;
+      for (int64_t i = 0; i < total; ++i) x[i] = value(r, i);
+      c->reduce_scatter_v(x, counts, h, ReduceOp::kSum)->wait();
+      check(at, at + counts[r], "reduce_scatter_v");
+      for (int64_t i = 0; i < n; ++i) x[i] = value(r, i);
+      c->all_reduce(x, n, h, ReduceOp::kMax)->wait();
+      int64_t bad = 0;
+      for (int64_t i = 0; i < n; ++i) {
+        float want = widen(value(0, i));
+        for (int q = 1; q < P; ++q) want = std::max(want, widen(value(q, i)));
+        bad += widen(x[i]) != want;
+      }
+      EXPECT_EQ(bad, 0) << "max " << to_string(h);
     }
   }
 }

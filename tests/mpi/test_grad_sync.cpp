@@ -154,5 +154,34 @@ TEST(GradSync, ExpertGradientsReduceOverTheExpertDataParallelGroup) {
   }
 }
 
+// communication_data_type bf16 / fp16: the buckets are reduced in 16-bit staging slots (more
+// buckets than slots, so launches wait for slots) and widened back — ZeRO-2 into the own shard.
+// Small integers are exact in 16 bits: the sums are the fp32 ones; a value 16 bits cannot hold
+// (1 + 2^-12) arrives rounded, so the sum of P of them is exactly P.
+TEST(GradSync, SixteenBitBucketsAreSummedInTheirStagingSlots) {
+  auto backend = kernels::make_cpu_backend(1);
+  for (const kernels::DType dtype : {kernels::DType::kBF16, kernels::DType::kF16}) {
+    for (const int zero : {0, 2}) {
+      for (const bool peer_memory : {true, false}) {
+        Fixture f(zero);
+        GradSync sync(f.params, *f.sharding, model::DeepSeekModel::backward_order(f.cfg.model),
+                      {true, 250000, peer_memory, dtype, backend.get()});
+        ASSERT_GT(sync.buckets().size(), size_t(GradSync::kWireSlots));
+        EXPECT_EQ(sync.buffer_bytes(), 2 * GradSync::kWireSlots * 250016);
+        check_reduction(f, sync, 0);
+        auto& g = f.params.dense_grads();
+        std::fill(g.host().begin(), g.host().end(), 1.0f + 1.0f / 4096);
+        sync.begin();
+        sync.finish();
+        const Range own = f.sharding->shards_gradients() ? f.sharding->shard(false) : Range{0, int64_t(g.size())};
+        int64_t bad = 0;
+        for (int64_t i = own.begin; i < std::min(own.end, f.params.dense_numel()); ++i)
+          bad += g.host()[size_t(i)] != float(world_size());
+        EXPECT_EQ(bad, 0) << kernels::to_string(dtype) << " zero " << zero << " peer memory " << peer_memory;
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace dstrain::parallel

@@ -3,6 +3,9 @@
 //   dstrain-ckpt verify PATH            reads every tensor and checks its checksum
 //   dstrain-ckpt diff A B               per-tensor max |difference| of two checkpoints
 //   dstrain-ckpt export-hf PATH OUT_DIR config.json + model.safetensors for Hugging Face
+//   dstrain-ckpt import-hf HF_DIR OUT   a Hugging Face DeepSeek model directory (config.json,
+//                                       safetensors) -> a weights-only checkpoint OUT that any
+//                                       layout starts from (checkpoint.resume: OUT)
 //   dstrain-ckpt compare-dumps A B TOL  two `dstrain --dump-grads` files: every weight and
 //                                       gradient tensor, and the losses, within TOL relative
 //                                       (to the tensor's largest magnitude in A)
@@ -25,6 +28,7 @@
 #include "engine/common/strings.h"
 #include "engine/io/hdf5_file.h"
 #include "engine/runtime/checkpoint.h"
+#include "engine/runtime/hf_import.h"
 
 namespace {
 
@@ -36,6 +40,7 @@ const char* kUsage =
     "       dstrain-ckpt verify PATH\n"
     "       dstrain-ckpt diff A B\n"
     "       dstrain-ckpt export-hf PATH OUT_DIR\n"
+    "       dstrain-ckpt import-hf HF_DIR OUT.h5\n"
     "       dstrain-ckpt compare-dumps A.h5 B.h5 TOL   (files of dstrain --dump-grads)\n"
     "PATH: a checkpoint file, or a checkpoint directory (its latest)\n";
 
@@ -90,7 +95,9 @@ int info(const std::string& arg) {
   }
   std::printf("%s tensors, %s elements (%s); optimizer state %s tensors\n", dstrain::with_commas(count).c_str(),
               dstrain::with_commas(elements).c_str(), dstrain::human_bytes(4.0 * double(elements)).c_str(),
-              dstrain::with_commas(int64_t(f->list("optimizer/exp_avg").size() * 2)).c_str());
+              dstrain::runtime::weights_only(*f)
+                  ? "none: weights only (fresh optimizer state and schedule at a start from it),"
+                  : dstrain::with_commas(int64_t(f->list("optimizer/exp_avg").size() * 2)).c_str());
   std::string config;
   for (const std::string& line : dstrain::split(f->attr_string("config_yaml"), '\n'))
     config += dstrain::printable(line, 4096) + "\n";
@@ -104,7 +111,11 @@ int diff(const std::string& a_arg, const std::string& b_arg) {
   const H5File *a = oa.file.get(), *b = ob.file.get();
   double worst = 0;
   int differing = 0, missing = 0;
+  // A weights-only checkpoint (import-hf) has no optimizer state: then the weights are compared.
+  const bool weights = dstrain::runtime::weights_only(*a) || dstrain::runtime::weights_only(*b);
+  if (weights) std::printf("weights only (a checkpoint without optimizer state): comparing model/ alone\n");
   for (const char* group : {"model", "optimizer/exp_avg", "optimizer/exp_avg_sq"}) {
+    if (weights && group[0] == 'o') continue;
     const auto names = a->list(group);
     for (const std::string& name : names) {
       const std::string ds = std::string(group) + "/" + name;
@@ -264,6 +275,27 @@ int export_hf(const std::string& arg, const std::string& final_dir) {
   return 0;
 }
 
+int import_hf(const std::string& hf_dir, const std::string& out) {
+  const dstrain::runtime::HfImport r = dstrain::runtime::import_hf_checkpoint(hf_dir, out);
+  const dstrain::config::ModelConfig& m = r.model;
+  std::printf("wrote %s: %s tensors (%s of fp32; read as %s) from %s, weights only\n", out.c_str(),
+              dstrain::with_commas(r.tensors).c_str(), dstrain::human_bytes(r.bytes).c_str(),
+              fmt::format("{}", fmt::join(r.dtypes, ", ")).c_str(), hf_dir.c_str());
+  std::printf("model: %s, %lld layers, hidden %lld, %lld routed experts, vocabulary %lld\n",
+              dstrain::config::to_string(m.model_type).c_str(), (long long)m.num_hidden_layers, (long long)m.hidden_size,
+              (long long)m.num_routed(), (long long)m.vocab_size);
+  if (r.mtp_dropped)
+    std::printf("note: config.json asks for multi-token-prediction layers the files do not hold (transformers does "
+                "not save them): imported without them (model.num_nextn_predict_layers: 0)\n");
+  if (!r.ignored_keys.empty())
+    std::printf("config.json keys dstrain's model does not use (ignored): %s\n",
+                fmt::format("{}", fmt::join(r.ignored_keys, ", ")).c_str());
+  std::printf("start a run from it with checkpoint.resume: %s (its model section must match: `dstrain-ckpt info "
+              "%s` prints it)\n",
+              out.c_str(), out.c_str());
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -274,6 +306,7 @@ int main(int argc, char** argv) {
     if (a.size() == 2 && a[0] == "verify") return verify(a[1]);
     if (a.size() == 3 && a[0] == "diff") return diff(a[1], a[2]);
     if (a.size() == 3 && a[0] == "export-hf") return export_hf(a[1], a[2]);
+    if (a.size() == 3 && a[0] == "import-hf") return import_hf(a[1], a[2]);
     if (a.size() == 4 && a[0] == "compare-dumps") return compare_dumps(a[1], a[2], a[3]);
     std::fputs(kUsage, stderr);
     return 2;
