@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # Gradient messages in fp32 against 16 bits (communication_data_type: bf16): `medium` under bf16
-# on mpirun -np 2 x 1 thread, ZeRO-1 and ZeRO-2, each pair run alternately ROUNDS times. Prints
+# (4 x 256 tokens per rank and step) on mpirun -np 2 x 1 thread, ZeRO-1 (ZERO=2: ZeRO-2), the two
+# run alternately ROUNDS times. Prints
 # per run tokens/s, the step's wait for the gradient reduction after backward, and the bytes the
 # comms log counted for the dp group's reduction per step (rank 0).
-# Usage: tools/bench-comm-dtype.sh [build-dir] [rounds]   (about 2 minutes per round)
+# Usage: [ZERO=1|2] tools/bench-comm-dtype.sh [build-dir] [rounds]   (2-5 minutes per round)
 source "$(dirname "$0")/bench-common.sh"
 ROUNDS=${2:-2}
-STEPS=12
-common=(configs/medium.yaml --set train_steps=$STEPS --set steps_per_print=$STEPS --set data.eval_interval=0
+STEPS=6
+common=(configs/medium.yaml --set seq_length=256 --set train_batch_size=8 --set train_micro_batch_size_per_gpu=4
+        --set train_steps=$STEPS --set steps_per_print=$STEPS --set data.eval_interval=0
         --set checkpoint.interval=0 --set checkpoint.save_at_end=false --set checkpoint.dir="$OUT/ck"
         --set checkpoint.resume=none --set wall_clock_breakdown=true --set monitor.expert_stats_interval=0
         --set bf16.enabled=true --set monitor.comm_log=true)
@@ -31,7 +33,7 @@ for l in open('$OUT/m.jsonl'):
   echo "$tok $wait $bytes"
 }
 printf '%-6s %-8s %-6s %9s %9s %16s\n' ZeRO messages round tok/s wait_ms "MiB/step (dp)"
-for z in 1 2; do
+for z in ${ZERO:-1}; do
   for r in $(seq "$ROUNDS"); do
     for dt in fp32 bf16; do
       read -r t w b < <(run "$z" "$dt")

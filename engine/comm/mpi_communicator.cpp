@@ -49,6 +49,13 @@ int64_t elem_bytes(Elem e) { return e == Elem::kF32 ? 4 : 2; }
 MPI_Datatype mpi_type(Elem e) { return e == Elem::kF32 ? MPI_FLOAT : MPI_UINT16_T; }
 const char* elem_name(Elem e) { return e == Elem::kF32 ? "floats" : e == Elem::kBf16 ? "bf16" : "fp16"; }
 
+// The conversions as lambdas (a type each, so the loops below inline them; a function pointer
+// would be called per element).
+constexpr auto kBf16Widen = [](uint16_t h) { return kernels::from_bf16(h); };
+constexpr auto kBf16Narrow = [](float x) { return kernels::to_bf16(x); };
+constexpr auto kFp16Widen = [](uint16_t h) { return kernels::from_fp16(h); };
+constexpr auto kFp16Narrow = [](float x) { return kernels::to_fp16(x); };
+
 template <class Widen, class Narrow>
 void combine16(ReduceOp op, uint16_t* y, const uint16_t* x, int64_t n, Widen widen, Narrow narrow) {
   if (op == ReduceOp::kSum) {
@@ -72,8 +79,8 @@ void combine(Elem e, ReduceOp op, void* yv, const void* xv, int64_t n) {
   }
   uint16_t* y = static_cast<uint16_t*>(yv);
   const uint16_t* x = static_cast<const uint16_t*>(xv);
-  if (e == Elem::kBf16) combine16(op, y, x, n, kernels::from_bf16, kernels::to_bf16);
-  else combine16(op, y, x, n, kernels::from_fp16, kernels::to_fp16);
+  if (e == Elem::kBf16) combine16(op, y, x, n, kBf16Widen, kBf16Narrow);
+  else combine16(op, y, x, n, kFp16Widen, kFp16Narrow);
 }
 
 // y[i] = the reduction of src[0][i], src[1][i], ... taken in fp32 in that order, rounded once
@@ -525,8 +532,8 @@ class DirectWork final : public MpiWork {
     for (int q = 0; q < P_; ++q)
       src.push_back(reinterpret_cast<const uint16_t*>(q == r_ ? y : peers_[q] + offsets_[r_] * eb));
     uint16_t* y16 = reinterpret_cast<uint16_t*>(y);
-    if (elem_ == Elem::kBf16) reduce_rows16(op_, y16, src, n, kernels::from_bf16, kernels::to_bf16);
-    else reduce_rows16(op_, y16, src, n, kernels::from_fp16, kernels::to_fp16);
+    if (elem_ == Elem::kBf16) reduce_rows16(op_, y16, src, n, kBf16Widen, kBf16Narrow);
+    else reduce_rows16(op_, y16, src, n, kFp16Widen, kFp16Narrow);
   }
 
   void gather_blocks() {
