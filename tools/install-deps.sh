@@ -11,6 +11,7 @@ packages=(
   libyaml-cpp-dev                       # config files
   libspdlog-dev libfmt-dev              # logging
   nlohmann-json3-dev                    # JSON: HF config.json, metrics, safetensors header
+  libpcre2-dev                          # regexes of Hugging Face tokenizer.json pre-tokenizers
   libgtest-dev                          # tests (GoogleTest, run through CTest)
   libopenblas-openmp-dev                # CPU GEMM (OpenMP build: safe inside parallel regions)
   libdnnl-dev                           # oneDNN: the other CPU GEMM, measured against OpenBLAS

@@ -60,7 +60,9 @@ std::vector<SafetensorsEntry> parse_safetensors_header(std::string_view header, 
   }
   if (!j.is_object()) throw fail("the safetensors header is not a JSON object");
   std::vector<SafetensorsEntry> out;
-  for (const auto& [name, v] : j.items()) {
+  for (auto item = j.begin(); item != j.end(); ++item) {
+    const std::string name = item.key();
+    const nlohmann::json& v = item.value();
     if (name == "__metadata__") {
       if (!v.is_object()) throw fail("__metadata__ is not an object");
       continue;

@@ -14,6 +14,7 @@
 #include "engine/common/strings.h"
 #include "engine/config/load_config.h"
 #include "engine/data/token_dataset.h"
+#include "engine/data/hf_tokenizer.h"
 #include "engine/data/tokenizer.h"
 #include "engine/io/hdf5_file.h"
 #include "engine/runtime/checkpoint.h"
@@ -87,6 +88,8 @@ Generated generate(const std::string& path, const GenerateOptions& o) {
   if (d.tokenizer == "bpe")
     tok = std::make_unique<data::BpeTokenizer>(data::BpeTokenizer::load(
         (std::filesystem::path(d.path).parent_path() / d.tokenizer_file).string()));
+  else if (d.tokenizer == "hf")
+    tok = data::HfTokenizer::load((std::filesystem::path(d.path).parent_path() / d.tokenizer_file).string());
   else
     tok = std::make_unique<data::ByteTokenizer>();
   out.tokenizer = tok->name();

@@ -17,6 +17,7 @@
 #include <sys/wait.h>
 
 #include "engine/io/hdf5_file.h"
+#include "engine/data/hf_tokenizer.h"
 #include "tests/cli/cli_util.h"
 
 namespace {
@@ -35,6 +36,36 @@ TEST(Cli, HelpAndUsageErrors) {
   EXPECT_EQ(r.err, "dstrain: error: unknown option '--frobnicate' (see dstrain --help)\n");
   r = run(kDstrain + " configs/tiny.yaml --world-size 8");
   EXPECT_EQ(r.rc, 2);
+}
+
+// dstrain-prep --tokenizer hf:DIR with GPT-2's tokenizer.json: each input file a document,
+// encoded as transformers encodes it, EOS (<|endoftext|>) appended with --append-eod, the
+// tokenizer copied beside the data; the model trains on it (a vocabulary of 50,304 >= 50,257);
+// a directory without a tokenizer.json is one line.
+TEST(Data, HuggingFaceTokenizerPreparesADatasetThatTrains) {
+  const std::string dir = fresh_dir("hf_tokenizer");
+  const std::string prep = std::string(DSTRAIN_BIN).substr(0, std::string(DSTRAIN_BIN).rfind('/')) + "/dstrain-prep";
+  std::ofstream(dir + "/a.txt") << "Hello world, it's 2026.\n";
+  Result r = run(prep + " --input " + dir + "/a.txt --input data/tinyshakespeare.txt --output " + dir +
+                 "/gpt2.h5 --tokenizer hf:tests/data/hf_tokenizer/gpt2 --append-eod");
+  ASSERT_EQ(r.rc, 0) << r.err;
+  EXPECT_NE(r.out.find("vocab 50257 (hf, gpt2.tokenizer.json)"), std::string::npos) << r.out;
+  EXPECT_TRUE(std::filesystem::exists(dir + "/gpt2.tokenizer.json"));
+  const auto tok = dstrain::data::HfTokenizer::load("tests/data/hf_tokenizer/gpt2/tokenizer.json");
+  std::vector<int32_t> want = tok->encode("Hello world, it's 2026.\n");
+  want.push_back(50256);
+  const std::vector<int32_t> shakespeare = tok->encode(slurp("data/tinyshakespeare.txt"));
+  want.insert(want.end(), shakespeare.begin(), shakespeare.end());
+  want.push_back(50256);
+  dstrain::io::H5File f(dir + "/gpt2.h5", dstrain::io::H5File::Mode::kRead);
+  EXPECT_EQ(f.read_ints("tokens"), want);
+  EXPECT_EQ(f.attr_string("tokenizer"), "hf");
+  r = run(kDstrain + " configs/tiny.yaml --resume none --set train_steps=2 --set model.vocab_size=50304 --set data.path=" +
+          dir + "/gpt2.h5 --set checkpoint.dir=" + dir + "/ck");
+  EXPECT_EQ(r.rc, 0) << r.err;
+  r = run(prep + " --input " + dir + "/a.txt --output " + dir + "/x.h5 --tokenizer hf:configs");
+  EXPECT_EQ(r.rc, 1);
+  EXPECT_NE(r.err.find("configs/tokenizer.json: cannot be read"), std::string::npos) << r.err;
 }
 
 // A corpus in Megatron-LM's indexed format, as dstrain-prep --output-format megatron writes it

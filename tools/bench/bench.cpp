@@ -5,6 +5,8 @@
 //   dstrain-bench lowp [--threads N]
 //       GEMMs on bf16 and fp16 inputs (fp32 accumulation, oneDNN matmul) against fp32 sgemm at
 //       the medium preset's shapes, the instruction set and implementation oneDNN chose
+//   dstrain-bench tokenizer --input TEXT [--tokenizer PATH/tokenizer.json]
+//       a Hugging Face tokenizer's encode throughput (tokens/s, one thread) and round trip
 //   dstrain-bench model [--preset small] [--batch 8] [--seq 256] [--threads N] [--steps 5]
 //       forward + backward + AdamW tokens/s, achieved GFLOP/s (docs/model.md §8 model FLOPs), the
 //       fraction of the measured FMA peak, and peak memory against what the step accounts for
@@ -19,7 +21,9 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <fstream>
 #include <functional>
+#include <iterator>
 #include <random>
 #include <string>
 #include <vector>
@@ -31,6 +35,7 @@
 #include "engine/common/strings.h"
 #include "engine/config/load_config.h"
 #include "engine/config/presets.h"
+#include "engine/data/hf_tokenizer.h"
 #include "engine/runtime/checkpoint.h"
 #include "engine/runtime/rank_engine.h"
 #include "engine/model/deepseek_model.h"
@@ -596,6 +601,52 @@ int bench_lowp(int threads) {
   return 0;
 }
 
+// A Hugging Face tokenizer.json on a text file, one thread: encode throughput (the best of three
+// passes) and the decode round trip. tools/bench-tokenizer.sh prints it beside the `tokenizers`
+// library's figure on the same text.
+int bench_tokenizer(int argc, char** argv) {
+  const std::string path = arg_str(argc, argv, "--tokenizer", "tests/data/hf_tokenizer/deepseek_v3/tokenizer.json");
+  const std::string input = arg_str(argc, argv, "--input", "");
+  if (input.empty()) throw ConfigError("dstrain-bench tokenizer needs --input FILE (a text file)");
+  std::ifstream in(input, std::ios::binary);
+  if (!in) throw ConfigError(fmt::format("--input {}: cannot be read", input));
+  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const auto t0 = std::chrono::steady_clock::now();
+  const auto tok = data::HfTokenizer::load(path);
+  const double load_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  double best = 1e30, first = 0;
+  std::vector<int32_t> ids;
+  for (int pass = 0; pass < 3; ++pass) {
+    // Documents of 2,048 bytes or more cut at line ends, each encoded on its own — the cut
+    // tools/bench_hf_tokenizer.py makes, so both encode the same documents.
+    const auto a = std::chrono::steady_clock::now();
+    ids.clear();
+    size_t start = 0;
+    while (start < text.size()) {
+      size_t end = start;
+      while (end < text.size() && end - start < 2048) {
+        const size_t nl = text.find('\n', end);
+        end = nl == std::string::npos ? text.size() : nl + 1;
+      }
+      const std::vector<int32_t> part = tok->encode(std::string_view(text).substr(start, end - start));
+      ids.insert(ids.end(), part.begin(), part.end());
+      start = end;
+    }
+    const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - a).count();
+    if (pass == 0) first = secs;  // (the pieces' cache empty at its start)
+    best = std::min(best, secs);
+  }
+  const bool round_trip = tok->decode(ids) == text;
+  std::printf("tokenizer %s: loaded in %.2f s, vocabulary %lld\n", path.c_str(), load_s, (long long)tok->vocab_size());
+  std::printf("input %s: %s bytes -> %s tokens (%.2f bytes/token), decode(encode(text)) == text: %s\n", input.c_str(),
+              with_commas(int64_t(text.size())).c_str(), with_commas(int64_t(ids.size())).c_str(),
+              double(text.size()) / double(ids.size()), round_trip ? "yes" : "NO");
+  std::printf("dstrain encode, 1 thread, documents of ~2 KB: %.0f tokens/s (%.2f MB/s), best of 3; first pass, "
+              "from an empty cache: %.0f tokens/s\n",
+              double(ids.size()) / best, double(text.size()) / best / 1e6, double(ids.size()) / first);
+  return round_trip ? 0 : 1;
+}
+
 int bench_main(int argc, char** argv) {
   tune_host_allocator();  // as dstrain does
   const std::string mode = argc > 1 ? argv[1] : "";
@@ -603,10 +654,12 @@ int bench_main(int argc, char** argv) {
   if (mode == "model") return bench_model(argc, argv);
   if (mode == "lowp") return bench_lowp(arg_int(argc, argv, "--threads", omp_get_max_threads()));
   if (mode == "checkpoint") return bench_checkpoint(argc, argv);
+  if (mode == "tokenizer") return bench_tokenizer(argc, argv);
   std::fprintf(stderr, "usage: dstrain-bench kernels [--threads N]\n"
                        "       dstrain-bench lowp [--threads N]\n"
                        "       dstrain-bench model [--preset small] [--batch 8] [--seq 256] [--threads N] [--steps 5]\n"
-                       "       dstrain-bench checkpoint [--preset medium] [--dir DIR] [--settle SECONDS]\n");
+                       "       dstrain-bench checkpoint [--preset medium] [--dir DIR] [--settle SECONDS]\n"
+                       "       dstrain-bench tokenizer --input TEXT [--tokenizer PATH/tokenizer.json]\n");
   return 2;
 }
 

@@ -3,8 +3,14 @@
 // trains (or loads) and saves next to the data.
 //
 //   dstrain-prep --input FILE [--input FILE ...] --output DATA.h5
-//                [--tokenizer bytes|bpe] [--vocab-size N] [--tokenizer-file PATH] [--force]
-//                [--output-format dstrain|megatron]
+//                [--tokenizer bytes|bpe|hf:PATH] [--vocab-size N] [--tokenizer-file PATH] [--force]
+//                [--output-format dstrain|megatron] [--append-eod]
+//
+// --tokenizer hf:PATH applies a Hugging Face tokenizer.json (PATH: the file, or the directory
+// holding it; engine/data/hf_tokenizer.h) as transformers' encode(text) does with its default
+// add_special_tokens=True — per input file, a document: DeepSeek's BOS leads each — and copies
+// it next to the data (DATA.tokenizer.json). --append-eod ends every document with the EOS token
+// (tokenizer_config.json's eos_token), as Megatron's preprocess_data.py --append-eod does.
 //
 // --output-format megatron writes Megatron-LM's indexed dataset instead (DATA.bin + DATA.idx,
 // --output naming the prefix; engine/data/indexed_dataset.h), one document per input file, which
@@ -19,6 +25,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -28,6 +35,7 @@
 #include "engine/common/error.h"
 #include "engine/common/strings.h"
 #include "engine/config/load_config.h"
+#include "engine/data/hf_tokenizer.h"
 #include "engine/data/indexed_dataset.h"
 #include "engine/data/token_dataset.h"
 #include "engine/data/tokenizer.h"
@@ -38,13 +46,13 @@ struct Args {
   std::vector<std::string> inputs;
   std::string output, tokenizer = "bytes", tokenizer_file, output_format = "dstrain";
   int64_t vocab_size = 0;
-  bool force = false;
+  bool force = false, append_eod = false;
 };
 
 const char* kUsage =
     "usage: dstrain-prep --input FILE [--input FILE ...] --output DATA.h5\n"
-    "                    [--tokenizer bytes|bpe] [--vocab-size N] [--tokenizer-file PATH] [--force]\n"
-    "                    [--output-format dstrain|megatron]\n";
+    "                    [--tokenizer bytes|bpe|hf:PATH/tokenizer.json] [--vocab-size N] [--tokenizer-file PATH]\n"
+    "                    [--force] [--output-format dstrain|megatron] [--append-eod]\n";
 
 Args parse(int argc, char** argv) {
   Args a;
@@ -56,6 +64,10 @@ Args parse(int argc, char** argv) {
     }
     if (k == "--force") {
       a.force = true;
+      continue;
+    }
+    if (k == "--append-eod") {
+      a.append_eod = true;
       continue;
     }
     if (i + 1 >= argc) throw dstrain::ConfigError(fmt::format("{} needs a value\n{}", k, kUsage));
@@ -77,8 +89,11 @@ Args parse(int argc, char** argv) {
     throw dstrain::ConfigError(fmt::format("--input and --output are required\n{}", kUsage));
   if (a.output_format != "dstrain" && a.output_format != "megatron")
     throw dstrain::ConfigError(fmt::format("--output-format {}: valid: dstrain, megatron", a.output_format));
-  if (a.tokenizer != "bytes" && a.tokenizer != "bpe")
-    throw dstrain::ConfigError(fmt::format("--tokenizer {}: valid: bytes, bpe", a.tokenizer));
+  if (a.tokenizer != "bytes" && a.tokenizer != "bpe" && a.tokenizer.rfind("hf:", 0) != 0)
+    throw dstrain::ConfigError(fmt::format("--tokenizer {}: valid: bytes, bpe, hf:PATH (a Hugging Face tokenizer.json)",
+                                           a.tokenizer));
+  if (a.append_eod && a.tokenizer.rfind("hf:", 0) != 0)
+    throw dstrain::ConfigError("--append-eod needs a tokenizer with an EOS token: --tokenizer hf:PATH");
   if (!a.tokenizer_file.empty() && a.tokenizer != "bpe")
     throw dstrain::ConfigError(fmt::format("--tokenizer-file {} is a BPE tokenizer, but the tokenizer is {}; valid: "
                                            "add --tokenizer bpe, or drop --tokenizer-file",
@@ -130,6 +145,13 @@ int run(const Args& a) {
                                 ".tokenizer");
   std::vector<std::filesystem::path> outputs = {out_path};
   if (megatron) outputs.push_back(prefix + ".idx");
+  const bool hf = a.tokenizer.rfind("hf:", 0) == 0;
+  std::filesystem::path hf_json;  // the tokenizer.json applied, and its copy beside the data
+  if (hf) {
+    hf_json = a.tokenizer.substr(3);
+    if (std::filesystem::is_directory(hf_json, ec)) hf_json /= "tokenizer.json";
+    outputs.push_back(tokenizer_path.string() + ".json");
+  }
   if (a.tokenizer == "bpe") outputs.push_back(tokenizer_path);
   refuse_overwriting_inputs(a, outputs);
   std::vector<std::string> documents;  // one per input file
@@ -145,7 +167,25 @@ int run(const Args& a) {
   int64_t vocab = 256;
   std::string tok_file;
   std::vector<std::vector<int32_t>> docs;  // (Megatron: each input file encoded on its own)
-  if (a.tokenizer == "bytes") {
+  std::string tok_name = a.tokenizer;
+  if (hf) {
+    const auto t = dstrain::data::HfTokenizer::load(hf_json.string());
+    const std::optional<int32_t> eod = t->eos_id();
+    if (a.append_eod && !eod)
+      throw dstrain::ConfigError(fmt::format("--append-eod: {} names no EOS token (tokenizer_config.json's eos_token)",
+                                             hf_json.string()));
+    for (const std::string& d : documents) {
+      docs.push_back(t->encode_with_special(d));
+      if (a.append_eod) docs.back().push_back(*eod);
+      tokens.insert(tokens.end(), docs.back().begin(), docs.back().end());
+    }
+    vocab = t->vocab_size();
+    tok_name = "hf";
+    const std::filesystem::path copy = tokenizer_path.string() + ".json";
+    if (std::filesystem::weakly_canonical(copy, ec) != std::filesystem::weakly_canonical(hf_json, ec))
+      std::filesystem::copy_file(hf_json, copy, std::filesystem::copy_options::overwrite_existing);
+    tok_file = copy.filename().string();
+  } else if (a.tokenizer == "bytes") {
     tokens = dstrain::data::ByteTokenizer().encode(text);
     if (megatron)
       for (const std::string& d : documents) docs.push_back(dstrain::data::ByteTokenizer().encode(d));
@@ -171,13 +211,13 @@ int run(const Args& a) {
     for (const auto& d : docs) tokens.insert(tokens.end(), d.begin(), d.end());
     dstrain::data::write_megatron_dataset(prefix, docs, vocab);
   } else {
-    dstrain::data::write_token_dataset(a.output, tokens, vocab, a.tokenizer, tok_file, dstrain::join(a.inputs, "\n"));
+    dstrain::data::write_token_dataset(a.output, tokens, vocab, tok_name, tok_file, dstrain::join(a.inputs, "\n"));
   }
   const double secs = std::chrono::duration<double>(Clock::now() - t0).count();
   std::printf("%s: %s tokens from %s bytes (%.2f bytes/token), vocab %ld (%s%s), %.1f s\n",
               megatron ? (prefix + ".bin/.idx (Megatron)").c_str() : a.output.c_str(), dstrain::with_commas(int64_t(tokens.size())).c_str(),
               dstrain::with_commas(int64_t(text.size())).c_str(), double(text.size()) / double(tokens.size()),
-              long(vocab), a.tokenizer.c_str(), tok_file.empty() ? "" : (", " + tok_file).c_str(), secs);
+              long(vocab), tok_name.c_str(), tok_file.empty() ? "" : (", " + tok_file).c_str(), secs);
   return 0;
 }
 
