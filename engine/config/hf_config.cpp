@@ -125,9 +125,15 @@ ModelConfig model_from_hf_config(const std::string& json_text, const std::string
   if (type == hf.end() || !type->is_string() || (*type != "deepseek_v2" && *type != "deepseek_v3"))
     throw fail(fmt::format("model_type {}: dstrain trains DeepSeek-V2 / V3 models; valid: deepseek_v2, deepseek_v3",
                            type == hf.end() ? "missing" : type->dump()));
-  if (hf.contains("quantization_config"))
-    throw fail("a quantized checkpoint (quantization_config, e.g. DeepSeek-V3's FP8 release): dequantize it to "
-               "bf16 first; dstrain imports F32, BF16 and F16 tensors");
+  // (a quantization_config is listed as ignored: the tensors say whether the weights are FP8)
+  // DeepSeek-V2's routing when a V2 config leaves it out (transformers' DeepseekV2Config has no
+  // scoring_func, for one): dstrain's defaults are V3's.
+  if (*type == "deepseek_v2") {
+    const Json v2 = {{"scoring_func", "softmax"}, {"topk_method", "greedy"}, {"norm_topk_prob", false},
+                     {"routed_scaling_factor", 1.0}, {"n_group", 1}, {"topk_group", 1}};
+    for (const auto& [key, value] : v2.items())
+      if (!hf.contains(key) || hf[key].is_null()) hf[key] = value;
+  }
   // The keys dstrain's model has are those to_hf_config_json writes; rope_scaling's likewise.
   const Json known = Json::parse(to_hf_config_json(ModelConfig{}));
   static const char* kRopeKeys[] = {"type", "factor", "original_max_position_embeddings", "beta_fast",

@@ -27,8 +27,9 @@ std::string to_hf_config_json(const ModelConfig& m);
 // The model of a Hugging Face config.json (DeepseekV2ForCausalLM / DeepseekV3ForCausalLM): the
 // keys dstrain's model has (to_hf_config_json's), checked as the YAML config's model section is;
 // keys it has not (torch_dtype, use_cache, auto_map, ...) are skipped and, with `ignored`, listed
-// there. Throws ConfigError naming `file` for another model_type, a quantization_config (FP8
-// weights must be dequantized first) or a value the model section refuses.
+// there. A deepseek_v2 config without its routing keys gets V2's (softmax scores, greedy top-k,
+// no renormalisation, scale 1, one group), not dstrain's V3 defaults. Throws ConfigError naming
+// `file` for another model_type or a value the model section refuses.
 ModelConfig model_from_hf_config(const std::string& json_text, const std::string& file,
                                  std::vector<std::string>* ignored = nullptr);
 // The keys that change what the model computes and whose values in `saved_json` (a checkpoint's

@@ -5,6 +5,8 @@
 
 #include <algorithm>
 #include <array>
+#include <functional>
+#include <queue>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -50,7 +52,8 @@ class Regex {
   Regex(const std::string& pattern, bool literal, const std::string& where) {
     int err = 0;
     PCRE2_SIZE at = 0;
-    uint32_t options = PCRE2_UTF | PCRE2_UCP | PCRE2_MATCH_INVALID_UTF;
+    // (^ and $ anchor at lines, as in Oniguruma's Ruby syntax, which `tokenizers` uses)
+    uint32_t options = PCRE2_UTF | PCRE2_UCP | PCRE2_MATCH_INVALID_UTF | PCRE2_MULTILINE;
     if (literal) options = PCRE2_LITERAL | PCRE2_UTF | PCRE2_MATCH_INVALID_UTF;
     code_ = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(pattern.data()), pattern.size(), options, &err, &at, nullptr);
     if (!code_) {
@@ -61,6 +64,11 @@ class Regex {
     }
     pcre2_jit_compile(code_, PCRE2_JIT_COMPLETE);  // (where the JIT is missing, matching still works)
     data_ = pcre2_match_data_create_from_pattern(code_, nullptr);
+    if (!data_) {
+      pcre2_code_free(code_);
+      throw std::bad_alloc();
+    }
+    where_ = where;
   }
   ~Regex() {
     pcre2_match_data_free(data_);
@@ -69,17 +77,24 @@ class Regex {
   Regex(const Regex&) = delete;
   Regex& operator=(const Regex&) = delete;
 
-  // The non-empty matches in s: [begin, end) offsets, in order.
+  // The matches in s, in order: [begin, end) offsets; an empty match is kept (a split point).
+  // A matching error (a resource limit) is a ConfigError rather than text left unsplit.
   void matches(std::string_view s, std::vector<std::pair<size_t, size_t>>& out) const {
     out.clear();
     size_t at = 0;
     while (at <= s.size()) {
       const int rc = pcre2_match(code_, reinterpret_cast<PCRE2_SPTR>(s.data()), s.size(), at, 0, data_, nullptr);
-      if (rc < 0) break;  // PCRE2_ERROR_NOMATCH (or a match-limit error: the rest is no match)
+      if (rc == PCRE2_ERROR_NOMATCH) break;
+      if (rc < 0) {
+        PCRE2_UCHAR msg[256];
+        pcre2_get_error_message(rc, msg, sizeof msg);
+        throw ConfigError(fmt::format("{}: a pre-tokenizer pattern failed on a {}-byte piece of text: {}", where_,
+                                      s.size(), reinterpret_cast<const char*>(msg)));
+      }
       const PCRE2_SIZE* ov = pcre2_get_ovector_pointer(data_);
       const size_t b = ov[0], e = ov[1];
+      out.emplace_back(b, e);
       if (e > b) {
-        out.emplace_back(b, e);
         at = e;
       } else {  // an empty match: move on by one character
         at = b + 1;
@@ -91,6 +106,7 @@ class Regex {
  private:
   pcre2_code* code_ = nullptr;
   pcre2_match_data* data_ = nullptr;
+  std::string where_;
 };
 
 enum class Behavior { kIsolated, kRemoved, kMergedWithPrevious, kMergedWithNext, kContiguous };
@@ -122,6 +138,7 @@ struct HfTokenizer::Impl {
   std::unordered_map<uint64_t, std::pair<int32_t, int32_t>> merges;  // (left, right) -> (rank, merged id)
   bool ignore_merges = false;
   std::vector<Step> steps;
+  bool byte_level_seen = false;
   std::vector<Added> added;  // longest first
   std::array<std::vector<const Added*>, 256> added_by_first;  // by their first byte, longest first
   std::vector<int32_t> prefix, suffix;  // the post-processor's tokens around a sequence
@@ -131,6 +148,13 @@ struct HfTokenizer::Impl {
   std::unordered_map<std::string, unsigned char> char_byte;  // the inverse of chars
   mutable std::unordered_map<std::string, std::vector<int32_t>> cache;
   mutable std::vector<std::pair<size_t, size_t>> found;
+
+  // A token id of the file: an integer in [0, 2^24) (the largest vocabularies are 2^18).
+  int32_t checked_id(const Json& v, const std::string& token) const {
+    if (!v.is_number_integer() || v.get<int64_t>() < 0 || v.get<int64_t>() >= (int64_t(1) << 24))
+      refuse(fmt::format("token {} has the id {}, not an integer from 0 to 2^24", Json(token).dump(), v.dump()));
+    return int32_t(v.get<int64_t>());
+  }
 
   [[noreturn]] void refuse(const std::string& what) const {
     throw ConfigError(fmt::format("{}: {}; dstrain reads byte-level BPE tokenizers (GPT-2's, DeepSeek's)", path, what));
@@ -144,6 +168,8 @@ struct HfTokenizer::Impl {
       return;
     }
     Step s;
+    if (type == "Split" && byte_level_seen)  // (tokenizers would show it byte-level characters)
+      refuse("a Split pre-tokenizer after a ByteLevel one");
     if (type == "Split") {
       const Json& pat = p.at("pattern");
       const bool literal = pat.contains("String");
@@ -160,6 +186,7 @@ struct HfTokenizer::Impl {
     } else if (type == "ByteLevel") {
       s.prefix_space = p.value("add_prefix_space", false);
       if (p.value("use_regex", true)) s.regex = std::make_unique<Regex>(kGpt2Pattern, false, path);
+      byte_level_seen = true;
     } else {
       refuse(fmt::format("pre-tokenizer {}", type.empty() ? p.dump() : type));
     }
@@ -225,12 +252,16 @@ struct HfTokenizer::Impl {
     pieces = std::move(out);
   }
 
-  // Byte-level BPE of one piece: merges of the lowest rank first, the leftmost of equal ranks.
+  // Byte-level BPE of one piece: merges of the lowest rank first, the leftmost of equal ranks —
+  // a heap of (rank, position) over a linked list of symbols, O(n log n) in the piece's length,
+  // as `tokenizers` merges. Pieces up to 256 bytes are cached.
   void bpe(const std::string& piece, std::vector<int32_t>& out) const {
-    if (const auto it = cache.find(piece); it != cache.end()) {
-      out.insert(out.end(), it->second.begin(), it->second.end());
-      return;
-    }
+    const bool cacheable = piece.size() <= 256;
+    if (cacheable)
+      if (const auto it = cache.find(piece); it != cache.end()) {
+        out.insert(out.end(), it->second.begin(), it->second.end());
+        return;
+      }
     std::vector<int32_t> w;
     if (ignore_merges) {
       std::string mapped;
@@ -238,21 +269,43 @@ struct HfTokenizer::Impl {
       if (const auto v = vocab.find(mapped); v != vocab.end()) w.push_back(v->second);
     }
     if (w.empty()) {
-      for (unsigned char c : piece) w.push_back(byte_id[c]);
-      for (;;) {
-        int32_t best_rank = INT32_MAX, best_id = 0;
-        size_t best = 0;
-        for (size_t i = 0; i + 1 < w.size(); ++i) {
-          const auto m = merges.find((uint64_t(uint32_t(w[i])) << 32) | uint32_t(w[i + 1]));
-          if (m != merges.end() && m->second.first < best_rank) best_rank = m->second.first, best_id = m->second.second, best = i;
-        }
-        if (best_rank == INT32_MAX) break;
-        w[best] = best_id;
-        w.erase(w.begin() + int64_t(best) + 1);
+      const int64_t n = int64_t(piece.size());
+      std::vector<int32_t> id(static_cast<size_t>(n)), next(static_cast<size_t>(n)), prev(static_cast<size_t>(n));
+      for (int64_t i = 0; i < n; ++i)
+        id[size_t(i)] = byte_id[static_cast<unsigned char>(piece[size_t(i)])], next[size_t(i)] = int32_t(i + 1),
+                 prev[size_t(i)] = int32_t(i - 1);
+      struct Cand {
+        int32_t rank, pos, left, right;  // the pair (left, right) at pos when pushed
+        bool operator>(const Cand& o) const { return rank != o.rank ? rank > o.rank : pos > o.pos; }
+      };
+      std::priority_queue<Cand, std::vector<Cand>, std::greater<Cand>> heap;
+      const auto push = [&](int32_t i) {
+        if (i < 0) return;
+        const int32_t j = next[size_t(i)];
+        if (j >= n) return;
+        const auto m = merges.find((uint64_t(uint32_t(id[size_t(i)])) << 32) | uint32_t(id[size_t(j)]));
+        if (m != merges.end()) heap.push({m->second.first, i, id[size_t(i)], id[size_t(j)]});
+      };
+      for (int32_t i = 0; i + 1 < n; ++i) push(i);
+      std::vector<char> dead(size_t(n), 0);
+      while (!heap.empty()) {
+        const Cand c = heap.top();
+        heap.pop();
+        const int32_t i = c.pos, j = next[size_t(i)];
+        if (dead[size_t(i)] || j >= n || id[size_t(i)] != c.left || id[size_t(j)] != c.right) continue;  // stale
+        id[size_t(i)] = merges.at((uint64_t(uint32_t(c.left)) << 32) | uint32_t(c.right)).second;
+        dead[size_t(j)] = 1;
+        next[size_t(i)] = next[size_t(j)];
+        if (next[size_t(j)] < n) prev[size_t(next[size_t(j)])] = i;
+        push(prev[size_t(i)]);
+        push(i);
       }
+      for (int32_t i = 0; i < n; i = next[size_t(i)]) w.push_back(id[size_t(i)]);
     }
-    if (cache.size() > (size_t(1) << 20)) cache.clear();
-    cache.emplace(piece, w);
+    if (cacheable) {
+      if (cache.size() > (size_t(1) << 18)) cache.clear();
+      cache.emplace(piece, w);
+    }
     out.insert(out.end(), w.begin(), w.end());
   }
 
@@ -333,8 +386,7 @@ std::unique_ptr<HfTokenizer> HfTokenizer::load(const std::string& path) {
     if (j.contains("pre_tokenizer")) t.parse_pre_tokenizer(j["pre_tokenizer"]);
     int32_t top = -1;
     for (const auto& [tok, id] : m.at("vocab").items()) {
-      const int32_t i = id.get<int32_t>();
-      if (i < 0) t.refuse(fmt::format("token {} has the negative id {}", Json(tok).dump(), i));
+      const int32_t i = t.checked_id(id, tok);
       t.vocab[tok] = i;
       top = std::max(top, i);
     }
@@ -364,7 +416,7 @@ std::unique_ptr<HfTokenizer> HfTokenizer::load(const std::string& path) {
     for (const Json& a : j.value("added_tokens", Json::array())) {
       Added x;
       x.content = a.at("content").get<std::string>();
-      x.id = a.at("id").get<int32_t>();
+      x.id = t.checked_id(a.at("id"), x.content);
       x.lstrip = a.value("lstrip", false), x.rstrip = a.value("rstrip", false);
       x.single_word = a.value("single_word", false);
       top = std::max(top, x.id);
@@ -403,13 +455,23 @@ std::unique_ptr<HfTokenizer> HfTokenizer::load(const std::string& path) {
             continue;
           }
           const std::string name = piece.at("SpecialToken").at("id").get<std::string>();
-          for (const Json& id : templ->at("special_tokens").at(name).at("ids"))
-            (seen_a ? t.suffix : t.prefix).push_back(id.get<int32_t>());
+          for (const Json& id : templ->at("special_tokens").at(name).at("ids")) {
+            const int32_t i = t.checked_id(id, name);
+            if (i >= t.size) t.refuse(fmt::format("the post-processor's token {} has the id {}, outside the vocabulary", name, i));
+            (seen_a ? t.suffix : t.prefix).push_back(i);
+          }
         }
       }
     }
     // BOS / EOS: tokenizer_config.json's names, else the post-processor's leading token.
-    const std::filesystem::path config = std::filesystem::path(path).parent_path() / "tokenizer_config.json";
+    // (beside it: tokenizer_config.json, or NAME.tokenizer_config.json for NAME.tokenizer.json,
+    // as dstrain-prep copies the pair next to a dataset)
+    std::string config_name = std::filesystem::path(path).filename().string();
+    const std::string suffix = "tokenizer.json";
+    config_name = config_name.size() >= suffix.size() && config_name.compare(config_name.size() - suffix.size(), suffix.size(), suffix) == 0
+                      ? config_name.substr(0, config_name.size() - suffix.size()) + "tokenizer_config.json"
+                      : "tokenizer_config.json";
+    const std::filesystem::path config = std::filesystem::path(path).parent_path() / config_name;
     const auto id_of = [&](const Json& v) -> std::optional<int32_t> {
       const std::string s = v.is_object() ? v.value("content", "") : v.is_string() ? v.get<std::string>() : "";
       for (const Added& a : t.added)

@@ -99,7 +99,8 @@ std::vector<SafetensorsEntry> parse_safetensors_header(std::string_view header, 
       throw bad(fmt::format("{} bytes of data for {} {} values of {} bytes", e.end - e.begin, numel, e.dtype, elem));
     out.push_back(std::move(e));
   }
-  std::sort(out.begin(), out.end(), [](const auto& a, const auto& b) { return a.begin < b.begin; });
+  std::sort(out.begin(), out.end(),
+            [](const auto& a, const auto& b) { return a.begin != b.begin ? a.begin < b.begin : a.end < b.end; });
   for (size_t i = 1; i < out.size(); ++i)
     if (out[i].begin < out[i - 1].end)
       throw fail(fmt::format("tensors '{}' and '{}' overlap", out[i - 1].name, out[i].name));

@@ -4,6 +4,7 @@
 #include <spdlog/spdlog.h>
 
 #include "engine/common/fault_inject.h"
+#include "engine/plan/memory.h"
 
 namespace dstrain::model {
 
@@ -96,15 +97,16 @@ MoeLayer::MoeLayer(const LayerEnv& env, const std::string& prefix, int64_t B, in
   stats_.loads.assign(E_, 0);
   DS_CHECK(E_ % ep_ == 0, "{} experts over {} expert-parallel ranks", E_, ep_);
   El_ = E_ / ep_, e0_ = env.coll->ep_rank() * El_;
-  if (ep_ > 1) {  // sized for balanced routing (as many rows received as sent); grown when a step needs more
+  if (ep_ > 1) {  // sized for balanced routing (as many rows received as sent) and a margin; grown when a step needs more
     Xr_ = st.take_dynamic(), Xe_ = st.take_dynamic(true), GUe_ = st.take_dynamic(), Me_ = st.take_dynamic(true);
     Ye_ = &env.ep_bwd->dYe, Yr_ = &env.ep_bwd->dYr;  // forward-only: in the backward buffers' space
     kernels::Backend& be = *env.be;
-    const int64_t recv = N * k_;
-    stats_.recv_rows_balanced = recv;
+    const int64_t recv = plan::expert_receive_rows(N * k_);  // (the rows sent, Xs, are N k exactly)
+    stats_.recv_rows_balanced = N * k_;
     DS_CHECK(env.ep_bwd, "an expert-parallel MoE layer without its instance's backward buffers");
     EpBackwardBuffers& b = *env.ep_bwd;  // shared by the instance's MoE layers: reserve never shrinks
-    for (kernels::DeviceArray<float>* v : {Xr_, Xe_, &b.dYr, &b.dYe, &b.Xs}) v->reserve(be, recv * H_);
+    for (kernels::DeviceArray<float>* v : {Xr_, Xe_, &b.dYr, &b.dYe}) v->reserve(be, recv * H_);
+    b.Xs.reserve(be, N * k_ * H_);
     GUe_->reserve(be, recv * 2 * I_), b.dGUe.reserve(be, recv * 2 * I_);
     Me_->reserve(be, recv * I_), b.dMe.reserve(be, recv * I_);
   }
@@ -228,9 +230,10 @@ void MoeLayer::forward(float* out_full, const float* u_full, const float* u_part
   plan_exchange(rows);
   const int64_t recv = recv_total_;
   if (recv * H_ > Xr_->capacity()) {
-    // More rows than the receive side holds (it starts at balanced routing, which the plan
-    // counts): it grows once, with a quarter more room, and keeps that (no allocation in later
-    // steps unless the imbalance grows further) — said aloud, since the plan did not count it.
+    // More rows than the receive side holds (it starts at balanced routing and an eighth more,
+    // which the plan counts): it grows once, with a quarter more room, and keeps that (no
+    // allocation in later steps unless the imbalance grows further) — said aloud, since the plan
+    // did not count it.
     const int64_t room = recv + recv / 4;
     spdlog::info("{}mlp (expert-parallel rank {}): its experts received {} rows, {:.2f}x the balanced {}; its "
                  "receive buffers grow to {} rows",

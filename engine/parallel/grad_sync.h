@@ -98,11 +98,13 @@ class GradSync final : public model::BackwardObserver {
   std::vector<int64_t> pending_;                    // per bucket: layers not final yet
   size_t next_ = 0;                                 // buckets launch in index order
   bool peer_memory_ = false;
-  std::deque<Flight> flights_;  // in launch order
   model::FlatArray<uint16_t> wire_;  // kWireSlots slots of wire_stride_ 16-bit values
   int64_t wire_stride_ = 0;
   std::vector<bool> wire_busy_;  // per slot: a bucket launched there has not landed
   int64_t launches_ = 0;         // 16-bit launches this step
+  // Declared after the staging memory, so destroyed first: a Work still in flight (an exception
+  // between launch and finish) completes into memory that still exists.
+  std::deque<Flight> flights_;  // in launch order
 };
 
 // Buckets of a flat buffer's parameters (offset, numel, layer; sorted by offset), at most

@@ -79,7 +79,7 @@ LayerFloats layer_floats(const config::ModelConfig& m, int64_t index, int64_t N,
     f.take(ep == 1 ? n * k * H : 0, true, cb), f.take(ep == 1 ? n * k * 2 * I : 0), f.take(ep == 1 ? n * k * I : 0, true, cb),
         f.take(n * k * H);
     if (ep > 1) {
-      const int64_t recv = n * k;  // balanced
+      const int64_t recv = expert_receive_rows(n * k);  // balanced, and the margin
       f.dyn_always += recv * H + recv * 2 * I;  // Xr, GUe
       f.dyn_selective += recv * H + recv * I;   // Xe, Me
       // dYr (Yr forward, dXe after), dYe (Ye forward, dXr after), dMe, dGUe; the sent rows Xs

@@ -26,6 +26,12 @@ struct MemoryEstimate {
 // `dense` / `expert`: parameters this rank holds; `dp` / `edp`: the groups they shard over.
 // `fp32_read`: elements of the parameters read in fp32, which mixed precision keeps a widened
 // side copy of (plan::read_in_fp32).
+// The rows an expert-parallel rank's receive buffers hold from the start, for `balanced` rows
+// (balanced routing: as many rows received as sent): an eighth more, for the imbalance of real
+// routing (docs/design.md §6.7). A step that receives more grows them once, to a quarter more
+// than it received (model/ffn.cpp), and logs it; the plan counts this size.
+inline int64_t expert_receive_rows(int64_t balanced) { return balanced + balanced / 8; }
+
 MemoryEstimate estimate_memory(int64_t dense, int64_t expert, int64_t dp, int64_t edp,
                                int zero_stage, config::Precision precision, int64_t fp32_read = 0);
 
@@ -33,8 +39,7 @@ MemoryEstimate estimate_memory(int64_t dense, int64_t expert, int64_t dp, int64_
 // one rank — computed from the buffers the model allocates (docs/design.md §6.7), so that a run
 // that cannot fit is refused before anything is allocated and --dry-run shows what checkpointing
 // saves. fp32 storage, and the compute type for the buffers only GEMMs read under bf16 / fp16;
-// expert-parallel receive buffers at balanced routing (each rank receives
-// as many rows as it sends).
+// expert-parallel receive buffers at expert_receive_rows (balanced routing and a margin).
 struct ActivationMemory {
   double kept = 0;        // saved buffers alive from forward to backward (hidden states, head, MTP)
   double recomputed = 0;  // the recomputing layers' shared buffers (the largest layer's)

@@ -39,6 +39,8 @@ namespace {
 
 const char* kGroups[3] = {"model/", "optimizer/exp_avg/", "optimizer/exp_avg_sq/"};
 
+bool weights_only_file(const std::string& path);  // (below)
+
 // The ranks that write the slices of parameter i: the holders of replica 0 (data-parallel
 // coordinate 0, or expert-data-parallel 0 for experts; tensor-parallel 0 for replicated ones and
 // for experts, which every tensor-parallel rank holds whole).
@@ -424,8 +426,13 @@ void Checkpointer::wait() {
 std::vector<std::string> Checkpointer::resume_candidates(std::string* note) const {
   const config::CheckpointConfig& c = plan_.config.checkpoint;
   if (c.resume == "none") return {};
-  if (c.resume != "auto" && !fs::is_directory(c.resume)) return {c.resume};
-  const std::string dir = c.resume == "auto" ? c.dir : c.resume;
+  // A weights-only file (import-hf) is where a run starts, not where a restarted run goes back
+  // to: once checkpoint.dir holds the run's own checkpoints, those are resumed instead (as
+  // Megatron's --pretrained-checkpoint beside --load).
+  const bool restarted = c.resume != "auto" && !fs::is_directory(c.resume) && !list_checkpoints(c.dir).empty() &&
+                         weights_only_file(c.resume);
+  if (c.resume != "auto" && !fs::is_directory(c.resume) && !restarted) return {c.resume};
+  const std::string dir = c.resume == "auto" || restarted ? c.dir : c.resume;
   std::vector<std::string> out, files = list_checkpoints(dir);
   std::string problem;
   const std::string latest = read_latest(dir, problem);
@@ -434,7 +441,11 @@ std::vector<std::string> Checkpointer::resume_candidates(std::string* note) cons
     if (*it != latest) out.push_back(*it);
   if (note) {
     note->clear();
-    if (latest.empty() && !files.empty())
+    if (restarted)
+      *note = fmt::format("checkpoint.resume names {}, a weights-only start, but {} holds this run's own checkpoints: "
+                          "resuming from those",
+                          c.resume, dir);
+    else if (latest.empty() && !files.empty())
       *note = fmt::format("{} holds {} checkpoint(s) but {}: resuming from the newest one that loads", dir,
                           files.size(), problem);
     else if (latest.empty() && files.empty() && problem != "`latest` is missing")
@@ -448,9 +459,11 @@ std::vector<std::string> Checkpointer::resume_candidates(std::string* note) cons
 std::optional<Checkpointer::Resumed> Checkpointer::resume(model::ParamStore& params, AdamW* adam) {
   const config::CheckpointConfig& c = plan_.config.checkpoint;
   if (c.resume == "none") return std::nullopt;
-  const bool fall_back = c.resume == "auto" || fs::is_directory(c.resume);
   std::string note;
   const std::vector<std::string> candidates = resume_candidates(&note);
+  // (a named file alone: its failure is the error; a directory's list falls back to older files)
+  const bool fall_back = c.resume == "auto" || fs::is_directory(c.resume) || candidates.size() != 1 ||
+                         candidates.front() != c.resume;
   if (!note.empty() && rank_ == 0) spdlog::warn("{}", note);
   std::vector<std::string> failures;
   for (const std::string& path : candidates) {
@@ -674,6 +687,18 @@ void probe(const std::string& path, const Fail& fail) {
     if (seen.size() > 8) seen.erase(seen.begin());
   }
   if (!problem.empty()) throw fail(problem + " (a damaged or truncated checkpoint)");
+}
+
+// Whether `path` is a readable weights-only checkpoint (false for anything that is not: the
+// load then names what is wrong with it).
+bool weights_only_file(const std::string& path) {
+  try {
+    probe(path, [](const std::string& what) { return ConfigError(what); });
+    const io::H5File f(path, io::H5File::Mode::kRead);
+    return weights_only(f);
+  } catch (const std::exception&) {
+    return false;
+  }
 }
 
 }  // namespace

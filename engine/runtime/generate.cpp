@@ -93,7 +93,9 @@ Generated generate(const std::string& path, const GenerateOptions& o) {
   else
     tok = std::make_unique<data::ByteTokenizer>();
   out.tokenizer = tok->name();
-  out.prompt_ids = tok->encode(o.prompt);
+  // (a Hugging Face tokenizer's prompt as its documents were prepared: with its BOS / EOS rules)
+  const auto* hf = dynamic_cast<const data::HfTokenizer*>(tok.get());
+  out.prompt_ids = hf ? hf->encode_with_special(o.prompt) : tok->encode(o.prompt);
   if (out.prompt_ids.empty()) throw ConfigError("generate: the prompt encodes to no tokens");
 
   const plan::ParallelPlan plan = plan::make_plan(cfg, 1);

@@ -93,6 +93,14 @@ HfImport import_hf_checkpoint(const std::string& hf_dir, const std::string& out)
     throw ConfigError(fmt::format("{}: neither model.safetensors nor model.safetensors.index.json", hf_dir));
   }
 
+  // FP8 weights (DeepSeek-V3's release: F8_E4M3 matrices with weight_scale_inv beside them).
+  for (const auto& [name, loc] : where) {
+    const bool scale = name.size() > 10 && name.compare(name.size() - 10, 10, "_scale_inv") == 0;
+    if (scale || loc.second->dtype.rfind("F8_", 0) == 0)
+      throw ConfigError(fmt::format("{}: tensor '{}' ({}) belongs to FP8-quantized weights: dequantize them to bf16 "
+                                    "first (DeepSeek's fp8_cast_bf16.py); dstrain imports F32, BF16 and F16 tensors",
+                                    loc.first->path(), name, loc.second->dtype));
+  }
   // transformers does not save the multi-token-prediction layers: without any of their tensors,
   // the model is imported without them.
   if (m.num_nextn_predict_layers > 0) {
@@ -108,6 +116,24 @@ HfImport import_hf_checkpoint(const std::string& hf_dir, const std::string& out)
   const std::vector<plan::ParamInfo> table = plan::build_param_table(m);
   std::set<std::string> wanted;
   for (const plan::ParamInfo& p : table) wanted.insert(p.name);
+  // DeepSeek's releases store the MTP layers' embedding and output head as copies of the main
+  // ones (model.layers.61.embed_tokens / .shared_head.head); dstrain's MTP modules share them.
+  // A copy is skipped when it equals the main tensor, refused when it does not.
+  std::map<std::string, std::string> copies;  // copy -> the main tensor
+  for (int64_t d = 0; d < m.num_nextn_predict_layers; ++d) {
+    const std::string p = fmt::format("model.layers.{}.", m.num_hidden_layers + d);
+    copies[p + "embed_tokens.weight"] = "model.embed_tokens.weight";
+    copies[p + "shared_head.head.weight"] = "lm_head.weight";
+  }
+  for (const auto& [copy, main] : copies) {
+    const auto c = where.find(copy), w = where.find(main);
+    if (c == where.end() || w == where.end()) continue;
+    if (c->second.second->shape != w->second.second->shape ||
+        c->second.first->read_f32(*c->second.second) != w->second.first->read_f32(*w->second.second))
+      throw ConfigError(fmt::format("{}: tensor '{}' differs from '{}', which dstrain's MTP modules share",
+                                    c->second.first->path(), copy, main));
+    wanted.insert(copy);  // (checked, not imported)
+  }
   for (const auto& [name, loc] : where)
     if (!wanted.count(name) && !not_a_weight(name))
       throw ConfigError(fmt::format("{}: tensor '{}' is not part of the model config.json describes (another "

@@ -605,9 +605,10 @@ void Trainer::log_memory_breakdown(bool all_ranks) {
   for (auto* moe : engine_.pipeline->all_moe_layers())
     if (moe->stats().recv_rows_max > most) most = moe->stats().recv_rows_max, balanced = moe->stats().recv_rows_balanced;
   if (most > 0)
-    table += fmt::format("\nexpert-parallel receive high water on r0: {} rows in one layer ({:.2f}x the balanced {} the "
-                         "plan counts)",
-                         with_commas(most), double(most) / double(balanced), with_commas(balanced));
+    table += fmt::format("\nexpert-parallel receive high water on r0: {} rows in one layer ({:.2f}x the balanced {}; "
+                         "the plan counts {}, an eighth more)",
+                         with_commas(most), double(most) / double(balanced), with_commas(balanced),
+                         with_commas(plan::expert_receive_rows(balanced)));
   spdlog::info("memory breakdown (plan: the plan's figures for the rank's stage; now: its buffers after step {}):\n{}",
                start_step_ + 1, table);
 }

@@ -46,7 +46,9 @@ TEST(Data, HuggingFaceTokenizerPreparesADatasetThatTrains) {
   const std::string dir = fresh_dir("hf_tokenizer");
   const std::string prep = std::string(DSTRAIN_BIN).substr(0, std::string(DSTRAIN_BIN).rfind('/')) + "/dstrain-prep";
   std::ofstream(dir + "/a.txt") << "Hello world, it's 2026.\n";
-  Result r = run(prep + " --input " + dir + "/a.txt --input data/tinyshakespeare.txt --output " + dir +
+  const std::string play = slurp("data/tinyshakespeare.txt").substr(0, 40000);  // (about 10,000 tokens)
+  std::ofstream(dir + "/b.txt") << play;
+  Result r = run(prep + " --input " + dir + "/a.txt --input " + dir + "/b.txt --output " + dir +
                  "/gpt2.h5 --tokenizer hf:tests/data/hf_tokenizer/gpt2 --append-eod");
   ASSERT_EQ(r.rc, 0) << r.err;
   EXPECT_NE(r.out.find("vocab 50257 (hf, gpt2.tokenizer.json)"), std::string::npos) << r.out;
@@ -54,13 +56,13 @@ TEST(Data, HuggingFaceTokenizerPreparesADatasetThatTrains) {
   const auto tok = dstrain::data::HfTokenizer::load("tests/data/hf_tokenizer/gpt2/tokenizer.json");
   std::vector<int32_t> want = tok->encode("Hello world, it's 2026.\n");
   want.push_back(50256);
-  const std::vector<int32_t> shakespeare = tok->encode(slurp("data/tinyshakespeare.txt"));
+  const std::vector<int32_t> shakespeare = tok->encode(play);
   want.insert(want.end(), shakespeare.begin(), shakespeare.end());
   want.push_back(50256);
   dstrain::io::H5File f(dir + "/gpt2.h5", dstrain::io::H5File::Mode::kRead);
   EXPECT_EQ(f.read_ints("tokens"), want);
   EXPECT_EQ(f.attr_string("tokenizer"), "hf");
-  r = run(kDstrain + " configs/tiny.yaml --resume none --set train_steps=2 --set model.vocab_size=50304 --set data.path=" +
+  r = run(kDstrain + " configs/tiny.yaml --resume none --set train_steps=1 --set model.vocab_size=50304 --set data.path=" +
           dir + "/gpt2.h5 --set checkpoint.dir=" + dir + "/ck");
   EXPECT_EQ(r.rc, 0) << r.err;
   r = run(prep + " --input " + dir + "/a.txt --output " + dir + "/x.h5 --tokenizer hf:configs");
@@ -541,6 +543,13 @@ TEST(CheckpointTool, HuggingFaceImportRoundTripsAndAnyLayoutStartsFromIt) {
   r = run(mpirun(2) + train_cmd(dir, "tp2", 4, "--resume " + imported + " --set parallel.tensor=2"));
   ASSERT_EQ(r.rc, 0) << r.err;
   expect_same_curve(dir, "one", "tp2", 4);
+  // Restarted with the same command (a requeued job), the run continues from its own checkpoint,
+  // not from the import again.
+  r = run(train_cmd(dir, "one", 6, "--resume " + imported));
+  ASSERT_EQ(r.rc, 0) << r.err;
+  EXPECT_NE((r.out + r.err).find("a weights-only start, but " + dir + "/one holds this run's own checkpoints"),
+            std::string::npos) << r.out + r.err;
+  EXPECT_NE(r.out.find("at step 4"), std::string::npos) << r.out;
   r = run(train_cmd(dir, "other", 1, "--resume " + imported + " --set model.moe_intermediate_size=48"));
   EXPECT_EQ(r.rc, 1);
   EXPECT_NE(r.err.find("has shape [32, 64] in the checkpoint but [48, 64] in this config"), std::string::npos)

@@ -277,7 +277,8 @@ TEST(Monitor, MemoryBreakdownPlannedAndMeasuredPerRank) {
 // The plan is the truth (docs/design.md §7.4): on `small`, cheap layouts across precision,
 // recomputation, pipeline parallelism with four micro-batches in flight and ZeRO, every rank's
 // buffers after a step total within 10% of what the plan gives its stage — 16-bit state, one
-// workspace per pipeline rank, micro-batches in flight holding their saved activations. (ZeRO-2
+// workspace per pipeline rank, micro-batches in flight holding their saved activations, the
+// expert-parallel receive side. (ZeRO-2
 // is left out: it still holds the whole gradient buffer where the plan counts a shard.)
 TEST(Monitor, EveryRanksBuffersMatchThePlan) {
   const std::string dir = fresh_dir("memory_plan");
@@ -293,6 +294,8 @@ TEST(Monitor, EveryRanksBuffersMatchThePlan) {
        " --set parallel.pipeline=2 --set parallel.virtual_stages=2 --set parallel.pipeline_schedule=interleaved"
        " --set train_micro_batch_size_per_gpu=2"},
       {"bf16, DP 2, ZeRO-0", " --set bf16.enabled=true --set zero_optimization.stage=0"},
+      // (the receive side planned at balanced routing and an eighth, as the model reserves it)
+      {"bf16, EP 2", " --set bf16.enabled=true --set parallel.expert=2"},
   };
   for (const auto& [name, extra] : cases) {
     const Result r = run(mpirun(2) + kDstrain + base + extra);

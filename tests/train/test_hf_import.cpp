@@ -11,6 +11,8 @@
 #include <filesystem>
 #include <fstream>
 
+#include <nlohmann/json.hpp>
+
 #include "engine/config/load_config.h"
 #include "engine/io/hdf5_file.h"
 #include "engine/model/deepseek_model.h"
@@ -131,6 +133,25 @@ void rewrite_config(const std::string& dir, const std::string& from, const std::
   std::ofstream(dir + "/config.json") << text;
 }
 
+// A DeepSeek-V2 config.json without its routing keys (transformers' own DeepseekV2Config writes
+// no scoring_func) imports with V2's routing, not dstrain's V3 defaults; given keys win.
+TEST(HfImport, DeepSeekV2ConfigsGetV2RoutingDefaults) {
+  const std::string v2 = R"({"model_type": "deepseek_v2", "vocab_size": 256, "hidden_size": 64,
+      "intermediate_size": 128, "moe_intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+      "num_key_value_heads": 4, "q_lora_rank": null, "kv_lora_rank": 32, "qk_nope_head_dim": 16,
+      "qk_rope_head_dim": 8, "v_head_dim": 16, "n_routed_experts": 4, "n_shared_experts": 1,
+      "num_experts_per_tok": 2, "first_k_dense_replace": 1, "max_position_embeddings": 512})";
+  std::vector<std::string> ignored;
+  const config::ModelConfig m = config::model_from_hf_config(v2, "v2/config.json", &ignored);
+  EXPECT_EQ(m.scoring_func, config::ScoringFunc::kSoftmax);
+  EXPECT_EQ(m.topk_method, config::TopkMethod::kGreedy);
+  EXPECT_FALSE(m.norm_topk_prob);
+  EXPECT_EQ(m.routed_scaling_factor, 1.0);
+  std::string scaled = v2;
+  scaled.insert(1, R"("routed_scaling_factor": 16.0, )");
+  EXPECT_EQ(config::model_from_hf_config(scaled, "v2/config.json").routed_scaling_factor, 16.0);
+}
+
 TEST(HfImport, BadInputsAreOneClearErrorAndLeaveNothing) {
   const std::string dir = fresh_dir("bad"), out = dir + "/out.h5";
   {
@@ -165,11 +186,30 @@ TEST(HfImport, BadInputsAreOneClearErrorAndLeaveNothing) {
     rewrite_config(d, "\"model_type\": \"deepseek_v3\"", "\"model_type\": \"llama\"");
     expect_refused(d, out, "model_type \"llama\": dstrain trains DeepSeek-V2 / V3 models");
   }
-  {
-    const std::string d = copy_of("tiny_fp32", dir + "/fp8");
+  {  // FP8 weights, as DeepSeek-V3 releases them: a weight_scale_inv beside a matrix (in its own shard)
+    const std::string d = copy_of("tiny_bf16", dir + "/fp8");
+    const std::string header =
+        R"({"model.layers.0.self_attn.q_a_proj.weight_scale_inv":{"dtype":"F32","shape":[1,1],"data_offsets":[0,4]}})";
+    std::ofstream st(d + "/model-scales.safetensors", std::ios::binary);
+    const uint64_t n = header.size();
+    const float one = 1.0f;
+    st.write(reinterpret_cast<const char*>(&n), 8).write(header.data(), std::streamsize(n));
+    st.write(reinterpret_cast<const char*>(&one), 4);
+    st.close();
+    nlohmann::json index = nlohmann::json::parse(std::ifstream(d + "/model.safetensors.index.json"));
+    index["weight_map"]["model.layers.0.self_attn.q_a_proj.weight_scale_inv"] = "model-scales.safetensors";
+    std::ofstream(d + "/model.safetensors.index.json") << index.dump();
     rewrite_config(d, "\"model_type\": \"deepseek_v3\"",
                    "\"model_type\": \"deepseek_v3\", \"quantization_config\": {\"quant_method\": \"fp8\"}");
-    expect_refused(d, out, "dequantize it to bf16 first");
+    expect_refused(d, out, "belongs to FP8-quantized weights: dequantize them to bf16 first");
+  }
+  {  // config.json asks for an MTP layer the files do not hold (transformers saves none)
+    const std::string d = copy_of("tiny_fp32", dir + "/mtp_copy");
+    rewrite_config(d, "\"num_nextn_predict_layers\": 0", "\"num_nextn_predict_layers\": 1");
+    // (no MTP weights: imported without the module, said in the result)
+    const HfImport r = import_hf_checkpoint(d, dir + "/mtp_dropped.h5");
+    EXPECT_TRUE(r.mtp_dropped);
+    EXPECT_EQ(r.model.num_nextn_predict_layers, 0);
   }
   {
     const std::string d = copy_of("tiny_fp32", dir + "/bad_value");

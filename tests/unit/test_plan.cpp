@@ -377,6 +377,15 @@ TEST(Plan, ExpertParallelBackwardBuffersAreSharedByTheLayers) {
   EXPECT_DOUBLE_EQ(workspace(6), workspace(2));  // 5 MoE layers, then 1
 }
 
+// The expert-parallel receive side is planned at balanced routing plus an eighth: the plan's
+// workspace grows with the margin's rows, and the model reserves the same (Monitor's
+// EveryRanksBuffersMatchThePlan compares them).
+TEST(Plan, ExpertReceiveBuffersAreBalancedRoutingAndAnEighth) {
+  EXPECT_EQ(expert_receive_rows(800), 900);
+  EXPECT_EQ(expert_receive_rows(0), 0);
+  EXPECT_EQ(expert_receive_rows(7), 7);  // (an eighth rounded down)
+}
+
 // The presets plan within their GPUs (issue 43's targets; the presets' own settings: bf16, full
 // recomputation, ZeRO-1, micro-batch 1 x 4096): DeepSeek-V3 at the paper's layout (TP 1, PP 16,
 // EP 64 on 2048 ranks) at most 40 GiB on every rank, DeepSeek-V2-Lite on 8 ranks (EP 8) at most

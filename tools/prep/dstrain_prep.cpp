@@ -9,7 +9,8 @@
 // --tokenizer hf:PATH applies a Hugging Face tokenizer.json (PATH: the file, or the directory
 // holding it; engine/data/hf_tokenizer.h) as transformers' encode(text) does with its default
 // add_special_tokens=True — per input file, a document: DeepSeek's BOS leads each — and copies
-// it next to the data (DATA.tokenizer.json). --append-eod ends every document with the EOS token
+// it next to the data (DATA.tokenizer.json, and its tokenizer_config.json as
+// DATA.tokenizer_config.json). --append-eod ends every document with the EOS token
 // (tokenizer_config.json's eos_token), as Megatron's preprocess_data.py --append-eod does.
 //
 // --output-format megatron writes Megatron-LM's indexed dataset instead (DATA.bin + DATA.idx,
@@ -185,6 +186,13 @@ int run(const Args& a) {
     if (std::filesystem::weakly_canonical(copy, ec) != std::filesystem::weakly_canonical(hf_json, ec))
       std::filesystem::copy_file(hf_json, copy, std::filesystem::copy_options::overwrite_existing);
     tok_file = copy.filename().string();
+    // Its tokenizer_config.json (BOS / EOS names and flags) goes along as NAME.tokenizer_config.json,
+    // where HfTokenizer::load looks for it beside NAME.tokenizer.json.
+    const std::filesystem::path config = hf_json.parent_path() / "tokenizer_config.json",
+                                config_copy = tokenizer_path.string() + "_config.json";
+    if (std::filesystem::exists(config, ec) &&
+        std::filesystem::weakly_canonical(config_copy, ec) != std::filesystem::weakly_canonical(config, ec))
+      std::filesystem::copy_file(config, config_copy, std::filesystem::copy_options::overwrite_existing);
   } else if (a.tokenizer == "bytes") {
     tokens = dstrain::data::ByteTokenizer().encode(text);
     if (megatron)
