@@ -131,33 +131,14 @@ class NcclCommunicator final : public Communicator {
   }
   std::unique_ptr<Work> reduce_scatter_v(uint16_t* buf, const std::vector<int64_t>& counts, Half type,
                                          ReduceOp op) override {
-    check_counts(counts, "reduce_scatter_v");
-    return issue("reduce_scatter_v", {buf}, [&] {
-      ncclResult_t r = ncclGroupStart();
-      int64_t at = 0;
-      for (int p = 0; p < size_ && r == ncclSuccess; at += counts[size_t(p)], ++p)
-        if (counts[size_t(p)] > 0)
-          r = ncclReduce(buf + at, buf + at, size_t(counts[size_t(p)]), nccl_half(type), nccl_op(op), p, comm_, stream_);
-      const ncclResult_t end = ncclGroupEnd();
-      return r != ncclSuccess ? r : end;
-    });
+    return reduce_blocks(buf, counts, nccl_half(type), op);
   }
   std::unique_ptr<Work> reduce_scatter(float* out, const float* in, int64_t n, ReduceOp op) override {
     return issue("reduce_scatter", {out, in},
                  [&] { return ncclReduceScatter(in, out, size_t(n), ncclFloat32, nccl_op(op), comm_, stream_); });
   }
-  // Block p reduced onto rank p: one rooted reduction per block, grouped.
   std::unique_ptr<Work> reduce_scatter_v(float* buf, const std::vector<int64_t>& counts, ReduceOp op) override {
-    check_counts(counts, "reduce_scatter_v");
-    return issue("reduce_scatter_v", {buf}, [&] {
-      ncclResult_t r = ncclGroupStart();
-      int64_t at = 0;
-      for (int p = 0; p < size_ && r == ncclSuccess; at += counts[size_t(p)], ++p)
-        if (counts[size_t(p)] > 0)
-          r = ncclReduce(buf + at, buf + at, size_t(counts[size_t(p)]), ncclFloat32, nccl_op(op), p, comm_, stream_);
-      const ncclResult_t end = ncclGroupEnd();
-      return r != ncclSuccess ? r : end;
-    });
+    return reduce_blocks(buf, counts, ncclFloat32, op);
   }
   std::unique_ptr<Work> all_gather(float* out, const float* in, int64_t n) override {
     return issue("all_gather", {out, in}, [&] { return ncclAllGather(in, out, size_t(n), ncclFloat32, comm_, stream_); });
@@ -242,6 +223,21 @@ class NcclCommunicator final : public Communicator {
   cudaStream_t compute_stream() const { return compute_; }
 
  private:
+  // reduce_scatter_v in fp32 or 16 bits: block p reduced onto rank p, one rooted reduction per
+  // block, grouped.
+  template <class T>
+  std::unique_ptr<Work> reduce_blocks(T* buf, const std::vector<int64_t>& counts, ncclDataType_t type, ReduceOp op) {
+    check_counts(counts, "reduce_scatter_v");
+    return issue("reduce_scatter_v", {buf}, [&] {
+      ncclResult_t r = ncclGroupStart();
+      int64_t at = 0;
+      for (int p = 0; p < size_ && r == ncclSuccess; at += counts[size_t(p)], ++p)
+        if (counts[size_t(p)] > 0)
+          r = ncclReduce(buf + at, buf + at, size_t(counts[size_t(p)]), type, nccl_op(op), p, comm_, stream_);
+      const ncclResult_t end = ncclGroupEnd();
+      return r != ncclSuccess ? r : end;
+    });
+  }
   template <class F>
   std::unique_ptr<Work> issue(const char* op, std::initializer_list<const void*> buffers, F&& call) {
     if (!comm_) throw CommError(fmt::format("group {}: the NCCL communicator was aborted", name_));
