@@ -69,7 +69,9 @@ std::optional<plan::ParallelPlan> load_plan(const launcher::Options& opts, int w
   const double share = host_share(opts);
   try {
     const config::TrainConfig cfg = config::load_config_file(opts.config_path, opts.overrides);
-    return plan::make_plan(cfg, opts.world_size.value_or(world), share);
+    plan::ParallelPlan p = plan::make_plan(cfg, opts.world_size.value_or(world), share);
+    p.gradients_in_device_memory = runtime::runs_on_gpu(cfg.device);  // (ZeRO-2's gradient shard)
+    return p;
   } catch (const Error& e) {
     error = e.what();
   }

@@ -5,6 +5,8 @@
 # and rank, the plan's total for the rank's stage, the buffers the rank holds after the step, the
 # difference, and the process's peak RSS.
 # Usage: tools/bench-memory-plan.sh [build-dir] [preset] [seq_length]   (small: about 6 minutes)
+# LAYOUTS="dp2-zero2 dp2-zero2-accum4" (environment) runs only those layouts; dp2-zero2-accum4:
+# ZeRO-2 with four micro-batches of 2 (every micro-batch reduced, docs/design.md §6.5).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BIN=${1:-build}/bin/dstrain
@@ -24,8 +26,10 @@ for dtype in fp32 bf16 fp16; do
   for mode in off selective full; do
     ac=()
     [ $mode != off ] && ac=(--set activation_checkpointing.enabled=true --set activation_checkpointing.granularity=$mode)
-    for layout in dp2-zero0 dp2-zero1 dp2-zero2 pp2; do
+    for layout in ${LAYOUTS:-dp2-zero0 dp2-zero1 dp2-zero2 pp2}; do
       case $layout in
+        dp2-zero2-accum4) l=(--set parallel.pipeline=1 --set zero_optimization.stage=2
+                             --set train_batch_size=16 --set train_micro_batch_size_per_gpu=2) ;;
         dp2-zero*) l=(--set parallel.pipeline=1 --set zero_optimization.stage=${layout#dp2-zero}
                       --set train_batch_size=16 --set train_micro_batch_size_per_gpu=8) ;;
         pp2) l=(--set parallel.pipeline=2 --set train_batch_size=8 --set train_micro_batch_size_per_gpu=2) ;;

@@ -26,6 +26,15 @@ struct SharedRegion {
 
 void* shared_alloc(size_t bytes);
 void shared_free(void* p, size_t bytes) noexcept;
+// Makes [p, p + bytes) read as zeros and gives the whole pages in it back to the system: a hole
+// punched in shared memory (every process that maps it then reads zeros there and holds nothing),
+// private pages dropped; the partial pages at the ends are zero-filled. Memory that is written
+// again is faulted in afresh, zeroed. (ZeRO-2's gradient buffer: the parts a rank does not own,
+// engine/parallel/grad_sync.h.)
+void release_to_zero(void* p, size_t bytes) noexcept;
+// Bytes of the pages of [p, p + bytes) that hold memory now (mincore; a partial page counts
+// whole); -1 where the system cannot say.
+int64_t resident_bytes(const void* p, size_t bytes);
 // The shared region that contains [p, p + bytes), if any.
 std::optional<SharedRegion> find_shared_region(const void* p, size_t bytes);
 

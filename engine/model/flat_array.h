@@ -67,6 +67,27 @@ class FlatArray {
     if (dev_be_) dev_be_->fill(dev_.as<float>(), 0.0f, padded_bytes(n_) / 4);
     else std::fill(host_.begin(), host_.end(), T(0));
   }
+  // Elements [offset, offset + n) set to zero (written: the memory stays held).
+  void fill_range_zero(int64_t offset, int64_t n) {
+    if (n <= 0) return;
+    if (dev_be_) dev_be_->fill(reinterpret_cast<float*>(data() + offset), 0.0f, n * int64_t(sizeof(T)) / 4);
+    else std::fill(host_.begin() + offset, host_.begin() + offset + n, T(0));
+  }
+  // Elements [offset, offset + n) become zero. In host memory their whole pages go back to the
+  // system until written again (release_to_zero); device memory is filled with zeros and stays
+  // held. (Float elements on a device.)
+  void zero_range(int64_t offset, int64_t n) {
+    if (n <= 0) return;
+    if (dev_be_) dev_be_->fill(reinterpret_cast<float*>(data() + offset), 0.0f, n * int64_t(sizeof(T)) / 4);
+    else release_to_zero(host_.data() + offset, size_t(n) * sizeof(T));
+  }
+  // Bytes of the array that hold memory now: its resident pages in host memory, all of it on a
+  // device.
+  int64_t resident_bytes() const {
+    if (dev_be_ || n_ == 0) return n_ * int64_t(sizeof(T));
+    const int64_t r = dstrain::resident_bytes(host_.data(), size_t(n_) * sizeof(T));
+    return r < 0 ? n_ * int64_t(sizeof(T)) : std::min(r, n_ * int64_t(sizeof(T)));
+  }
   // The elements as host memory, for code that only ever runs on the CPU (tests, tools): throws
   // std::logic_error for device memory.
   std::span<T> host() {

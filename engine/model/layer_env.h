@@ -53,6 +53,11 @@ class BackwardObserver {
   // The gradients of layer `layer` (plan::ParamInfo::layer numbering) are final.
   virtual void grads_final(int64_t layer) = 0;
   virtual void poll() = 0;
+  // Whether it reduces every micro-batch's gradients (ZeRO-2 holding a shard), not only the last
+  // one's: then it is told every micro-batch's final layers, and micro_batch_done() after each
+  // backward pass but the step's last, before the next one writes gradients.
+  virtual bool every_micro_batch() const { return false; }
+  virtual void micro_batch_done() {}
 };
 
 // Zero-bubble pipeline schedules (docs/design.md §6.6) split a backward pass into B, the input

@@ -95,6 +95,39 @@ GradSync::GradSync(model::ParamStore& params, const ZeroSharding& zero, const st
   layer_buckets_.resize(position_.size());
   for (size_t i = 0; i < buckets_.size(); ++i)
     for (int64_t l : buckets_[i].layers) layer_buckets_[slot(l)].push_back(i);
+  shard_ = options.hold_shard && options.overlap && zero.shards_gradients();
+  if (shard_) zero_grads();
+  high_water_ = 4 * (params.dense_grads().size() + params.expert_grads().size());
+  if (shard_) high_water_ = 0, sample_resident();
+}
+
+void GradSync::zero_grads() {
+  for (const bool e : {false, true}) {
+    model::FlatBuffer& buf = e ? params_.expert_grads() : params_.dense_grads();
+    const Range own = shard_ ? intersect(zero_.shard(e), {0, buf.size()}) : Range{0, buf.size()};
+    if (own.size() > 0) buf.fill_range_zero(own.begin, own.size());
+    if (!shard_) continue;
+    buf.zero_range(0, own.size() > 0 ? own.begin : buf.size());
+    if (own.size() > 0) buf.zero_range(own.end, buf.size() - own.end);
+  }
+}
+
+void GradSync::release(const GradBucket& b) {
+  model::FlatBuffer& buf = b.expert ? params_.expert_grads() : params_.dense_grads();
+  const Range own = zero_.shard(b.expert);
+  const Range below = intersect(b.range, {b.range.begin, own.begin}), above = intersect(b.range, {own.end, b.range.end});
+  if (below.size() > 0) buf.zero_range(below.begin, below.size());
+  if (above.size() > 0) buf.zero_range(above.begin, above.size());
+}
+
+void GradSync::sample_resident() {
+  high_water_ = std::max(high_water_, params_.dense_grads().resident_bytes() + params_.expert_grads().resident_bytes());
+}
+
+void GradSync::micro_batch_done() {
+  const double wait = finish();  // (this step's waits so far)
+  begin();
+  round_wait_s_ = wait;
 }
 
 void GradSync::begin() {
@@ -102,12 +135,14 @@ void GradSync::begin() {
   for (const GradBucket& b : buckets_) pending_.push_back(int64_t(b.layers.size()));
   next_ = 0;
   launches_ = 0;
+  round_wait_s_ = 0;
   DS_CHECK(flights_.empty(), "gradient buckets still in flight at the start of a step");
 }
 
 void GradSync::grads_final(int64_t layer) {
   if (!options_.overlap || layer < -1 || layer + 1 >= int64_t(layer_buckets_.size())) return;
   for (size_t b : layer_buckets_[slot(layer)]) --pending_[b];
+  if (shard_) sample_resident();  // (the fullest moment: a layer written, its buckets not launched)
   launch_ready();
 }
 
@@ -115,7 +150,8 @@ void GradSync::poll() {
   if (flights_.empty()) return;
   zero_.group(false).progress();
   zero_.group(true).progress();
-  while (!flights_.empty() && flights_.front().wire_slot >= 0 && flights_.front().work->done()) land();
+  // (fp32 flights land early only when landing gives memory back)
+  while (!flights_.empty() && (shard_ || flights_.front().wire_slot >= 0) && flights_.front().work->done()) land();
 }
 
 void GradSync::launch_ready() {
@@ -132,6 +168,7 @@ void GradSync::launch(size_t i) {
   float* grads = grads_of(b);
   Flight f;
   f.bucket = i;
+  while (shard_ && flights_.size() >= size_t(kShardFlights)) land();  // bounded memory in flight
   if (options_.comm_dtype == kernels::DType::kF32) {
     if (zero_.shards_gradients())
       f.work = g.reduce_scatter_v(grads, zero_.partition(b.expert).counts_in(b.range), comm::ReduceOp::kSum);
@@ -159,8 +196,11 @@ void GradSync::land() {
   Flight f = std::move(flights_.front());
   flights_.pop_front();
   f.work->wait();
-  if (f.wire_slot < 0) return;
   const GradBucket& b = buckets_[f.bucket];
+  if (f.wire_slot < 0) {
+    if (shard_) release(b);
+    return;
+  }
   Range own{0, b.range.size()};  // ZeRO-2: only this rank's part holds sums
   if (zero_.shards_gradients()) {
     const std::vector<int64_t> counts = zero_.partition(b.expert).counts_in(b.range);
@@ -172,13 +212,14 @@ void GradSync::land() {
   options_.backend->convert({grads_of(b) + own.begin, kernels::DType::kF32}, {wire + own.begin, options_.comm_dtype},
                             own.size());
   wire_busy_[size_t(f.wire_slot)] = false;
+  if (shard_) release(b);
 }
 
 double GradSync::finish() {
   const auto t0 = std::chrono::steady_clock::now();
   while (next_ < buckets_.size()) launch(next_++);
   while (!flights_.empty()) land();
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return round_wait_s_ + std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
 }  // namespace dstrain::parallel

@@ -15,6 +15,15 @@
 // every rank); a launch whose slot is still in flight waits for it, so the staging memory is at
 // most kWireSlots buckets whatever the model.
 //
+// ZeRO-2 holding a shard (hold_shard; docs/design.md §6.5): every micro-batch's gradients are
+// reduce-scattered as its backward pass finishes them, in place, so the rank's own part of the
+// flat buffer accumulates the reduced sums over the micro-batches; once a bucket has landed, the
+// rest of its range — the other ranks' parts — is zeroed and its pages given back to the system
+// (FlatArray::zero_range). Between reductions a rank then holds its shard, the layer the backward
+// pass is writing and at most kShardFlights buckets in flight, not the whole buffer (DeepSpeed's
+// stage 2: a partitioned gradient buffer and the reduction bucket). In host memory only: on a
+// device the zeroed parts stay allocated, so the engine keeps the step-end reduction there.
+//
 // Every rank of a group builds the same buckets and launches them in the same order (the
 // model's backward order), as the Communicator's same-order contract requires. The sums do not
 // depend on timing: with overlap off the same buckets are reduced after the backward pass.
@@ -31,6 +40,7 @@
 #include "engine/model/layer_env.h"
 #include "engine/model/param_store.h"
 #include "engine/parallel/zero/zero_sharding.h"
+#include "engine/plan/parallel_plan.h"
 
 namespace dstrain::parallel {
 
@@ -42,6 +52,9 @@ struct GradSyncOptions {
   // and widened through `backend`); fp32 leaves them as they are.
   kernels::DType comm_dtype = kernels::DType::kF32;
   kernels::Backend* backend = nullptr;
+  // ZeRO-2 (with overlap): reduce every micro-batch and keep only the own shard between
+  // reductions (above). Ignored below ZeRO-2.
+  bool hold_shard = false;
 };
 
 struct GradBucket {
@@ -62,8 +75,21 @@ class GradSync final : public model::BackwardObserver {
   void grads_final(int64_t layer) override;
   void poll() override;
   // Launches the buckets not launched yet, waits for all; returns the seconds spent waiting
-  // (the communication the backward pass did not hide).
+  // (the communication the backward pass did not hide; with a held shard, also that of the
+  // step's earlier micro-batches).
   double finish();
+
+  // With a held shard: every micro-batch is reduced (finish, then the buckets re-armed).
+  bool every_micro_batch() const override { return shard_; }
+  void micro_batch_done() override;
+  bool holds_shard() const { return shard_; }
+  // The start of a step's gradients: the own shards zeroed, with a held shard the rest of both
+  // buffers given back (ParamStore::zero_grads otherwise).
+  void zero_grads();
+  // Bytes of the two gradient buffers that held memory at the fullest moment since construction
+  // (sampled as each layer's gradients become final): the shard and what is in flight.
+  int64_t grad_bytes_high_water() const { return high_water_; }
+  static constexpr int kShardFlights = plan::kGradShardFlights;
 
   const std::vector<GradBucket>& buckets() const { return buckets_; }
   // Whether gradient buffers are reduced through mapped peer memory (else messages).
@@ -88,6 +114,10 @@ class GradSync final : public model::BackwardObserver {
   void land();
   size_t slot(int64_t layer) const;
   float* grads_of(const GradBucket& b);
+  // With a held shard: the parts of a landed bucket's range outside this rank's shard zeroed and
+  // given back.
+  void release(const GradBucket& b);
+  void sample_resident();
 
   model::ParamStore& params_;
   const ZeroSharding& zero_;
@@ -98,6 +128,9 @@ class GradSync final : public model::BackwardObserver {
   std::vector<int64_t> pending_;                    // per bucket: layers not final yet
   size_t next_ = 0;                                 // buckets launch in index order
   bool peer_memory_ = false;
+  bool shard_ = false;         // hold_shard in effect
+  double round_wait_s_ = 0;    // the step's earlier micro-batches' finish() waits
+  int64_t high_water_ = 0;     // bytes (grad_bytes_high_water)
   model::FlatArray<uint16_t> wire_;  // kWireSlots slots of wire_stride_ 16-bit values
   int64_t wire_stride_ = 0;
   std::vector<bool> wire_busy_;  // per slot: a bucket launched there has not landed

@@ -1,6 +1,7 @@
 #include "engine/plan/parallel_plan.h"
 
 #include <algorithm>
+#include <map>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -51,8 +52,38 @@ ShardSpec ParallelPlan::shard(size_t param_index, int rank) const {
 
 MemoryEstimate ParallelPlan::memory(int stage, int zero_stage, config::Precision precision) const {
   const StageLoad& s = stage_loads.at(stage);
-  return estimate_memory(s.dense_params, s.expert_params, degrees.dp, degrees.edp_group(), zero_stage,
-                         precision, s.fp32_read);
+  MemoryEstimate m = estimate_memory(s.dense_params, s.expert_params, degrees.dp, degrees.edp_group(), zero_stage,
+                                     precision, s.fp32_read);
+  if (zero_stage >= 2 && (degrees.dp > 1 || degrees.edp_group() > 1)) {
+    if (holds_gradient_shard(zero_stage)) m.gradients += 4.0 * double(gradient_window(stage));
+    else m.gradients = 4.0 * double(s.dense_params + s.expert_params);
+  }
+  return m;
+}
+
+bool ParallelPlan::holds_gradient_shard(int zero_stage) const {
+  const config::TrainConfig& c = config;
+  return zero_stage >= 2 && degrees.pp == 1 && c.zero_optimization.overlap_comm &&
+         c.parallel.pipeline_schedule != config::PipelineScheduleKind::kZbH1 && !gradients_in_device_memory;
+}
+
+int64_t ParallelPlan::gradient_window(int stage) const {
+  const StageLoad& s = stage_loads.at(stage);
+  int rank = 0;
+  while (rank + 1 < degrees.world() && grid.coord(rank).pp != stage) ++rank;
+  const int64_t head = head_layer_index(config.model) - config.model.num_nextn_predict_layers;
+  std::map<int64_t, int64_t> final_together;  // layer (the head with the MTP modules) -> elements
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (params[i].buffer || param_stage[i] != stage) continue;
+    const ShardSpec sh = shard(i, rank);
+    if (sh.held) final_together[std::min(params[i].layer, head)] += sh.local_numel();
+  }
+  int64_t largest = 0;
+  for (const auto& [layer, n] : final_together) largest = std::max(largest, n);
+  const int64_t rest = s.dense_params + s.expert_params -
+                       ((s.dense_params + degrees.dp - 1) / degrees.dp +
+                        (s.expert_params + degrees.edp_group() - 1) / degrees.edp_group());
+  return std::min(rest, largest + (kGradShardFlights + 1) * config.zero_optimization.reduce_bucket_size);
 }
 
 ActivationMemory ParallelPlan::instance_activations(int virtual_stage, int64_t micro_batch,

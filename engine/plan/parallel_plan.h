@@ -78,7 +78,20 @@ struct ParallelPlan {
   ActivationMemory instance_activations(int virtual_stage, int64_t micro_batch = 0, Native16 native = {}) const;
   ActivationMemory activations(int pp, int64_t micro_batch = 0, Native16 native = {}) const;
   ShardSpec shard(size_t param_index, int rank) const;
+  // At ZeRO-2 the gradients are the shard, plus — holding one — gradient_window(stage) elements,
+  // or the whole buffer where no shard is held (below).
   MemoryEstimate memory(int stage, int zero_stage, config::Precision precision) const;
+  // Whether `zero_stage` would hold only a gradient shard between reductions (docs/design.md
+  // §6.5; parallel::GradSync's hold_shard): ZeRO-2 reducing every micro-batch as its backward
+  // pass finishes — no pipeline parallelism, overlap_comm on — with the gradients in host memory
+  // (a device keeps its whole buffer). Else ZeRO-2 reduce-scatters at the step's end from the
+  // whole buffer.
+  bool holds_gradient_shard(int zero_stage) const;
+  // Gradient elements beyond its shard a rank holding one may hold at once: the largest set of
+  // gradients final together (a layer; the head with the MTP modules; the embedding), a bucket
+  // being filled and kGradShardFlights buckets in flight — at most the rest of the buffers.
+  int64_t gradient_window(int stage) const;
+  bool gradients_in_device_memory = false;  // set where the device is resolved (a GPU backend)
   // Bytes pipeline rank `pp` needs: state at the configured ZeRO stage and precision, plus its
   // activations with the schedule's peak in flight.
   double rank_need(int pp) const;
@@ -92,6 +105,9 @@ struct ParallelPlan {
   };
   std::optional<AutoMicroBatch> auto_micro;
 };
+
+// Gradient buckets a rank holding a ZeRO-2 shard lets be in flight at once.
+inline constexpr int kGradShardFlights = 4;
 
 // The most parameter tensors a plan's registry may hold.
 inline constexpr int64_t kMaxRegistryEntries = 10'000'000;

@@ -172,8 +172,8 @@ int64_t PipelineRunner::instances() const {
 }
 
 void PipelineRunner::grads_final(int64_t layer) {
-  if (!armed_) return;
-  if (layer == -1 && mirror_source_) {  // the mirror's gradient first (the last stage's MTP modules)
+  if (!armed_ && !(observer_ && observer_->every_micro_batch())) return;
+  if (armed_ && layer == -1 && mirror_source_) {  // the mirror's gradient first (the last stage's MTP modules)
     embed_->recv(mirror_in_.data(), mirror_len_, p_ - 1)->wait();
     be_.add(params_.grad("model.embed_tokens.weight"), mirror_in_.data(), mirror_len_);
   }
@@ -310,6 +310,13 @@ PipelineStepResult PipelineRunner::run(const Fetch& fetch, const model::LossScal
           ch.pool[size_t(slot)]->backward_stage(dh);
         }
         r.backward_s += seconds_since(tc);
+        // A sync that reduces every micro-batch (ZeRO-2 holding a shard; whole backward passes
+        // only) lands this one's buckets before the next backward writes gradients.
+        if (in.op == PipeOp::kBackward && !armed_ && observer_ && observer_->every_micro_batch()) {
+          const auto tw = Clock::now();
+          observer_->micro_batch_done();
+          r.comm_wait_s += seconds_since(tw);
+        }
         armed_ = false;
         ++r.backwards;
         if (!last_vs) receives_.erase({in.micro, in.chunk, true});
@@ -356,7 +363,7 @@ PipelineStepResult PipelineRunner::run(const Fetch& fetch, const model::LossScal
         if (mirror_work_) mirror_work_->wait(), mirror_work_.reset();
         reap_sends(true);
         observer_ = nullptr;
-        if (finish_reduction) r.comm_wait_s = finish_reduction();
+        if (finish_reduction) r.comm_wait_s += finish_reduction();
         break;
       }
       case PipeOp::kOptimizerStep:

@@ -40,7 +40,7 @@ struct PipelineStepResult {
   double forward_s = 0, backward_s = 0, weight_s = 0;  // compute time per op kind (W: zero-bubble)
   double wait_s = 0;   // waiting for activations, gradients and the embedding's mirror
   double busy_s = 0;   // every compute op together
-  double comm_wait_s = 0;  // finishing the data-parallel reduction after the last backward
+  double comm_wait_s = 0;  // finishing the data-parallel reduction (after the last backward; ZeRO-2: each)
   double span_s = 0;   // from the step's start to the end of its last compute op
   int64_t forwards = 0, backwards = 0, weights = 0;
 };

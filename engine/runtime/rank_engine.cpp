@@ -185,7 +185,9 @@ std::vector<PlannedTransfer> planned_step_communication(const plan::ParallelPlan
   for (const auto& [group, numel, ranks] :
        {std::tuple<std::string, int64_t, int>{"dp", dense, d.dp}, {"edp", expert, d.edp_group()}}) {
     if (ranks == 1 || numel == 0) continue;
-    out.push_back({group, zero >= 2 ? "reduce_scatter" : "all_reduce", reduce_elem * double(numel)});
+    // (holding a ZeRO-2 shard, every micro-batch is reduced)
+    const double times = plan.holds_gradient_shard(zero) ? double(plan.batch.accumulation) : 1.0;
+    out.push_back({group, zero >= 2 ? "reduce_scatter" : "all_reduce", times * reduce_elem * double(numel)});
     if (zero >= 1)
       out.push_back({group, "all_gather", elem * double(parallel::FlatPartition(numel, ranks, parallel::kZeroAlign).padded())});
   }
@@ -264,7 +266,9 @@ RankEngine build_rank_engine(const plan::ParallelPlan& plan, const RankGroups& g
     if (e.dp->size() > 1 || e.edp->size() > 1)
       e.grad_sync = std::make_unique<parallel::GradSync>(*e.params, *e.zero, model::DeepSeekModel::backward_order(m),
                                                          parallel::GradSyncOptions{z.overlap_comm, z.reduce_bucket_size, true,
-                                                                                   comm_dtype(cfg), e.backend.get()});
+                                                                                   comm_dtype(cfg), e.backend.get(),
+                                                                                   plan.holds_gradient_shard(int(z.stage)) &&
+                                                                                       e.backend->host_addressable()});
     e.params->enable_compute_copy(compute_dtype(cfg.precision()));
     if (e.zero->shards_optimizer()) {  // the parameter all-gather reads the owners' buffers directly too
       bool mapped = true;

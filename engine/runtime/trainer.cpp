@@ -257,7 +257,8 @@ StepResult Trainer::compute_gradients(int64_t step) {
   PipelineRunner& runner = *engine_.pipeline;
   parallel::GradSync* sync = engine_.grad_sync.get();
   if (sync && step + 1 == skip_sync_step_ && dp_rank_ == dp_size_ - 1) sync = nullptr;  // injected fault
-  engine_.params->zero_grads();
+  if (engine_.grad_sync && engine_.grad_sync->holds_shard()) engine_.grad_sync->zero_grads();  // (the shard only)
+  else engine_.params->zero_grads();
   for (auto* moe : runner.all_moe_layers()) std::fill(moe->stats().loads.begin(), moe->stats().loads.end(), 0);
   const double tp_comm0 = engine_.collectives->seconds(), ep_wait0 = engine_.collectives->ep_wait_seconds(),
                ep_bytes0 = engine_.collectives->ep_bytes_sent();
@@ -537,7 +538,11 @@ std::vector<double> Trainer::memory_figures() {
   const double comm_planned =
       staging + (engine_.grad_sync ? double(engine_.grad_sync->buffer_bytes()) : 0.0);  // (the bucket size is the config's)
   const double weights = double(params.weight_bytes());
-  const double grads = 4.0 * double(ps.dense_grads().size() + ps.expert_grads().size());
+  // (holding a ZeRO-2 shard: the buffers' resident bytes at their fullest, the shard and what
+  // was in flight)
+  const double grads = engine_.grad_sync && engine_.grad_sync->holds_shard()
+                           ? double(engine_.grad_sync->grad_bytes_high_water())
+                           : 4.0 * double(ps.dense_grads().size() + ps.expert_grads().size());
   double optimizer = 4.0 * double(adam_->exp_avg_dense().size() + adam_->exp_avg_sq_dense().size() +
                                   adam_->exp_avg_expert().size() + adam_->moment(2, true).size());
   if (adam_->has_master()) optimizer += 4.0 * double(adam_->master(false).size() + adam_->master(true).size());

@@ -170,7 +170,8 @@ TEST(Monitor, CommLogBytesEqualThePlan) {
   const std::vector<Case> cases = {
       {2, "zero0", " --set zero_optimization.stage=0", 2},  // dp and edp all-reduces
       {2, "zero1_bf16", " --set zero_optimization.stage=1 --set bf16.enabled=true", 4},
-      {2, "zero2", " --set zero_optimization.stage=2", 4},
+      // (holding its shard, ZeRO-2 reduces each of the two micro-batches)
+      {2, "zero2", " --set zero_optimization.stage=2 --set train_micro_batch_size_per_gpu=2", 4},
       // communication_data_type: the gradient reductions carry 2 bytes per value (the plan says so)
       {2, "zero0_bf16_comm", " --set zero_optimization.stage=0 --set communication_data_type=bf16", 2},
       {2, "zero2_fp16_comm", " --set zero_optimization.stage=2 --set bf16.enabled=true --set communication_data_type=fp16", 4},
@@ -224,6 +225,21 @@ TEST(Monitor, CommLogBytesEqualThePlan) {
   EXPECT_EQ(2 * bf16.at({"edp", "all_reduce"}), fp32.at({"edp", "all_reduce"}));
 }
 
+// The sizes on the memory breakdown's row `label` of a run's output, in MiB (one row expected).
+std::vector<double> breakdown_row(const std::string& out, const std::string& label) {
+  const auto lines = lines_with(out, label);
+  EXPECT_EQ(lines.size(), 1u) << label << out;
+  std::vector<double> figures;
+  if (lines.empty()) return figures;
+  const std::regex figure(R"(([0-9.]+) (B|KiB|MiB|GiB))");
+  for (std::sregex_iterator it(lines[0].begin(), lines[0].end(), figure), end; it != end; ++it) {
+    const std::string unit = (*it)[2];
+    const double scale = unit == "B" ? 1.0 / 1048576 : unit == "KiB" ? 1.0 / 1024 : unit == "MiB" ? 1.0 : 1024.0;
+    figures.push_back(std::stod((*it)[1]) * scale);
+  }
+  return figures;
+}
+
 // --memory-breakdown: one step, not saved, then every rank's memory by kind, planned and measured:
 // the weights, optimizer state, saved activations and workspace as planned (the activations to
 // 10%, the rest exactly), the communication buffers those of the layout (the 2 MiB tensor-parallel
@@ -235,19 +251,7 @@ TEST(Monitor, MemoryBreakdownPlannedAndMeasuredPerRank) {
   ASSERT_EQ(r.rc, 0) << r.err;
   EXPECT_NE(r.out.find("--memory-breakdown: one step (0 -> 1"), std::string::npos) << r.out;
   EXPECT_FALSE(std::filesystem::exists(dir + "/ckpt/step_00000001.h5"));  // nothing saved
-  const auto parse = [&](const std::string& row) {  // the figures of a row, in MiB
-    const auto lines = lines_with(r.out, row);
-    EXPECT_EQ(lines.size(), 1u) << row << r.out;
-    std::vector<double> out;
-    if (lines.empty()) return out;
-    const std::regex figure(R"(([0-9.]+) (B|KiB|MiB|GiB))");
-    for (std::sregex_iterator it(lines[0].begin(), lines[0].end(), figure), end; it != end; ++it) {
-      const std::string unit = (*it)[2];
-      const double scale = unit == "B" ? 1.0 / 1048576 : unit == "KiB" ? 1.0 / 1024 : unit == "MiB" ? 1.0 : 1024.0;
-      out.push_back(std::stod((*it)[1]) * scale);
-    }
-    return out;
-  };
+  const auto parse = [&](const std::string& row) { return breakdown_row(r.out, row); };
   EXPECT_NE(r.out.find("memory per rank          |     r0 plan      r0 now |     r1 plan      r1 now"), std::string::npos)
       << r.out;
   for (const char* row : {"weights  ", "optimizer state  ", "activations (saved)  ", "workspace  "}) {
@@ -278,8 +282,9 @@ TEST(Monitor, MemoryBreakdownPlannedAndMeasuredPerRank) {
 // recomputation, pipeline parallelism with four micro-batches in flight and ZeRO, every rank's
 // buffers after a step total within 10% of what the plan gives its stage — 16-bit state, one
 // workspace per pipeline rank, micro-batches in flight holding their saved activations, the
-// expert-parallel receive side. (ZeRO-2
-// is left out: it still holds the whole gradient buffer where the plan counts a shard.)
+// expert-parallel receive side, and ZeRO-2's gradient shard: between reductions a rank holds its
+// shard and the largest layer's gradients in flight, well under the whole buffer (the fp32 weights'
+// size), and the gradients row itself is within 10% of the plan.
 TEST(Monitor, EveryRanksBuffersMatchThePlan) {
   const std::string dir = fresh_dir("memory_plan");
   const std::string base = " configs/small.yaml --resume none --set seq_length=128 --set train_batch_size=8"
@@ -296,23 +301,30 @@ TEST(Monitor, EveryRanksBuffersMatchThePlan) {
       {"bf16, DP 2, ZeRO-0", " --set bf16.enabled=true --set zero_optimization.stage=0"},
       // (the receive side planned at balanced routing and an eighth, as the model reserves it)
       {"bf16, EP 2", " --set bf16.enabled=true --set parallel.expert=2"},
+      {"fp32, DP 2, ZeRO-2, 2 micro-batches",
+       " --set zero_optimization.stage=2 --set train_micro_batch_size_per_gpu=2"
+       " --set zero_optimization.reduce_bucket_size=65536"},
   };
   for (const auto& [name, extra] : cases) {
     const Result r = run(mpirun(2) + kDstrain + base + extra);
     ASSERT_EQ(r.rc, 0) << name << r.err;
-    const auto lines = lines_with(r.out, "total  ");
-    ASSERT_EQ(lines.size(), 1u) << name << r.out;
-    std::vector<double> f;  // r0 plan, r0 now, r1 plan, r1 now (MiB)
-    const std::regex figure(R"(([0-9.]+) (B|KiB|MiB|GiB))");
-    for (std::sregex_iterator it(lines[0].begin(), lines[0].end(), figure), end; it != end; ++it) {
-      const std::string unit = (*it)[2];
-      const double scale = unit == "B" ? 1.0 / 1048576 : unit == "KiB" ? 1.0 / 1024 : unit == "MiB" ? 1.0 : 1024.0;
-      f.push_back(std::stod((*it)[1]) * scale);
-    }
-    ASSERT_EQ(f.size(), 4u) << name << lines[0];
+    const auto row = [&](const std::string& label) {  // r0 plan, r0 now, r1 plan, r1 now (MiB)
+      std::vector<double> f = breakdown_row(r.out, label);
+      EXPECT_EQ(f.size(), 4u) << name << " " << label;
+      f.resize(4, 0.0);
+      return f;
+    };
+    const std::vector<double> total = row("total  ");
     for (int rank = 0; rank < 2; ++rank)
-      EXPECT_NEAR(f[size_t(2 * rank + 1)], f[size_t(2 * rank)], 0.1 * f[size_t(2 * rank)])
-          << name << ", rank " << rank << ": " << lines[0];
+      EXPECT_NEAR(total[size_t(2 * rank + 1)], total[size_t(2 * rank)], 0.1 * total[size_t(2 * rank)])
+          << name << ", rank " << rank;
+    if (name.find("ZeRO-2") == std::string::npos) continue;
+    const std::vector<double> grads = row("gradients  "), weights = row("weights  ");
+    for (int rank = 0; rank < 2; ++rank) {
+      EXPECT_NEAR(grads[size_t(2 * rank + 1)], grads[size_t(2 * rank)], 0.1 * grads[size_t(2 * rank)])
+          << name << ", rank " << rank;
+      EXPECT_LT(grads[size_t(2 * rank + 1)], 0.9 * weights[size_t(2 * rank + 1)]) << name << ", rank " << rank;
+    }
   }
 }
 

@@ -183,5 +183,72 @@ TEST(GradSync, SixteenBitBucketsAreSummedInTheirStagingSlots) {
   }
 }
 
+// ZeRO-2 holding a shard: each micro-batch's gradients are reduce-scattered as the backward pass
+// finishes them, into the own part, which sums the micro-batches; the rest of each bucket is
+// zeroed and its memory given back, so between reductions a rank holds its shard and little else.
+// Three micro-batches, each adding its gradients to the buffer as a backward pass does: the own
+// part ends as the sum over ranks and micro-batches, every other element is zero, and the
+// buffers' resident memory is below half of them (the shard of two ranks and a bucket or two).
+TEST(GradSync, ZeroTwoHoldsItsShardAndReducesEveryMicroBatch) {
+  if (world_size() < 2) GTEST_SKIP() << "needs a data-parallel group";
+  auto backend = kernels::make_cpu_backend(1);
+  const int r = world_rank(), kMicro = 3;
+  for (const kernels::DType dtype : {kernels::DType::kF32, kernels::DType::kBF16}) {
+    for (const bool peer_memory : {true, false}) {
+      const std::string what = std::string(kernels::to_string(dtype)) + (peer_memory ? ", peer memory" : ", messages");
+      Fixture f(2);
+      GradSync sync(f.params, *f.sharding, model::DeepSeekModel::backward_order(f.cfg.model),
+                    {true, 250000, peer_memory, dtype, backend.get(), true});
+      ASSERT_TRUE(sync.holds_shard()) << what;
+      EXPECT_TRUE(sync.every_micro_batch());
+      sync.zero_grads();
+      sync.begin();
+      for (int mb = 0; mb < kMicro; ++mb) {
+        for (int64_t layer : model::DeepSeekModel::backward_order(f.cfg.model)) {
+          for (const std::string& name : f.params.names()) {  // the layer's gradients, added
+            const model::ParamView& v = f.params.view(name);
+            if (v.buffer || v.info->layer != layer) continue;
+            auto g = (v.expert ? f.params.expert_grads() : f.params.dense_grads()).host();
+            for (int64_t i = v.offset; i < v.offset + v.stored; ++i)
+              g[size_t(i)] += grad_value(r, i, v.expert) * float(mb + 1);
+          }
+          for (int k = 0; k < 5; ++k) sync.poll();
+          sync.grads_final(layer);
+        }
+        if (mb + 1 < kMicro) sync.micro_batch_done();
+        else sync.finish();
+      }
+      int64_t held = 0, total = 0;
+      for (const bool expert : {false, true}) {
+        const auto& buf = expert ? f.params.expert_grads() : f.params.dense_grads();
+        const auto g = buf.host();
+        const Range own = f.sharding->shard(expert);
+        const int64_t n = expert ? f.params.expert_numel() : f.params.dense_numel();
+        int64_t bad_sum = 0, bad_zero = 0;
+        for (int64_t i = 0; i < n; ++i) {
+          if (i >= own.begin && i < own.end) {
+            float want = 0;
+            for (int q : f.members(expert))
+              for (int mb = 0; mb < kMicro; ++mb) want += grad_value(q, i, expert) * float(mb + 1);
+            bad_sum += g[size_t(i)] != want;
+          } else {
+            bad_zero += g[size_t(i)] != 0.0f;
+          }
+        }
+        EXPECT_EQ(bad_sum, 0) << what << (expert ? ", expert" : ", dense");
+        EXPECT_EQ(bad_zero, 0) << what << (expert ? ", expert" : ", dense");
+        held += buf.resident_bytes(), total += 4 * buf.size();
+      }
+      // (the loop above read every page, and reading a hole of shared memory can fault in a page:
+      // give the rest back as the next step's start does, then count)
+      sync.zero_grads();
+      held = f.params.dense_grads().resident_bytes() + f.params.expert_grads().resident_bytes();
+      EXPECT_LE(held, total / world_size() + (1 << 20)) << what;
+      EXPECT_LT(sync.grad_bytes_high_water(), total) << what;
+      EXPECT_GE(sync.grad_bytes_high_water(), total / world_size()) << what;
+    }
+  }
+}
+
 }  // namespace
 }  // namespace dstrain::parallel

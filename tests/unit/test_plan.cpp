@@ -4,7 +4,9 @@
 
 #include <cmath>
 #include <cstdlib>
+#include <map>
 
+#include "engine/config/load_config.h"
 #include "engine/config/presets.h"
 #include "engine/plan/memory.h"
 #include "engine/plan/parallel_plan.h"
@@ -197,6 +199,47 @@ TEST(Memory, ZeroShardsOptimizerStateThenGradients) {
   // DeepSpeed's / Megatron's bytes at ZeRO-0: 2 + 4 + 4 + 8 = 18 per parameter (plus the side).
   const MemoryEstimate b0 = estimate_memory(dense, expert, dp, edp, 0, Precision::kBf16);
   EXPECT_EQ(b0.total(), 18.0 * 1'400'000);
+}
+
+// ZeRO-2 holds a gradient shard only where it reduces every micro-batch during the backward pass
+// (no pipeline, overlap_comm, gradients in host memory): the plan then counts the shard and a
+// window of the largest set of gradients final together (here a MoE layer) with the bucket being
+// filled and four in flight; elsewhere the whole buffer.
+TEST(Memory, ZeroTwoCountsTheShardAndItsWindowWhereItHoldsOne) {
+  const std::vector<std::string> z2 = {"zero_optimization.stage=2", "zero_optimization.reduce_bucket_size=65536",
+                                       "train_batch_size=16"};
+  const ParallelPlan p = make_plan(config::load_config_file("configs/small.yaml", z2), 2);
+  ASSERT_TRUE(p.holds_gradient_shard(2));
+  EXPECT_FALSE(p.holds_gradient_shard(1));
+  std::map<int64_t, int64_t> per_layer;
+  const int64_t L = p.config.model.num_hidden_layers;
+  for (const ParamInfo& info : p.params)
+    if (!info.buffer) per_layer[std::min(info.layer, L)] += info.numel();
+  int64_t largest = 0;
+  for (const auto& [layer, n] : per_layer) largest = std::max(largest, n);
+  const StageLoad& s = p.stage_loads[0];
+  const int64_t shard = (s.dense_params + 1) / 2 + (s.expert_params + 1) / 2;
+  EXPECT_EQ(p.gradient_window(0), largest + 5 * 65536);
+  EXPECT_LT(p.gradient_window(0), s.params() - shard);
+  EXPECT_EQ(p.memory(0, 2, config::Precision::kFp32).gradients, 4.0 * double(shard + largest + 5 * 65536));
+  // Large buckets: the window is at most the rest of the buffer.
+  const ParallelPlan big = make_plan(config::load_config_file("configs/small.yaml", {"zero_optimization.stage=2",
+                                                                                     "train_batch_size=16"}), 2);
+  EXPECT_EQ(big.gradient_window(0), s.params() - shard);
+  // No shard held: the whole buffer, as ZeRO-1.
+  const std::vector<std::vector<std::string>> whole = {
+      {"zero_optimization.overlap_comm=false"}, {"parallel.pipeline=2"}, {"parallel.pipeline_schedule=zb-h1"}};
+  for (std::vector<std::string> extra : whole) {
+    extra.insert(extra.end(), z2.begin(), z2.end());
+    const ParallelPlan q = make_plan(config::load_config_file("configs/small.yaml", extra), 4);
+    EXPECT_FALSE(q.holds_gradient_shard(2)) << extra[0];
+    EXPECT_EQ(q.memory(0, 2, config::Precision::kFp32).gradients, q.memory(0, 1, config::Precision::kFp32).gradients)
+        << extra[0];
+  }
+  ParallelPlan gpu = p;
+  gpu.gradients_in_device_memory = true;
+  EXPECT_FALSE(gpu.holds_gradient_shard(2));
+  EXPECT_EQ(gpu.memory(0, 2, config::Precision::kFp32).gradients, 4.0 * double(s.params()));
 }
 
 // The tensors read in fp32 under mixed precision (their side copies): norms, biases, routers —
