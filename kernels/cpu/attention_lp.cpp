@@ -184,7 +184,7 @@ float softmax_row_lp(float* s, uint16_t* p16, int64_t visible, int64_t keys, flo
   for (int64_t j = 0; j < visible; ++j) s[j] *= inv;
   convert_to(p16, s, visible, p);
   std::fill(p16 + visible, p16 + keys, uint16_t(0));
-  return ms + std::log(sum);
+  return math::log_sum_exp(ms, sum);
 }
 
 // Backward of one row: from raw scores s and dP = dO V^T in dp, p = exp(scale s - L) and
@@ -195,7 +195,7 @@ void softmax_grad_row_lp(float* s, float* dp, uint16_t* p16, uint16_t* ds16, int
   for (int64_t j = 0; j < visible; ++j) {
     const float pj = vexp(s[j] * scale - L);
     s[j] = pj;
-    dp[j] = pj * (dp[j] - D) * scale;
+    dp[j] = math::softmax_grad(pj, dp[j], D, scale);
   }
   convert_to(p16, s, visible, p);
   convert_to(ds16, dp, visible, p);

@@ -1,5 +1,6 @@
 // CPU kernels as templates over the element type: the backend instantiates them for float,
-// the tests also for double (finite-difference gradient checks). Threaded with OpenMP over
+// the tests also for double (finite-difference gradient checks). Their per-element formulas are
+// dstrain/kernels/row_math.h's, which the CUDA kernels evaluate too; here are the row walks. Threaded with OpenMP over
 // rows, tokens or (sequence, head) pairs; the inner loops are written so the compiler
 // vectorises them. No op allocates: the attention kernels take their scratch from the caller
 // (attention_workspace_floats).
@@ -18,6 +19,7 @@
 #include "kernels/cpu/blas_gemm.h"
 
 #include "dstrain/kernels/backend.h"
+#include "dstrain/kernels/row_math.h"
 
 namespace dstrain::kernels::cpu {
 
@@ -44,6 +46,13 @@ inline float vexp(float x) {
   return y * std::bit_cast<float>((int32_t(n) + 127) << 23);
 }
 inline double vexp(double x) { return std::exp(x); }
+// vexp as the `exp` of the shared row math (dstrain/kernels/row_math.h).
+struct VExp {
+  template <class T>
+  T operator()(T x) const {
+    return vexp(x);
+  }
+};
 
 // ---- RMSNorm -------------------------------------------------------------------------------
 
@@ -52,9 +61,9 @@ template <class T>
 inline void rmsnorm_row(T* yr, T* rstd_r, const T* xr, const T* w, int64_t C, T eps) {
   T ss = 0;
   for (int64_t c = 0; c < C; ++c) ss += xr[c] * xr[c];
-  const T rs = T(1) / std::sqrt(ss / T(C) + eps);
+  const T rs = math::rms_scale(ss, C, eps);
   *rstd_r = rs;
-  for (int64_t c = 0; c < C; ++c) yr[c] = w[c] * (xr[c] * rs);
+  for (int64_t c = 0; c < C; ++c) yr[c] = math::rmsnorm_out(w[c], xr[c], rs);
 }
 template <class T>
 void rmsnorm_forward(T* y, T* rstd, const T* x, const T* w, int64_t rows, int64_t C, T eps) {
@@ -72,9 +81,9 @@ void rmsnorm_backward(T* dx, T* dw, const T* dy, const T* x, const T* w, const T
     T* dxr = dx + r * C;
     const T rs = rstd[r];
     T dot = 0;
-    for (int64_t c = 0; c < C; ++c) dot += dyr[c] * w[c] * xr[c] * rs;
+    for (int64_t c = 0; c < C; ++c) dot += math::rmsnorm_dot_term(dyr[c], w[c], xr[c], rs);
     dot /= T(C);
-    for (int64_t c = 0; c < C; ++c) dxr[c] = rs * (dyr[c] * w[c] - xr[c] * rs * dot);
+    for (int64_t c = 0; c < C; ++c) dxr[c] = math::rmsnorm_dx(dyr[c], w[c], xr[c], rs, dot);
   }
   // dw: column blocks per thread, rows inside (no two threads touch the same dw element).
   constexpr int64_t kBlock = 16;
@@ -87,7 +96,7 @@ void rmsnorm_backward(T* dx, T* dw, const T* dy, const T* x, const T* w, const T
       const T rs = rstd[r];
       const T* xr = x + r * C;
       const T* dyr = dy + r * C;
-      for (int64_t c = c0; c < c1; ++c) acc[c - c0] += dyr[c] * xr[c] * rs;
+      for (int64_t c = c0; c < c1; ++c) acc[c - c0] += math::rmsnorm_dw_term(dyr[c], xr[c], rs);
     }
     for (int64_t c = c0; c < c1; ++c) dw[c] += acc[c - c0];
   }
@@ -100,22 +109,18 @@ void rmsnorm_backward(T* dx, T* dw, const T* dy, const T* x, const T* w, const T
 // and the typed-output forms of the CPU backend (the same code, so the same bits).
 template <class T>
 inline void rope_forward_row(T* o, const T* x, const T* c, const T* s, int64_t half, bool interleave) {
-  for (int64_t j = 0; j < half; ++j) {
-    const T a = interleave ? x[2 * j] : x[j];
-    const T b = interleave ? x[2 * j + 1] : x[j + half];
-    o[j] = a * c[j] - b * s[j];
-    o[j + half] = b * c[j] + a * s[j];
-  }
+  for (int64_t j = 0; j < half; ++j)
+    math::rope_rotate(x[math::rope_first(j, 2 * half, interleave)], x[math::rope_second(j, 2 * half, interleave)], c[j],
+                      s[j], &o[j], &o[j + half]);
 }
 template <class T>
 inline void rope_backward_row(T* dx, const T* g, const T* c, const T* s, int64_t half, bool interleave,
                               bool accumulate) {
   for (int64_t j = 0; j < half; ++j) {
-    const T ga = g[j], gb = g[j + half];
-    const T da = ga * c[j] + gb * s[j];
-    const T db = -ga * s[j] + gb * c[j];
-    T& xa = interleave ? dx[2 * j] : dx[j];
-    T& xb = interleave ? dx[2 * j + 1] : dx[j + half];
+    T da, db;
+    math::rope_rotate_back(g[j], g[j + half], c[j], s[j], &da, &db);
+    T& xa = dx[math::rope_first(j, 2 * half, interleave)];
+    T& xb = dx[math::rope_second(j, 2 * half, interleave)];
     xa = accumulate ? xa + da : da;
     xb = accumulate ? xb + db : db;
   }
@@ -195,7 +200,7 @@ T causal_softmax_row(T* p, int64_t visible, int64_t keys) {
   const T inv = T(1) / sum;
   for (int64_t j = 0; j < visible; ++j) p[j] *= inv;
   for (int64_t j = visible; j < keys; ++j) p[j] = 0;
-  return m + std::log(sum);
+  return math::log_sum_exp(m, sum);
 }
 
 // Backward of one row: from the scaled scores p and dP = dO V^T in dp, the probabilities
@@ -205,7 +210,7 @@ void causal_softmax_grad_row(T* p, T* dp, int64_t visible, int64_t keys, T L, T 
 #pragma omp simd
   for (int64_t j = 0; j < visible; ++j) {
     p[j] = vexp(p[j] - L);
-    dp[j] = p[j] * (dp[j] - D) * scale;
+    dp[j] = math::softmax_grad(p[j], dp[j], D, scale);
   }
   for (int64_t j = visible; j < keys; ++j) p[j] = dp[j] = 0;
 }
@@ -275,11 +280,6 @@ void attention_backward(T* dQ, T* dK, T* dV, const T* dO, const T* Q, const T* K
 
 // ---- SwiGLU on a fused [G | U] row --------------------------------------------------------
 
-template <class T>
-inline T sigmoid(T x) {
-  return T(1) / (T(1) + vexp(-x));
-}
-
 // One row: m [I] from gu [2I] = [g | u] (the 16-bit-output op reuses it, so its values are
 // these bit for bit).
 template <class T>
@@ -287,7 +287,7 @@ inline void swiglu_row(T* m, const T* gu, int64_t I) {
   const T* g = gu;
   const T* u = gu + I;
 #pragma omp simd
-  for (int64_t i = 0; i < I; ++i) m[i] = g[i] * sigmoid(g[i]) * u[i];
+  for (int64_t i = 0; i < I; ++i) m[i] = math::swiglu(g[i], u[i], VExp{});
 }
 template <class T>
 void swiglu_forward(T* M, const T* GU, int64_t N, int64_t I) {
@@ -304,9 +304,9 @@ inline void swiglu_backward_row(T* dgu, const T* dm, const T* gu, int64_t I) {
   T* du = dgu + I;
 #pragma omp simd
   for (int64_t i = 0; i < I; ++i) {
-    const T sg = sigmoid(g[i]);
-    du[i] = dm[i] * g[i] * sg;
-    dg[i] = dm[i] * u[i] * sg * (T(1) + g[i] * (T(1) - sg));
+    const T sg = math::sigmoid(g[i], VExp{});
+    du[i] = math::swiglu_du(dm[i], g[i], sg);
+    dg[i] = math::swiglu_dg(dm[i], g[i], u[i], sg);
   }
 }
 template <class T>
@@ -317,112 +317,36 @@ void swiglu_backward(T* dGU, const T* dM, const T* GU, int64_t N, int64_t I) {
 
 // ---- Router (docs/model.md §3.6 and §4) ----------------------------------------------------------
 
-// Index of the largest of n values with mask[i] true, the lowest index on ties; -1 if none.
-template <class T>
-inline int64_t argmax_masked(const T* v, const bool* mask, int64_t n) {
-  int64_t best = -1;
-  for (int64_t i = 0; i < n; ++i)
-    if (mask[i] && (best < 0 || v[i] > v[best])) best = i;
-  return best;
-}
+// The most experts (and groups) a router row takes on the CPU.
+inline constexpr int kRouterMaxExperts = 1024;
+
+// Per token: dstrain/kernels/row_math.h's router rows (the scores' sigmoid through vexp, the
+// softmax through std::exp).
+struct StdExp {
+  template <class T>
+  T operator()(T x) const {
+    return std::exp(x);
+  }
+};
 
 template <class T>
 void router_forward(int32_t* idx, T* w, T* scores, const T* logits, const T* bias, int64_t N,
                     const RouterParams& p) {
-  const int64_t E = p.num_experts, k = p.top_k, G = p.n_group, per_group = E / G;
-  constexpr int64_t kMaxE = 1024;
+  const int64_t E = p.num_experts, k = p.top_k;
 #pragma omp parallel for schedule(static)
-  for (int64_t t = 0; t < N; ++t) {
-    const T* l = logits + t * E;
-    T* s = scores + t * E;
-    if (p.scoring == ScoringFunc::kSigmoid) {
-      for (int64_t e = 0; e < E; ++e) s[e] = sigmoid(l[e]);
-    } else {
-      T mx = l[0];
-      for (int64_t e = 1; e < E; ++e) mx = std::max(mx, l[e]);
-      T sum = 0;
-      for (int64_t e = 0; e < E; ++e) sum += (s[e] = std::exp(l[e] - mx));
-      for (int64_t e = 0; e < E; ++e) s[e] /= sum;
-    }
-    // Selection values: scores, bias-corrected for noaux_tc.
-    T c[kMaxE];
-    bool allowed[kMaxE];
-    for (int64_t e = 0; e < E; ++e) {
-      c[e] = s[e] + ((p.method == TopkMethod::kNoauxTc && bias) ? bias[e] : T(0));
-      allowed[e] = true;
-    }
-    if (p.method != TopkMethod::kGreedy && p.topk_group < G) {
-      T group_score[kMaxE];
-      for (int64_t g = 0; g < G; ++g) {
-        const T* cg = c + g * per_group;
-        T best = -std::numeric_limits<T>::infinity(), second = best;
-        for (int64_t e = 0; e < per_group; ++e) {
-          if (cg[e] > best) {
-            second = best;
-            best = cg[e];
-          } else if (cg[e] > second) {
-            second = cg[e];
-          }
-        }
-        group_score[g] = p.method == TopkMethod::kNoauxTc ? best + second : best;
-      }
-      bool keep[kMaxE] = {};
-      bool open[kMaxE];
-      for (int64_t g = 0; g < G; ++g) open[g] = true;
-      for (int64_t r = 0; r < p.topk_group; ++r) {
-        const int64_t g = argmax_masked(group_score, open, G);
-        keep[g] = true;
-        open[g] = false;
-      }
-      for (int64_t e = 0; e < E; ++e) allowed[e] = keep[e / per_group];
-    }
-    T sum = 0;
-    for (int64_t j = 0; j < k; ++j) {
-      const int64_t e = argmax_masked(c, allowed, E);
-      allowed[e] = false;
-      idx[t * k + j] = static_cast<int32_t>(e);
-      w[t * k + j] = s[e];
-      sum += s[e];
-    }
-    const bool normalise = p.v2_weights ? (p.norm_topk_prob && k > 1) : p.norm_topk_prob;
-    const T scale = normalise ? (p.v2_weights ? T(1) : T(p.routed_scaling_factor)) /
-                                    (sum + T(1e-20))
-                              : T(p.routed_scaling_factor);
-    for (int64_t j = 0; j < k; ++j) w[t * k + j] *= scale;
-  }
+  for (int64_t t = 0; t < N; ++t)
+    math::router_forward_row<kRouterMaxExperts, kRouterMaxExperts>(idx + t * k, w + t * k, scores + t * E,
+                                                                   logits + t * E, bias, p, VExp{}, StdExp{});
 }
 
 template <class T>
 void router_backward(T* dlogits, const T* dw, const T* dscores_extra, const T* scores,
                      const int32_t* idx, int64_t N, const RouterParams& p) {
   const int64_t E = p.num_experts, k = p.top_k;
-  const bool normalise = p.v2_weights ? (p.norm_topk_prob && k > 1) : p.norm_topk_prob;
-  const T gamma = p.v2_weights && normalise ? T(1) : T(p.routed_scaling_factor);
-  constexpr int64_t kMaxE = 1024;
 #pragma omp parallel for schedule(static)
-  for (int64_t t = 0; t < N; ++t) {
-    const T* s = scores + t * E;
-    T ds[kMaxE];
-    for (int64_t e = 0; e < E; ++e) ds[e] = dscores_extra ? dscores_extra[t * E + e] : T(0);
-    const int32_t* id = idx + t * k;
-    const T* g = dw + t * k;
-    if (normalise) {
-      T Z = T(1e-20), dot = 0;
-      for (int64_t j = 0; j < k; ++j) Z += s[id[j]];
-      for (int64_t j = 0; j < k; ++j) dot += g[j] * s[id[j]];
-      for (int64_t j = 0; j < k; ++j) ds[id[j]] += gamma / Z * (g[j] - dot / Z);
-    } else {
-      for (int64_t j = 0; j < k; ++j) ds[id[j]] += gamma * g[j];
-    }
-    T* dl = dlogits + t * E;
-    if (p.scoring == ScoringFunc::kSigmoid) {
-      for (int64_t e = 0; e < E; ++e) dl[e] = ds[e] * s[e] * (T(1) - s[e]);
-    } else {
-      T dot = 0;
-      for (int64_t e = 0; e < E; ++e) dot += ds[e] * s[e];
-      for (int64_t e = 0; e < E; ++e) dl[e] = s[e] * (ds[e] - dot);
-    }
-  }
+  for (int64_t t = 0; t < N; ++t)
+    math::router_backward_row(dlogits + t * E, dw + t * k, dscores_extra ? dscores_extra + t * E : nullptr,
+                              scores + t * E, idx + t * k, p);
 }
 
 // ---- MoE data movement ----------------------------------------------------------------------
@@ -512,11 +436,11 @@ void cross_entropy(T* loss, T* logits, const int32_t* target, int64_t rows, int6
     T sum = 0;
 #pragma omp simd reduction(+ : sum)
     for (int64_t v = 0; v < V; ++v) sum += vexp(l[v] - mx);
-    const T lse = mx + std::log(sum);
+    const T lse = math::log_sum_exp(mx, sum);
     loss[r] = lse - l[y];
 #pragma omp simd
-    for (int64_t v = 0; v < V; ++v) l[v] = vexp(l[v] - lse) * grad_scale;
-    l[y] -= grad_scale;
+    for (int64_t v = 0; v < V; ++v) l[v] = math::ce_grad(l[v], lse, grad_scale, VExp{});
+    l[y] = math::ce_grad_target(l[y], grad_scale);
   }
 }
 
@@ -566,12 +490,12 @@ void cross_entropy_finish(T* loss, T* logits, const T* row_max, const T* sums, c
       std::fill(l, l + V, T(0));
       continue;
     }
-    const T lse = row_max[r] + std::log(sums[2 * r]);
+    const T lse = math::log_sum_exp(row_max[r], sums[2 * r]);
     loss[r] = lse - sums[2 * r + 1];
 #pragma omp simd
-    for (int64_t v = 0; v < V; ++v) l[v] = vexp(l[v] - lse) * grad_scale;
+    for (int64_t v = 0; v < V; ++v) l[v] = math::ce_grad(l[v], lse, grad_scale, VExp{});
     const int64_t y = int64_t(target[r]) - v0;
-    if (y >= 0 && y < V) l[y] -= grad_scale;
+    if (y >= 0 && y < V) l[y] = math::ce_grad_target(l[y], grad_scale);
   }
 }
 
@@ -608,21 +532,11 @@ void embedding_backward(T* dtable, const T* dout, const int32_t* ids, int64_t N,
 // so the two give the same bits.
 template <class T>
 struct AdamWStep {
-  T b1, b2, step_size, inv_sqrt_bc2, decay, eps, scale, l2;
-  explicit AdamWStep(const AdamWParams& p)
-      : b1(p.beta1), b2(p.beta2), eps(p.eps), scale(p.grad_scale), l2(p.l2) {
-    const T bc1 = T(1) - std::pow(b1, T(p.step)), bc2 = T(1) - std::pow(b2, T(p.step));
-    step_size = T(p.lr) / bc1, inv_sqrt_bc2 = T(1) / std::sqrt(bc2);
-    decay = T(1) - T(p.lr) * T(p.weight_decay);
-  }
+  math::AdamWConsts<T> k;
+  explicit AdamWStep(const AdamWParams& p) : k(math::adamw_consts<T>(p)) {}
   void run(T* param, const T* grad, T* m, T* v, int64_t n) const {
 #pragma omp simd
-    for (int64_t i = 0; i < n; ++i) {
-      const T g = grad[i] * scale + l2 * param[i];
-      const T mi = m[i] = b1 * m[i] + (T(1) - b1) * g;
-      const T vi = v[i] = b2 * v[i] + (T(1) - b2) * g * g;
-      param[i] = param[i] * decay - step_size * mi / (std::sqrt(vi) * inv_sqrt_bc2 + eps);
-    }
+    for (int64_t i = 0; i < n; ++i) math::adamw_element(&param[i], grad[i], &m[i], &v[i], k);
   }
 };
 

@@ -234,7 +234,7 @@ __global__ void __launch_bounds__(kFlashThreads)
     }
     dev::flash_merge(m, l, m2, l2);
   }
-  const float L = m + logf(l);
+  const float L = math::log_sum_exp(m, l);
   for (int idx = lane; idx < 16 * ldo; idx += 32) Os[idx] = 0.0f;
   __syncwarp();
   for (int64_t t = 0; t < tiles; ++t) {  // pass 2: O = P V

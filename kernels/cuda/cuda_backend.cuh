@@ -14,7 +14,8 @@
 //   loss_optimizer.cu   cross-entropy, embedding, AdamW, the sum of squares
 // One compute stream per backend: every op is a kernel launch or a cuBLAS(Lt) call ordered on
 // it, so the host never waits except in copy_to_host / copy_from_host / synchronize. The
-// per-element and per-row math is kernels/cuda/device_math.h, shared with the host tests.
+// per-element and per-row math is dstrain/kernels/row_math.h (shared with the CPU backend) and
+// kernels/cuda/device_math.h, both compiled by the host tests too.
 // Deterministic by construction: no atomics; every reduction adds in a fixed order, so the same
 // inputs give the same bits on every run.
 //

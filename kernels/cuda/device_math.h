@@ -1,6 +1,7 @@
 // The per-element and per-row math of the CUDA backend (docs/design.md §6.11), written once as
-// __host__ __device__ functions: the CUDA kernels (kernels/cuda/*.cu) call them per thread or per
-// warp, and tests/kernels/test_device_math.cpp compiles the same functions with the host compiler
+// __host__ __device__ functions — the formulas the CPU backend shares are dstrain/kernels/
+// row_math.h's, bound here to fp32 and expf: the CUDA kernels (kernels/cuda/*.cu) call them per
+// thread or per warp, and tests/kernels/test_device_math.cpp compiles the same functions with the host compiler
 // and checks them against the CPU backend — conversions bit for bit, RoPE / SwiGLU / router /
 // AdamW / attention rows to float tolerance — so the indexing, masking and numerics are tested
 // on machines without a GPU. Only the launch geometry and the warp shuffles stay device-only.
@@ -15,6 +16,7 @@
 #include <cstring>
 
 #include "dstrain/kernels/backend.h"
+#include "dstrain/kernels/row_math.h"
 
 #if defined(__CUDACC__)
 #define DSTRAIN_HD __host__ __device__ __forceinline__
@@ -105,158 +107,36 @@ DSTRAIN_HD float round_to(float x) {
 }
 
 // ---- Element-wise ----------------------------------------------------------------------------
+// The formulas are dstrain/kernels/row_math.h's, shared with the CPU backend; these names bind
+// them to fp32 and expf for the kernels.
 
-DSTRAIN_HD float sigmoidf(float x) { return 1.0f / (1.0f + expf(-x)); }
-
-// SwiGLU on one (gate, up) pair.
-DSTRAIN_HD float swiglu(float g, float u) { return g * sigmoidf(g) * u; }
-DSTRAIN_HD void swiglu_grad(float dm, float g, float u, float* dg, float* du) {
-  const float sg = sigmoidf(g);
-  *du = dm * g * sg;
-  *dg = dm * u * sg * (1.0f + g * (1.0f - sg));
-}
-
-// RoPE pair j of a dr-vector (docs/model.md §3.4.1): the pair's inputs (a, b) — x[2j], x[2j+1]
-// when interleaved, else x[j], x[j + dr/2] — rotated by (c, s) to out[j], out[j + dr/2].
-DSTRAIN_HD void rope_rotate(float a, float b, float c, float s, float* o1, float* o2) {
-  *o1 = a * c - b * s;
-  *o2 = b * c + a * s;
-}
-// Its transpose: from the output gradients (ga, gb) the input gradients (da, db).
-DSTRAIN_HD void rope_rotate_back(float ga, float gb, float c, float s, float* da, float* db) {
-  *da = ga * c + gb * s;
-  *db = -ga * s + gb * c;
-}
-// Where pair j's inputs sit in a dr-vector.
-DSTRAIN_HD int64_t rope_first(int64_t j, int64_t, bool interleave) { return interleave ? 2 * j : j; }
-DSTRAIN_HD int64_t rope_second(int64_t j, int64_t dr, bool interleave) { return interleave ? 2 * j + 1 : j + dr / 2; }
-
-// The constants of one AdamW step (bias correction folded in), computed once per call.
-struct AdamWConsts {
-  float b1, b2, step_size, inv_sqrt_bc2, decay, eps, scale, l2;
+struct DeviceExp {
+  DSTRAIN_HD float operator()(float x) const { return expf(x); }
 };
-inline AdamWConsts adamw_consts(const AdamWParams& p) {
-  const float bc1 = 1.0f - std::pow(p.beta1, float(p.step)), bc2 = 1.0f - std::pow(p.beta2, float(p.step));
-  return {p.beta1,       p.beta2, p.lr / bc1, 1.0f / std::sqrt(bc2), 1.0f - p.lr * p.weight_decay,
-          p.eps,         p.grad_scale, p.l2};
+DSTRAIN_HD float swiglu(float g, float u) { return math::swiglu(g, u, DeviceExp{}); }
+DSTRAIN_HD void swiglu_grad(float dm, float g, float u, float* dg, float* du) {
+  math::swiglu_grad(dm, g, u, dg, du, DeviceExp{});
 }
-DSTRAIN_HD void adamw_element(float* param, float grad, float* m, float* v, const AdamWConsts& k) {
-  const float g = grad * k.scale + k.l2 * *param;
-  const float mi = *m = k.b1 * *m + (1.0f - k.b1) * g;
-  const float vi = *v = k.b2 * *v + (1.0f - k.b2) * g * g;
-  *param = *param * k.decay - k.step_size * mi / (sqrtf(vi) * k.inv_sqrt_bc2 + k.eps);
-}
+using math::rope_first;
+using math::rope_rotate;
+using math::rope_rotate_back;
+using math::rope_second;
+using AdamWConsts = math::AdamWConsts<float>;
+inline AdamWConsts adamw_consts(const AdamWParams& p) { return math::adamw_consts<float>(p); }
+using math::adamw_element;
 
 // ---- Router, one token (docs/model.md §3.6) --------------------------------------------------
-// A GPU thread per token must not hold E-sized arrays (the driver reserves a thread's local
-// memory for every thread the device can hold: 1 KB a thread is ~270 MB on an H200), so the
-// selection values s[e] + bias[e] are read where they are needed and the masks are bit sets:
-// MAXE bounds the experts (bits of the masks) and MAXG the groups (the group scores). The CUDA
-// backend uses 256 / 64 and checks the config against them; the host tests use 1024 / 1024.
-
-template <int MAXE>
-struct Bits {
-  uint32_t w[(MAXE + 31) / 32];
-  DSTRAIN_HD void clear(int64_t n) {
-    for (int64_t i = 0; i < (n + 31) / 32; ++i) w[i] = 0;
-  }
-  DSTRAIN_HD bool get(int64_t i) const { return (w[i >> 5] >> (i & 31)) & 1u; }
-  DSTRAIN_HD void set(int64_t i, bool on) {
-    if (on) w[i >> 5] |= 1u << (i & 31);
-    else w[i >> 5] &= ~(1u << (i & 31));
-  }
-};
+// dstrain/kernels/row_math.h's rows, with expf for both scoring functions. The CUDA backend uses
+// MAXE 256 / MAXG 64 and checks the config against them; the host tests use 1024 / 1024.
 
 template <int MAXE, int MAXG>
 DSTRAIN_HD void router_forward_row(int32_t* idx, float* w, float* s, const float* l, const float* bias,
                                    const RouterParams& p) {
-  const int64_t E = p.num_experts, k = p.top_k, G = p.n_group, per_group = E / G;
-  if (p.scoring == ScoringFunc::kSigmoid) {
-    for (int64_t e = 0; e < E; ++e) s[e] = sigmoidf(l[e]);
-  } else {
-    float mx = l[0];
-    for (int64_t e = 1; e < E; ++e) mx = fmaxf(mx, l[e]);
-    float sum = 0;
-    for (int64_t e = 0; e < E; ++e) sum += (s[e] = expf(l[e] - mx));
-    for (int64_t e = 0; e < E; ++e) s[e] /= sum;
-  }
-  // Selection values: the scores, bias-corrected for noaux_tc.
-  const float* b = p.method == TopkMethod::kNoauxTc ? bias : nullptr;
-  const auto c = [&](int64_t e) { return s[e] + (b ? b[e] : 0.0f); };
-  Bits<MAXE> allowed;
-  allowed.clear(E);
-  for (int64_t e = 0; e < E; ++e) allowed.set(e, true);
-  if (p.method != TopkMethod::kGreedy && p.topk_group < G) {
-    float group_score[MAXG];
-    Bits<MAXG> open;
-    open.clear(G);
-    for (int64_t g = 0; g < G; ++g) {
-      float best = neg_inf(), second = best;
-      for (int64_t e = g * per_group; e < (g + 1) * per_group; ++e) {
-        const float v = c(e);
-        if (v > best) {
-          second = best;
-          best = v;
-        } else if (v > second) {
-          second = v;
-        }
-      }
-      group_score[g] = p.method == TopkMethod::kNoauxTc ? best + second : best;
-      open.set(g, true);
-    }
-    for (int64_t r = 0; r < p.topk_group; ++r) {  // the best open group, the lowest on ties
-      int64_t best = -1;
-      for (int64_t g = 0; g < G; ++g)
-        if (open.get(g) && (best < 0 || group_score[g] > group_score[best])) best = g;
-      open.set(best, false);
-    }
-    for (int64_t e = 0; e < E; ++e) allowed.set(e, !open.get(e / per_group));  // kept groups are closed now
-  }
-  float sum = 0;
-  for (int64_t j = 0; j < k; ++j) {  // the best allowed expert, the lowest on ties
-    int64_t e = -1;
-    float ce = 0;
-    for (int64_t x = 0; x < E; ++x)
-      if (allowed.get(x)) {
-        const float v = c(x);
-        if (e < 0 || v > ce) e = x, ce = v;
-      }
-    allowed.set(e, false);
-    idx[j] = int32_t(e);
-    w[j] = s[e];
-    sum += s[e];
-  }
-  const bool normalise = p.v2_weights ? (p.norm_topk_prob && k > 1) : p.norm_topk_prob;
-  const float scale = normalise ? (p.v2_weights ? 1.0f : p.routed_scaling_factor) / (sum + 1e-20f)
-                                : p.routed_scaling_factor;
-  for (int64_t j = 0; j < k; ++j) w[j] *= scale;
+  math::router_forward_row<MAXE, MAXG>(idx, w, s, l, bias, p, DeviceExp{}, DeviceExp{});
 }
-
-// The score gradient ds[e] = extra[e] + the weights' part (non-zero for the k chosen experts
-// only), evaluated per expert instead of kept in an array.
 DSTRAIN_HD void router_backward_row(float* dl, const float* dw, const float* dscores_extra, const float* s,
                                     const int32_t* id, const RouterParams& p) {
-  const int64_t E = p.num_experts, k = p.top_k;
-  const bool normalise = p.v2_weights ? (p.norm_topk_prob && k > 1) : p.norm_topk_prob;
-  const float gamma = p.v2_weights && normalise ? 1.0f : p.routed_scaling_factor;
-  float Z = 1e-20f, dot = 0;
-  if (normalise) {
-    for (int64_t j = 0; j < k; ++j) Z += s[id[j]];
-    for (int64_t j = 0; j < k; ++j) dot += dw[j] * s[id[j]];
-  }
-  const auto ds = [&](int64_t e) {
-    float d = dscores_extra ? dscores_extra[e] : 0.0f;
-    for (int64_t j = 0; j < k; ++j)
-      if (id[j] == e) d += normalise ? gamma / Z * (dw[j] - dot / Z) : gamma * dw[j];
-    return d;
-  };
-  if (p.scoring == ScoringFunc::kSigmoid) {
-    for (int64_t e = 0; e < E; ++e) dl[e] = ds(e) * s[e] * (1.0f - s[e]);
-  } else {
-    float sdot = 0;
-    for (int64_t e = 0; e < E; ++e) sdot += ds(e) * s[e];
-    for (int64_t e = 0; e < E; ++e) dl[e] = s[e] * (ds(e) - sdot);
-  }
+  math::router_backward_row(dl, dw, dscores_extra, s, id, p);
 }
 
 // ---- Balance loss (docs/model.md §3.7) -------------------------------------------------------
@@ -376,7 +256,7 @@ DSTRAIN_HD void attention_forward_row(float* O, float* lse, const Storage<KIND>*
       l += expf(s - m);
     }
   }
-  const float L = m + logf(l);
+  const float L = math::log_sum_exp(m, l);
   float o[MAXD / LANES] = {};
   for (int64_t j = 0; j <= i; ++j) {
     const float s = attn_dot<KIND, LANES, MAXD>(q, Kb + j * qs, a.dqk, lane, sum) * a.scale;
@@ -421,7 +301,7 @@ DSTRAIN_HD void attention_backward_dq_row(float* dQ, const Storage<KIND>* dO, co
   for (int64_t j = 0; j <= i; ++j) {
     const float p = expf(attn_dot<KIND, LANES, MAXD>(q, Kb + j * qs, a.dqk, lane, sum) * a.scale - L);
     const float dp = attn_dot<KIND, LANES, MAXD>(g, Vb + j * vs, a.dv, lane, sum);
-    const float ds = round_to<KIND>(p * (dp - Di) * a.scale);
+    const float ds = round_to<KIND>(math::softmax_grad(p, dp, Di, a.scale));
     for (int r = 0; r < MAXD / LANES; ++r) {
       const int64_t c = lane + int64_t(r) * LANES;
       if (c < a.dqk) dq[r] += ds * load<KIND>(Kb + j * qs, c);
@@ -450,7 +330,7 @@ DSTRAIN_HD void attention_backward_dkv_row(float* dK, float* dV, const Storage<K
     const float L = lse[(b * a.nh + h) * a.S + i], Di = D[(b * a.nh + h) * a.S + i];
     const float p = expf(attn_dot<KIND, LANES, MAXD>(k, Qb + i * qs, a.dqk, lane, sum) * a.scale - L);
     const float dp = attn_dot<KIND, LANES, MAXD>(v, dOb + i * vs, a.dv, lane, sum);
-    const float ds = round_to<KIND>(p * (dp - Di) * a.scale), pr = round_to<KIND>(p);
+    const float ds = round_to<KIND>(math::softmax_grad(p, dp, Di, a.scale)), pr = round_to<KIND>(p);
     for (int r = 0; r < MAXD / LANES; ++r) {
       const int64_t c = lane + int64_t(r) * LANES;
       if (c < a.dqk) dk[r] += ds * load<KIND>(Qb + i * qs, c);
@@ -547,7 +427,8 @@ DSTRAIN_HD void flash_dq_lane(uint16_t* dS, const float* s, const float* dp, int
   uint16_t* row = dS + flash_lane_row(lane) * kFlashLdP + flash_lane_col(lane);
   const int64_t j = j0 + flash_lane_col(lane);
   for (int c = 0; c < kFlashLane; ++c)
-    row[c] = (i < S && j + c <= i) ? store_as<KIND>(expf(s[c] * scale - L) * (dp[c] - D) * scale) : uint16_t(0);
+    row[c] = (i < S && j + c <= i) ? store_as<KIND>(math::softmax_grad(expf(s[c] * scale - L), dp[c], D, scale))
+                                   : uint16_t(0);
 }
 
 // dK / dV: rows are keys j, columns queries i0 + c (with L, D of the tile's queries): the
@@ -565,7 +446,7 @@ DSTRAIN_HD void flash_dkv_lane(uint16_t* Pt, uint16_t* dSt, const float* st, con
     if (j < S && i < S && i >= j) {
       const float p = expf(st[c] * scale - L[c0 + c]);
       prow[c] = store_as<KIND>(p);
-      drow[c] = store_as<KIND>(p * (dpt[c] - D[c0 + c]) * scale);
+      drow[c] = store_as<KIND>(math::softmax_grad(p, dpt[c], D[c0 + c], scale));
     } else {
       prow[c] = 0, drow[c] = 0;
     }

@@ -36,10 +36,11 @@ __global__ void cross_entropy_kernel(float* loss, float* logits, const int32_t* 
   float sum = 0;
   for (int64_t v = threadIdx.x; v < V; v += blockDim.x) sum += expf(l[v] - mx);
   sum = block_reduce<false>(sum);
-  const float lse = mx + logf(sum), ly = l[y];
+  const float lse = math::log_sum_exp(mx, sum), ly = l[y];
   __syncthreads();  // every thread has read l[y] before it is overwritten
   if (threadIdx.x == 0) loss[r] = lse - ly;
-  for (int64_t v = threadIdx.x; v < V; v += blockDim.x) l[v] = expf(l[v] - lse) * gs - (v == y ? gs : 0.0f);
+  for (int64_t v = threadIdx.x; v < V; v += blockDim.x)
+    l[v] = math::ce_grad_target(math::ce_grad(l[v], lse, gs, dev::DeviceExp{}), v == y ? gs : 0.0f);
 }
 __global__ void ce_row_max_kernel(float* row_max, const float* logits, int64_t V) {
   const int64_t r = blockIdx.x;
@@ -71,10 +72,11 @@ __global__ void ce_finish_kernel(float* loss, float* logits, const float* row_ma
     if (threadIdx.x == 0) loss[r] = 0.0f;
     return;
   }
-  const float lse = row_max[r] + logf(sums[2 * r]);
+  const float lse = math::log_sum_exp(row_max[r], sums[2 * r]);
   if (threadIdx.x == 0) loss[r] = lse - sums[2 * r + 1];
   const int64_t y = int64_t(target[r]) - v0;
-  for (int64_t v = threadIdx.x; v < V; v += blockDim.x) l[v] = expf(l[v] - lse) * gs - (v == y ? gs : 0.0f);
+  for (int64_t v = threadIdx.x; v < V; v += blockDim.x)
+    l[v] = math::ce_grad_target(math::ce_grad(l[v], lse, gs, dev::DeviceExp{}), v == y ? gs : 0.0f);
 }
 
 // ---- Embedding ---------------------------------------------------------------------------------

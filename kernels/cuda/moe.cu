@@ -1,8 +1,9 @@
 // The CUDA backend's mixture-of-experts ops (docs/design.md §6.11; the class:
 // kernels/cuda/cuda_backend.cuh): the router (selection and weights, and its backward; a
-// token's row is device_math.h's), the dispatch plan made on the device (the slots' experts
-// sorted stably by CUB's radix sort), the balance loss's statistics and gradient, and the data
-// movement — gather into the experts' rows, combine back with the weights, their backwards.
+// token's row is dstrain/kernels/row_math.h's, shared with the CPU), the dispatch plan made on
+// the device (the slots' experts sorted stably by CUB's radix sort), the balance loss's
+// statistics and gradient, and the data movement — gather into the experts' rows, combine back
+// with the weights, their backwards.
 // sort_with_positions also serves the embedding's backward (loss_optimizer.cu).
 //
 // Deterministic by construction: every sum has one thread (or warp) adding in a fixed order —

@@ -1,6 +1,7 @@
 // The CUDA backend's row and element-wise ops (docs/design.md §6.11; the class:
 // kernels/cuda/cuda_backend.cuh): RMSNorm, RoPE, SwiGLU, the fp32 <-> bf16 / fp16 conversions,
-// strided copies and adds, fill and add. Their per-element math is device_math.h's; an op whose
+// strided copies and adds, fill and add. Their per-element math is dstrain/kernels/row_math.h's
+// (shared with the CPU backend, through device_math.h); an op whose
 // output is a typed View writes fp32, bf16 or fp16, rounded as convert() rounds.
 //
 // Deterministic by construction: RMSNorm's rows are one block each with a fixed-order block
@@ -59,9 +60,10 @@ __global__ void rmsnorm_forward_kernel(dev::Storage<KIND>* y, float* rstd, const
   float ss = 0;
   for (int64_t c = threadIdx.x; c < C; c += blockDim.x) ss += xr[c] * xr[c];
   ss = block_reduce<false>(ss);
-  const float rs = 1.0f / sqrtf(ss / float(C) + eps);
+  const float rs = math::rms_scale(ss, C, eps);
   if (threadIdx.x == 0) rstd[r] = rs;
-  for (int64_t c = threadIdx.x; c < C; c += blockDim.x) y[r * C + c] = dev::store_as<KIND>(w[c] * (xr[c] * rs));
+  for (int64_t c = threadIdx.x; c < C; c += blockDim.x)
+    y[r * C + c] = dev::store_as<KIND>(math::rmsnorm_out(w[c], xr[c], rs));
 }
 __global__ void rmsnorm_backward_dx_kernel(float* dx, const float* dy, const float* x, const float* w,
                                            const float* rstd, int64_t C) {
@@ -69,9 +71,9 @@ __global__ void rmsnorm_backward_dx_kernel(float* dx, const float* dy, const flo
   const float rs = rstd[r];
   const float *xr = x + r * C, *dyr = dy + r * C;
   float dot = 0;
-  for (int64_t c = threadIdx.x; c < C; c += blockDim.x) dot += dyr[c] * w[c] * xr[c] * rs;
+  for (int64_t c = threadIdx.x; c < C; c += blockDim.x) dot += math::rmsnorm_dot_term(dyr[c], w[c], xr[c], rs);
   dot = block_reduce<false>(dot) / float(C);
-  for (int64_t c = threadIdx.x; c < C; c += blockDim.x) dx[r * C + c] = rs * (dyr[c] * w[c] - xr[c] * rs * dot);
+  for (int64_t c = threadIdx.x; c < C; c += blockDim.x) dx[r * C + c] = math::rmsnorm_dx(dyr[c], w[c], xr[c], rs, dot);
 }
 // dw in two passes, in a fixed order (deterministic, independent of the launch): blocks of
 // kDwCols columns x kDwLanes row lanes over chunks of kDwChunk rows write one partial per chunk
@@ -86,7 +88,8 @@ __global__ void rmsnorm_dw_partial_kernel(float* partial, const float* dy, const
   const int64_t r0 = int64_t(blockIdx.y) * kDwChunk, r1 = r0 + kDwChunk < rows ? r0 + kDwChunk : rows;
   float acc = 0;
   if (c < C)
-    for (int64_t r = r0 + threadIdx.y; r < r1; r += kDwLanes) acc += dy[r * C + c] * x[r * C + c] * rstd[r];
+    for (int64_t r = r0 + threadIdx.y; r < r1; r += kDwLanes)
+      acc += math::rmsnorm_dw_term(dy[r * C + c], x[r * C + c], rstd[r]);
   lane_sum[threadIdx.y][threadIdx.x] = acc;
   __syncthreads();
   if (threadIdx.y == 0 && c < C) {

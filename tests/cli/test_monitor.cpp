@@ -308,9 +308,9 @@ TEST(Monitor, EveryRanksBuffersMatchThePlan) {
   for (const auto& [name, extra] : cases) {
     const Result r = run(mpirun(2) + kDstrain + base + extra);
     ASSERT_EQ(r.rc, 0) << name << r.err;
-    const auto row = [&](const std::string& label) {  // r0 plan, r0 now, r1 plan, r1 now (MiB)
+    const auto row = [&r](const std::string& label) {  // r0 plan, r0 now, r1 plan, r1 now (MiB)
       std::vector<double> f = breakdown_row(r.out, label);
-      EXPECT_EQ(f.size(), 4u) << name << " " << label;
+      EXPECT_EQ(f.size(), 4u) << label;
       f.resize(4, 0.0);
       return f;
     };
