@@ -208,6 +208,8 @@ int run(const launcher::Options& cli, int rank, int world) {
         const auto transfers = runtime::planned_step_communication(*p, 0);
         std::cout << "comm       per step on rank 0 (gradient reduction, ZeRO all-gather, pipeline; monitor.comm_log "
                      "measures every call)";
+        if (const auto& gc = p->config.gradient_compression; gc && (p->degrees.dp > 1 || p->degrees.edp_group() > 1))
+          std::cout << fmt::format("; PowerSGD rank {}: a compressed step, from step {} on", gc->rank, gc->start_iter + 1);
         if (transfers.empty()) std::cout << ": none";
         for (const auto& t : transfers)
           std::cout << fmt::format("\n  {:<8} {:<15} {} ({} bytes)", t.group, t.op, human_bytes(t.bytes),

@@ -157,6 +157,16 @@ void describe(V& v, ZeroConfig& c) {
 }
 
 template <class V>
+void describe(V& v, GradientCompressionConfig& c) {
+  v.field("type", c.type, one_of({"powersgd"}));
+  v.field("rank", c.rank, at_least(1));
+  v.field("start_iter", c.start_iter, at_least(0));
+  v.field("min_compression_rate", c.min_compression_rate, non_negative());
+  v.field("use_error_feedback", c.use_error_feedback);
+  v.field("warm_start", c.warm_start);
+}
+
+template <class V>
 void describe(V& v, OptimizerParams& c) {
   v.field("lr", c.lr, non_negative());
   v.field("betas", c.betas, real_range(0.0, 1.0, true));
@@ -264,6 +274,7 @@ void describe(V& v, TrainConfig& c) {
   v.section("bf16", c.bf16);
   v.field("communication_data_type", c.communication_data_type);
   v.section("zero_optimization", c.zero_optimization);
+  v.nullable_section("gradient_compression", c.gradient_compression);
   v.section("optimizer", c.optimizer);
   v.nullable_section("scheduler", c.scheduler);
   v.section("activation_checkpointing", c.activation_checkpointing);

@@ -125,6 +125,18 @@ struct ZeroConfig {  // DeepSpeed `zero_optimization` (sizes in elements, as Dee
   int64_t allgather_bucket_size = 4'194'304; // ZeRO-1/2 parameter all-gather pieces
 };
 
+// PowerSGD gradient compression (PyTorch's DDP comm hook powerSGD_hook and its PowerSGDState;
+// docs/design.md §6.5, "PowerSGD"): each gradient matrix of the data-parallel reduction sent as
+// two rank-`rank` factors P [rows, rank] and Q [cols, rank] instead of itself.
+struct GradientCompressionConfig {
+  std::string type = "powersgd";
+  int64_t rank = 1;                   // PowerSGDState.matrix_approximation_rank
+  int64_t start_iter = 1000;          // steps reduced uncompressed first (start_powerSGD_iter)
+  double min_compression_rate = 2.0;  // compress a [n, m] matrix only when n m > rate (n + m) rank
+  bool use_error_feedback = true;     // add what compression lost to the next step's gradient
+  bool warm_start = true;             // start each step's power iteration from the last step's Q
+};
+
 struct OptimizerParams {  // DeepSpeed Adam / AdamW params
   double lr = 1e-3;
   std::vector<double> betas = {0.9, 0.999};
@@ -236,6 +248,9 @@ struct TrainConfig {
   // gradients accumulate in fp32 whatever the compute type)
   std::optional<CommDataType> communication_data_type;
   ZeroConfig zero_optimization;
+  // null: gradients reduced whole (DeepSpeed's default); powersgd: compressed (ZeRO 0/1, no
+  // pipeline, gradients in host memory)
+  std::optional<GradientCompressionConfig> gradient_compression;
   OptimizerConfig optimizer;
   std::optional<SchedulerConfig> scheduler;  // absent: constant learning rate
   ActivationCheckpointingConfig activation_checkpointing;

@@ -323,6 +323,24 @@ void validate_training(TrainConfig& cfg) {
                           "integer >= {}, or train_steps ({})",
                           *s.total_num_steps, s.warmup_num_steps, s.warmup_num_steps, cfg.train_steps));
   }
+  if (cfg.gradient_compression) {
+    // (the resolved layout — world size, device — is checked where the engine is built)
+    if (cfg.zero_optimization.stage >= 2)
+      fail_at(cfg, "gradient_compression",
+              fmt::format("powersgd with zero_optimization.stage {}: PowerSGD all-reduces low-rank factors of whole "
+                          "gradients, which ZeRO-2 partitions; valid: zero_optimization.stage 0 or 1",
+                          cfg.zero_optimization.stage));
+    if (cfg.parallel.pipeline > 1)
+      fail_at(cfg, "gradient_compression",
+              fmt::format("powersgd with parallel.pipeline {}: compression is for data-parallel layouts without a "
+                          "pipeline; valid: parallel.pipeline 1, or gradient_compression: null",
+                          cfg.parallel.pipeline));
+    if (cfg.communication_data_type && *cfg.communication_data_type != CommDataType::kFp32)
+      fail_at(cfg, "gradient_compression",
+              fmt::format("powersgd with communication_data_type {}: PowerSGD sends its factors in fp32; valid: "
+                          "communication_data_type fp32 or null, or gradient_compression: null",
+                          to_string(*cfg.communication_data_type)));
+  }
   namespace fs = std::filesystem;
   std::error_code ec;
   if (cfg.data.paths.empty()) {

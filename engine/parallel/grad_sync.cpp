@@ -32,6 +32,21 @@ std::vector<GradBucket> make_buckets(const std::vector<FlatLayerParam>& params, 
   return out;
 }
 
+PowerSgdLayout powersgd_layout_of(const model::ParamStore& params, bool expert, int64_t rank,
+                                  double min_compression_rate) {
+  std::vector<PowerSgdTensor> tensors;
+  int64_t length = 0;  // (the padding after the last tensor, zero on every rank, is not sent)
+  for (const std::string& name : params.names()) {
+    const model::ParamView& v = params.view(name);
+    if (v.buffer || v.expert != expert || v.numel == 0) continue;
+    const std::vector<int64_t>& shape = v.shard.local_shape;
+    const int64_t rows = shape.size() >= 2 && shape[0] > 0 ? v.stored / (v.numel / shape[0]) : 0;
+    tensors.push_back({v.offset, v.stored, rows});
+    length = std::max(length, v.offset + v.stored);
+  }
+  return powersgd_layout(std::move(tensors), length, rank, min_compression_rate);
+}
+
 size_t GradSync::slot(int64_t layer) const {
   DS_CHECK(layer >= -1 && layer + 1 < int64_t(position_.size()), "layer {} outside the backward order", layer);
   return size_t(layer + 1);
@@ -96,6 +111,16 @@ GradSync::GradSync(model::ParamStore& params, const ZeroSharding& zero, const st
   for (size_t i = 0; i < buckets_.size(); ++i)
     for (int64_t l : buckets_[i].layers) layer_buckets_[slot(l)].push_back(i);
   shard_ = options.hold_shard && options.overlap && zero.shards_gradients();
+  if (options.powersgd) {
+    DS_CHECK(!zero.shards_gradients() && options.backend, "PowerSGD needs whole gradients and the backend");
+    for (const bool e : {false, true}) {
+      if (zero.group(e).size() == 1) continue;
+      psgd_.push_back(std::make_unique<PowerSgd>(
+          powersgd_layout_of(params, e, options.powersgd->rank, options.powersgd->min_compression_rate),
+          *options.powersgd, *options.backend, e ? "expert" : "dense"));
+      psgd_expert_.push_back(e);
+    }
+  }
   if (shard_) zero_grads();
   high_water_ = 4 * (params.dense_grads().size() + params.expert_grads().size());
   if (shard_) high_water_ = 0, sample_resident();
@@ -126,11 +151,23 @@ void GradSync::sample_resident() {
 
 void GradSync::micro_batch_done() {
   const double wait = finish();  // (this step's waits so far)
-  begin();
+  begin(step_, grad_scale_);
   round_wait_s_ = wait;
 }
 
-void GradSync::begin() {
+std::map<std::string, std::vector<float>> GradSync::compression_state() const {
+  std::map<std::string, std::vector<float>> s;
+  for (const auto& p : psgd_) s.merge(p->state());
+  return s;
+}
+
+void GradSync::restore_compression_state(const std::map<std::string, std::vector<float>>& s) {
+  for (const auto& p : psgd_) p->restore(s);
+}
+
+void GradSync::begin(int64_t step, double grad_scale) {
+  step_ = step, grad_scale_ = grad_scale;
+  compress_ = options_.powersgd && step >= options_.powersgd->start_iter;
   pending_.clear();
   for (const GradBucket& b : buckets_) pending_.push_back(int64_t(b.layers.size()));
   next_ = 0;
@@ -140,7 +177,7 @@ void GradSync::begin() {
 }
 
 void GradSync::grads_final(int64_t layer) {
-  if (!options_.overlap || layer < -1 || layer + 1 >= int64_t(layer_buckets_.size())) return;
+  if (!options_.overlap || compress_ || layer < -1 || layer + 1 >= int64_t(layer_buckets_.size())) return;
   for (size_t b : layer_buckets_[slot(layer)]) --pending_[b];
   if (shard_) sample_resident();  // (the fullest moment: a layer written, its buckets not launched)
   launch_ready();
@@ -217,6 +254,14 @@ void GradSync::land() {
 
 double GradSync::finish() {
   const auto t0 = std::chrono::steady_clock::now();
+  if (compress_) {
+    for (size_t i = 0; i < psgd_.size(); ++i) {
+      const bool e = psgd_expert_[i];
+      psgd_[i]->reduce(zero_.group(e), (e ? params_.expert_grads() : params_.dense_grads()).data(), step_,
+                       grad_scale_);
+    }
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  }
   while (next_ < buckets_.size()) launch(next_++);
   while (!flights_.empty()) land();
   return round_wait_s_ + std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();

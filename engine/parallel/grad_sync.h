@@ -24,6 +24,11 @@
 // stage 2: a partitioned gradient buffer and the reduction bucket). In host memory only: on a
 // device the zeroed parts stay allocated, so the engine keeps the step-end reduction there.
 //
+// gradient_compression: powersgd (ZeRO 0/1; docs/design.md §6.5, "PowerSGD"): from step
+// start_iter on, the step's reduction is PowerSgd's (engine/parallel/powersgd.h) on each whole
+// buffer in finish(), after the backward pass — the buckets are not launched during it; before
+// start_iter the buckets reduce as above (PyTorch's hook runs vanilla all-reduce until then).
+//
 // Every rank of a group builds the same buckets and launches them in the same order (the
 // model's backward order), as the Communicator's same-order contract requires. The sums do not
 // depend on timing: with overlap off the same buckets are reduced after the backward pass.
@@ -31,7 +36,10 @@
 
 #include <cstdint>
 #include <deque>
+#include <map>
 #include <memory>
+#include <optional>
+#include <string>
 #include <vector>
 
 #include "dstrain/kernels/backend.h"
@@ -39,6 +47,7 @@
 #include "engine/model/flat_array.h"
 #include "engine/model/layer_env.h"
 #include "engine/model/param_store.h"
+#include "engine/parallel/powersgd.h"
 #include "engine/parallel/zero/zero_sharding.h"
 #include "engine/plan/parallel_plan.h"
 
@@ -55,6 +64,8 @@ struct GradSyncOptions {
   // ZeRO-2 (with overlap): reduce every micro-batch and keep only the own shard between
   // reductions (above). Ignored below ZeRO-2.
   bool hold_shard = false;
+  // gradient_compression: powersgd (ZeRO 0/1, host memory); needs `backend`.
+  std::optional<PowerSgdOptions> powersgd = std::nullopt;
 };
 
 struct GradBucket {
@@ -70,8 +81,10 @@ class GradSync final : public model::BackwardObserver {
   GradSync(model::ParamStore& params, const ZeroSharding& zero, const std::vector<int64_t>& backward_order,
            const GradSyncOptions& options);
 
-  // Arms the buckets for the coming backward pass (the last micro-batch of the step).
-  void begin();
+  // Arms the buckets for the coming backward pass (the last micro-batch of the step) of step
+  // `step` (0-based), whose gradients carry `grad_scale` (the fp16 loss scale; 1 otherwise) —
+  // both matter only to the compression.
+  void begin(int64_t step = 0, double grad_scale = 1.0);
   void grads_final(int64_t layer) override;
   void poll() override;
   // Launches the buckets not launched yet, waits for all; returns the seconds spent waiting
@@ -90,6 +103,14 @@ class GradSync final : public model::BackwardObserver {
   // (sampled as each layer's gradients become final): the shard and what is in flight.
   int64_t grad_bytes_high_water() const { return high_water_; }
   static constexpr int kShardFlights = plan::kGradShardFlights;
+
+  // With gradient_compression: whether this step is compressed, the compressors (dense first;
+  // one per group of more than one rank), and their state for a checkpoint (names unique over
+  // both) and its restore.
+  bool compressing() const { return compress_; }
+  const std::vector<std::unique_ptr<PowerSgd>>& compressors() const { return psgd_; }
+  std::map<std::string, std::vector<float>> compression_state() const;
+  void restore_compression_state(const std::map<std::string, std::vector<float>>& s);
 
   const std::vector<GradBucket>& buckets() const { return buckets_; }
   // Whether gradient buffers are reduced through mapped peer memory (else messages).
@@ -135,6 +156,11 @@ class GradSync final : public model::BackwardObserver {
   int64_t wire_stride_ = 0;
   std::vector<bool> wire_busy_;  // per slot: a bucket launched there has not landed
   int64_t launches_ = 0;         // 16-bit launches this step
+  std::vector<std::unique_ptr<PowerSgd>> psgd_;
+  std::vector<bool> psgd_expert_;  // per compressor: the expert buffer's
+  bool compress_ = false;          // this step
+  int64_t step_ = 0;
+  double grad_scale_ = 1.0;
   // Declared after the staging memory, so destroyed first: a Work still in flight (an exception
   // between launch and finish) completes into memory that still exists.
   std::deque<Flight> flights_;  // in launch order
@@ -144,6 +170,12 @@ class GradSync final : public model::BackwardObserver {
 // `bucket_elems` each, walking from the end of the buffer (the backward order). A bucket is
 // closed at a layer boundary once it holds an eighth of its capacity, so that a layer's
 // gradients do not wait for the next layer's. Exposed for the tests.
+// The PowerSGD layout of a flat buffer (dense or expert) of `params` (engine/model/param_store.h):
+// its gradient tensors at their local shapes (a vocabulary shard with its padding rows), up to
+// the end of the last (the ZeRO padding after it is zero on every rank and not sent).
+PowerSgdLayout powersgd_layout_of(const model::ParamStore& params, bool expert, int64_t rank,
+                                  double min_compression_rate);
+
 struct FlatLayerParam {
   int64_t offset = 0, numel = 0, layer = 0;
 };

@@ -17,6 +17,7 @@
 #include <fstream>
 #include <mutex>
 #include <optional>
+#include <sstream>
 #include <string_view>
 #include <unordered_map>
 
@@ -343,6 +344,27 @@ std::string Checkpointer::save(const TrainState& state, model::ParamStore& param
       emit(kGroups[k] + info.name, info.shape);
     }
   }
+  // Each rank's own state (TrainState::rank_state): its names and sizes broadcast, its values
+  // sent to rank 0, one rank after another.
+  for (int r = 0; r < comm_->size(); ++r) {
+    std::string listing;
+    if (rank_ == r)
+      for (const auto& [name, values] : state.rank_state) listing += fmt::format("{}\n{}\n", name, values.size());
+    listing = comm::broadcast_string(*comm_, listing, r);
+    std::istringstream in(listing);
+    for (std::string name, size; std::getline(in, name) && std::getline(in, size);) {
+      const int64_t n = std::stoll(size);
+      if (rank_ == r && r != 0) comm_->send(state.rank_state.at(name).data(), n, 0)->wait();
+      if (rank_ != 0) continue;
+      if (r == 0) {
+        full = state.rank_state.at(name);
+      } else {
+        full.resize(size_t(n));
+        comm_->recv(full.data(), n, r)->wait();
+      }
+      if (error.empty()) emit(fmt::format("rank_state/rank_{:05d}/{}", r, name), {n});
+    }
+  }
   const auto write_meta = [&cfg, state, this](io::H5File& f) {
     if (const int64_t slow = fault_at(Fault::kSlowSave)) std::this_thread::sleep_for(std::chrono::seconds(slow));
     f.set_attr("format", std::string("dstrain-checkpoint"));
@@ -514,6 +536,12 @@ void Checkpointer::prepare_for_saves() {
 double Checkpointer::checkpoint_bytes() const {
   double bytes = 0;
   for (const plan::ParamInfo& p : plan_.params) bytes += 4.0 * double(p.numel()) * (p.buffer ? 1 : 3);
+  // PowerSGD's error feedback: a gradient's worth per data-parallel replica (Q is small)
+  const auto& gc = plan_.config.gradient_compression;
+  if (gc && gc->use_error_feedback) {
+    for (const plan::ParamInfo& p : plan_.params)
+      if (!p.buffer) bytes += 4.0 * double(p.numel()) * double(p.shard == plan::Shard::kExpert ? plan_.degrees.edp_group() : plan_.degrees.dp);
+  }
   return bytes;
 }
 
@@ -751,7 +779,10 @@ int64_t verify_checkpoint(const std::string& path, int* version) {
   if (version) *version = v;
   int64_t tensors = 0;
   const bool weights = weights_only(*f);
-  for (const char* group : {"model", "optimizer/exp_avg", "optimizer/exp_avg_sq"}) {
+  std::vector<std::string> groups = {"model", "optimizer/exp_avg", "optimizer/exp_avg_sq"};
+  if (f->exists("rank_state"))
+    for (const std::string& r : f->list("rank_state")) groups.push_back("rank_state/" + r);
+  for (const std::string& group : groups) {
     if (weights && group[0] == 'o') continue;
     std::vector<std::string> names;
     try {
@@ -760,7 +791,7 @@ int64_t verify_checkpoint(const std::string& path, int* version) {
       throw ConfigError(fmt::format("checkpoint {}: group {} cannot be read (truncated file?)", path, group));
     }
     for (const std::string& name : names) {
-      read_checked_tensor(*f, std::string(group) + "/" + name, v);
+      read_checked_tensor(*f, group + "/" + name, v);
       ++tensors;
     }
   }
@@ -945,6 +976,18 @@ TrainState Checkpointer::load_local(const std::string& path, model::ParamStore& 
   }
   s.weights_only = weights;
   if (weights && s.step != 0) throw fail("a weights-only checkpoint at a step other than 0");
+  if (f->exists("rank_state")) {
+    std::string saved;
+    try {
+      saved = f->attr_string("layout");
+    } catch (const Error&) {
+    }
+    const std::string group = fmt::format("rank_state/rank_{:05d}", rank_);
+    if (saved != layout_text(plan_.degrees))
+      s.rank_state_note = fmt::format("saved with layout '{}', resumed with '{}'", saved, layout_text(plan_.degrees));
+    else if (f->exists(group))
+      for (const std::string& name : f->list(group)) s.rank_state[name] = read_checked_tensor(*f, group + "/" + name, version);
+  }
   return s;
 }
 

@@ -10,6 +10,7 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -48,6 +49,11 @@ struct TrainState {
   // A file of weights alone (`weights_only` 1: dstrain-ckpt import-hf): no optimizer state is
   // read — the moments stay as they were (fresh) — and step 0 starts the schedule afresh.
   bool weights_only = false;
+  // This rank's own state beyond the tensors (gradient compression's error feedback and Q,
+  // engine/parallel/powersgd.h), by name: saved as rank_state/rank_RRRRR/NAME; loaded only
+  // into a run of the layout it was saved with (else left empty, and rank_state_note says why).
+  std::map<std::string, std::vector<float>> rank_state;
+  std::string rank_state_note;
 };
 
 class Checkpointer {

@@ -168,6 +168,7 @@ std::vector<PlannedTransfer> planned_step_communication(const plan::ParallelPlan
   // The flat buffers of this rank, as ParamStore lays them out: every held non-buffer tensor's
   // slice, vocabulary-parallel ones padded to the vocabulary block.
   int64_t dense = 0, expert = 0;
+  std::vector<parallel::PowerSgdTensor> dense_tensors, expert_tensors;  // (gradient_compression's matrices)
   for (size_t i = 0; i < plan.params.size(); ++i) {
     if (plan.param_stage[i] != c.pp) continue;
     const plan::ParamInfo& info = plan.params[i];
@@ -176,7 +177,10 @@ std::vector<PlannedTransfer> planned_step_communication(const plan::ParallelPlan
     const int64_t stored = info.shard == plan::Shard::kVocab
                                ? plan::vocab_block(info.shape[0], d.tp) * (info.numel() / info.shape[0])
                                : s.local_numel();
-    (info.shard == plan::Shard::kExpert ? expert : dense) += stored;
+    int64_t& offset = info.shard == plan::Shard::kExpert ? expert : dense;
+    const int64_t rows = s.local_shape.size() >= 2 && s.local_shape[0] > 0 ? stored / (s.local_numel() / s.local_shape[0]) : 0;
+    (info.shard == plan::Shard::kExpert ? expert_tensors : dense_tensors).push_back({offset, stored, rows});
+    offset += stored;
   }
   std::vector<PlannedTransfer> out;
   const int zero = int(cfg.zero_optimization.stage);
@@ -187,7 +191,13 @@ std::vector<PlannedTransfer> planned_step_communication(const plan::ParallelPlan
     if (ranks == 1 || numel == 0) continue;
     // (holding a ZeRO-2 shard, every micro-batch is reduced)
     const double times = plan.holds_gradient_shard(zero) ? double(plan.batch.accumulation) : 1.0;
-    out.push_back({group, zero >= 2 ? "reduce_scatter" : "all_reduce", times * reduce_elem * double(numel)});
+    if (const auto& gc = cfg.gradient_compression) {  // (a compressed step: its factors and the rest, in fp32)
+      const parallel::PowerSgdLayout l = parallel::powersgd_layout(group == "dp" ? dense_tensors : expert_tensors, numel,
+                                                                   gc->rank, gc->min_compression_rate);
+      out.push_back({group, "all_reduce", 4.0 * double(l.compressed_elems())});
+    } else {
+      out.push_back({group, zero >= 2 ? "reduce_scatter" : "all_reduce", times * reduce_elem * double(numel)});
+    }
     if (zero >= 1)
       out.push_back({group, "all_gather", elem * double(parallel::FlatPartition(numel, ranks, parallel::kZeroAlign).padded())});
   }
@@ -263,12 +273,20 @@ RankEngine build_rank_engine(const plan::ParallelPlan& plan, const RankGroups& g
                                                       *e.dp, *e.edp);
     // ZeRO partitions are equal-sized: pad the buffers before anything points into them.
     e.params->pad(e.zero->buffer_length(false), e.zero->buffer_length(true));
-    if (e.dp->size() > 1 || e.edp->size() > 1)
-      e.grad_sync = std::make_unique<parallel::GradSync>(*e.params, *e.zero, model::DeepSeekModel::backward_order(m),
-                                                         parallel::GradSyncOptions{z.overlap_comm, z.reduce_bucket_size, true,
-                                                                                   comm_dtype(cfg), e.backend.get(),
-                                                                                   plan.holds_gradient_shard(int(z.stage)) &&
-                                                                                       e.backend->host_addressable()});
+    if (e.dp->size() > 1 || e.edp->size() > 1) {
+      parallel::GradSyncOptions o{z.overlap_comm, z.reduce_bucket_size, true, comm_dtype(cfg), e.backend.get(),
+                                  plan.holds_gradient_shard(int(z.stage)) && e.backend->host_addressable()};
+      if (const auto& gc = cfg.gradient_compression) {
+        if (!e.backend->host_addressable())
+          config::fail_at(cfg, "gradient_compression",
+                          fmt::format("powersgd on {}: the compression runs on gradients in host memory; valid: "
+                                      "device: cpu, or gradient_compression: null",
+                                      e.backend->name()));
+        o.powersgd = parallel::PowerSgdOptions{gc->rank, gc->start_iter, gc->min_compression_rate,
+                                               gc->use_error_feedback, gc->warm_start, uint64_t(cfg.seed)};
+      }
+      e.grad_sync = std::make_unique<parallel::GradSync>(*e.params, *e.zero, model::DeepSeekModel::backward_order(m), o);
+    }
     e.params->enable_compute_copy(compute_dtype(cfg.precision()));
     if (e.zero->shards_optimizer()) {  // the parameter all-gather reads the owners' buffers directly too
       bool mapped = true;

@@ -92,7 +92,7 @@ std::unique_ptr<comm::Communicator> make_communicator(const comm::ProcessGroup& 
 // sends / gradient receives — sizes as the comms log counts them (comm_log.h), from the same
 // layout rules as the parameter store and the ZeRO partitions. Validation, checkpoints, the
 // tensor- and expert-parallel calls (per layer, data-dependent for the experts) and scalar
-// all-reduces are not in it.
+// all-reduces are not in it. With gradient_compression, a compressed step (from start_iter on).
 struct PlannedTransfer {
   std::string group, op;
   double bytes = 0;

@@ -141,6 +141,15 @@ Trainer::Trainer(const plan::ParallelPlan& plan, RankGroups groups, int threads)
       publish_weights();
     }
     if (scaler_ && !st.weights_only) scaler_->restore(st.scaler);  // (weights only: the configured initial scale)
+    if (engine_.grad_sync && !engine_.grad_sync->compressors().empty()) {
+      engine_.grad_sync->restore_compression_state(st.rank_state);
+      const int64_t resumed_state = comm::all_reduce_value(*world_, int64_t(st.rank_state.empty() ? 0 : 1),
+                                                           comm::ReduceOp::kSum);
+      if (rank_ == 0 && resumed_state == 0 && st.step > cfg_.gradient_compression->start_iter)
+        spdlog::warn("gradient_compression: {} holds no PowerSGD state for this layout{}: the error feedback and "
+                     "Q start afresh",
+                     resumed->path, st.rank_state_note.empty() ? "" : " (" + st.rank_state_note + ")");
+    }
     if (rank_ == 0 && st.weights_only)
       spdlog::info("started from the weights of {} (weights only, e.g. imported from Hugging Face): fresh optimizer "
                    "state and learning-rate schedule from step 0",
@@ -262,7 +271,7 @@ StepResult Trainer::compute_gradients(int64_t step) {
   for (auto* moe : runner.all_moe_layers()) std::fill(moe->stats().loads.begin(), moe->stats().loads.end(), 0);
   const double tp_comm0 = engine_.collectives->seconds(), ep_wait0 = engine_.collectives->ep_wait_seconds(),
                ep_bytes0 = engine_.collectives->ep_bytes_sent();
-  if (sync) sync->begin();
+  if (sync) sync->begin(step, scaler_ ? scaler_->scale() : 1.0);
   const PipelineStepResult p = runner.run(
       [&](int64_t m, int32_t* tokens) {
         dataset_->train_batch(tokens, data::TokenDataset::position(step, b.global, dp_rank_, dp_size_, m, b.micro),
@@ -516,6 +525,7 @@ std::string Trainer::save_checkpoint(int64_t steps_done) {
   st.data_vocab_size = dataset_->info().vocab_size;
   if (scaler_) st.scaler = scaler_->state();
   st.loss_scale = st.scaler.scale;
+  if (engine_.grad_sync) st.rank_state = engine_.grad_sync->compression_state();
   const std::string path = checkpointer_->save(st, *engine_.params, *adam_, engine_.zero.get());
   saved_step_ = steps_done;
   saved_path_ = path;

@@ -473,6 +473,64 @@ TEST(DataParallel, ZeroTwoCheckpointsMoveBetweenLayouts) {
   }
 }
 
+// gradient_compression: powersgd (2 ranks, ZeRO-1, rank 2 from step 2): the compressed run
+// differs from the uncompressed one, each rank's error feedback and Q are in the checkpoint, a
+// resume on the same layout continues bit for bit, and one on another layout says the state
+// starts afresh.
+TEST(DataParallel, PowerSgdResumesBitForBitOnItsLayout) {
+  const std::string dir = ::testing::TempDir() + "/powersgd";
+  std::filesystem::remove_all(dir);
+  const std::string psgd = " --set zero_optimization.stage=1 --set gradient_compression.rank=2"
+                           " --set gradient_compression.start_iter=2";
+  ASSERT_EQ(run(mpirun(2) + train_cmd(dir, "plain", 8, "--resume none --set zero_optimization.stage=1")).rc, 0);
+  Result r = run(mpirun(2) + train_cmd(dir, "straight", 8, "--resume none" + psgd));
+  ASSERT_EQ(r.rc, 0) << r.err;
+  {
+    dstrain::io::H5File f(dir + "/straight/step_00000004.h5", dstrain::io::H5File::Mode::kRead);
+    for (const char* name : {"rank_state/rank_00000/error_dense", "rank_state/rank_00001/error_dense",
+                             "rank_state/rank_00000/q_dense", "rank_state/rank_00001/q_expert"})
+      EXPECT_TRUE(f.exists(name)) << name;
+  }
+  r = run(std::string(DSTRAIN_CKPT_BIN) + " verify " + dir + "/straight/step_00000004.h5");
+  EXPECT_EQ(r.rc, 0) << r.out << r.err;
+  r = run(mpirun(2) + train_cmd(dir, "resumed", 8, "--resume " + dir + "/straight/step_00000004.h5" + psgd));
+  ASSERT_EQ(r.rc, 0) << r.err;
+  EXPECT_EQ(r.out.find("no PowerSGD state"), std::string::npos) << r.out;
+  const auto plain = losses(dir + "/plain.jsonl"), straight = losses(dir + "/straight.jsonl"),
+             resumed = losses(dir + "/resumed.jsonl");
+  for (int step = 1; step <= 2; ++step) EXPECT_EQ(straight.at(step), plain.at(step)) << "uncompressed before start_iter";
+  EXPECT_NE(straight.at(8), plain.at(8)) << "compressed from step 3";
+  for (int step = 5; step <= 8; ++step) EXPECT_EQ(resumed.at(step), straight.at(step)) << "step " << step;
+  EXPECT_EQ(max_weight_difference(dir + "/straight/step_00000008.h5", dir + "/resumed/step_00000008.h5"), 0.0);
+  r = run(mpirun(4) + train_cmd(dir, "four", 5, "--resume " + dir + "/straight/step_00000004.h5" + psgd +
+                                                " --set train_micro_batch_size_per_gpu=2"));
+  ASSERT_EQ(r.rc, 0) << r.err;
+  EXPECT_NE(r.out.find("holds no PowerSGD state for this layout (saved with layout"), std::string::npos) << r.out;
+}
+
+// An fp16 overflow on a compressed step: the step is skipped, the compression's state reset, and
+// training goes on with finite losses (no NaN carried in the error feedback or Q). Where the
+// gradients are not in host memory (the device-memory check standing in for a GPU) the
+// compression is refused in one line.
+TEST(DataParallel, PowerSgdSkipsAnOverflowedFp16StepAndGoesOn) {
+  const std::string dir = ::testing::TempDir() + "/powersgd_fp16";
+  std::filesystem::remove_all(dir);
+  const std::string psgd = " --resume none --set zero_optimization.stage=1 --set gradient_compression.rank=2"
+                           " --set gradient_compression.start_iter=0";
+  Result r = run("DSTRAIN_FAULT_INJECT=inf_grad:3 " + mpirun(2) +
+                 train_cmd(dir, "fp16", 6, psgd + " --set fp16.enabled=true"));
+  ASSERT_EQ(r.rc, 0) << r.err;
+  EXPECT_EQ(count(r.out + r.err, "step 3: fp16 gradients overflowed"), 1) << r.out << r.err;
+  const auto l = losses(dir + "/fp16.jsonl");
+  ASSERT_EQ(l.size(), 6u);
+  for (const auto& [step, loss] : l) EXPECT_TRUE(std::isfinite(loss)) << step;
+  EXPECT_LT(l.at(6), l.at(1));
+  r = run("DSTRAIN_DEVICE_MEMORY_CHECK=1 " + mpirun(2) + train_cmd(dir, "device", 2, psgd));
+  EXPECT_EQ(r.rc, 1);
+  EXPECT_NE(r.err.find("the compression runs on gradients in host memory; valid: device: cpu"), std::string::npos)
+      << r.err;
+}
+
 TEST(CheckpointTool, InfoDiffAndHuggingFaceExport) {
   const std::string dir = ::testing::TempDir() + "/ckpt_tool";
   std::filesystem::remove_all(dir);

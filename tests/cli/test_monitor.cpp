@@ -175,6 +175,9 @@ TEST(Monitor, CommLogBytesEqualThePlan) {
       // communication_data_type: the gradient reductions carry 2 bytes per value (the plan says so)
       {2, "zero0_bf16_comm", " --set zero_optimization.stage=0 --set communication_data_type=bf16", 2},
       {2, "zero2_fp16_comm", " --set zero_optimization.stage=2 --set bf16.enabled=true --set communication_data_type=fp16", 4},
+      // gradient_compression: a compressed step all-reduces the factors and the rest, in fp32
+      {2, "powersgd", " --set zero_optimization.stage=1 --set gradient_compression.rank=2"
+                      " --set gradient_compression.start_iter=0", 4},
       {2, "pp2", " --set parallel.pipeline=2", 2},
       {4, "pp2_dp2_zero2", " --set parallel.pipeline=2 --set zero_optimization.stage=2", 4},
   };

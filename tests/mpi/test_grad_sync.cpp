@@ -27,8 +27,8 @@ float grad_value(int r, int64_t i, bool expert) { return float((i * 7 + r * 3 + 
 // The small model's store on this rank of a DP (x EP) layout over the world, with the groups
 // the plan gives it.
 struct Fixture {
-  explicit Fixture(int zero, int ep = 1)
-      : cfg(config::load_config_file("configs/small.yaml", {"train_batch_size=16", "parallel.expert=" + std::to_string(ep)})),
+  explicit Fixture(int zero, int ep = 1, std::vector<std::string> extra = {})
+      : cfg(config::load_config_file("configs/small.yaml", with(extra, {"train_batch_size=16", "parallel.expert=" + std::to_string(ep)}))),
         plan(plan::make_plan(cfg, world_size())),
         coord(plan.grid.coord(world_rank())),
         groups(comm::create_groups(runtime::group_specs(plan.grid, world_rank()))),
@@ -37,6 +37,10 @@ struct Fixture {
     edp = groups[4].communicator("edp");
     sharding = std::make_unique<ZeroSharding>(zero, params.dense_numel(), params.expert_numel(), *dp, *edp);
     params.pad(sharding->buffer_length(false), sharding->buffer_length(true));
+  }
+  static std::vector<std::string> with(std::vector<std::string> a, const std::vector<std::string>& b) {
+    a.insert(a.end(), b.begin(), b.end());
+    return a;
   }
   // The world ranks whose gradients a buffer's sum holds: its group's members.
   const std::vector<int>& members(bool expert) const { return groups[expert ? 4 : 1].world_ranks(); }
@@ -141,6 +145,63 @@ TEST_P(GradSyncStages, ReducedGradientsAreTheSumOverRanks) {
 INSTANTIATE_TEST_SUITE_P(Zero, GradSyncStages,
                          ::testing::Combine(::testing::Values(0, 2), ::testing::Values(true, false),
                                             ::testing::Values(true, false)));
+
+// gradient_compression: powersgd on the small model's buffers (ZeRO-1; with EP 2 the expert
+// buffer over the expert-data group): before start_iter the buckets' exact sums; from it on the
+// compressed step, after which each buffer's result plus the ranks' errors, summed over the
+// group, is the sum of the inputs (error feedback loses nothing), while the result alone is not
+// (rank 4 is lossy) — and the matrices' layout is the one the plan counts.
+TEST(GradSync, PowerSgdStepsAfterStartIterAndItsErrorFeedbackLosesNothing) {
+  for (const int ep : {1, 2}) {
+    if (world_size() % ep) continue;
+    Fixture f(1, ep, {"zero_optimization.stage=1", "gradient_compression.rank=4", "gradient_compression.start_iter=1"});
+    auto be = kernels::make_cpu_backend(1);
+    GradSyncOptions o{true, 250000, true, kernels::DType::kF32, be.get()};
+    o.powersgd = PowerSgdOptions{4, 1, 2.0, true, true, 11};
+    GradSync sync(f.params, *f.sharding, model::DeepSeekModel::backward_order(f.cfg.model), o);
+    ASSERT_EQ(sync.compressors().size(), world_size() / ep > 1 ? 2u : 1u);  // (EP 2 on 2 ranks: no expert group)
+    check_reduction(f, sync, 0);  // step 0: exact sums
+    EXPECT_FALSE(sync.compressing());
+    const int r = world_rank();
+    for (const bool expert : {false, true}) {
+      auto& g = expert ? f.params.expert_grads() : f.params.dense_grads();
+      for (size_t i = 0; i < size_t(g.size()); ++i) g.host()[i] = grad_value(r, int64_t(i), expert) * 0.25f;
+    }
+    sync.begin(1, 1.0);
+    EXPECT_TRUE(sync.compressing());
+    for (int64_t layer : model::DeepSeekModel::backward_order(f.cfg.model)) sync.grads_final(layer);
+    sync.finish();
+    auto state = sync.compression_state();
+    for (size_t c = 0; c < sync.compressors().size(); ++c) {
+      const PowerSgd& p = *sync.compressors()[c];
+      const bool expert = p.name() == "expert";
+      comm::Communicator& group = expert ? *f.edp : *f.dp;
+      ASSERT_GT(p.layout().matrices.size(), 0u);
+      EXPECT_LT(p.layout().compressed_elems() * 10, p.layout().length) << "at least 10x fewer values sent";
+      std::vector<float>& err = state.at("error_" + p.name());
+      ASSERT_EQ(int64_t(err.size()), p.layout().length);
+      group.all_reduce(err.data(), int64_t(err.size()), comm::ReduceOp::kSum)->wait();
+      const auto& g = expert ? f.params.expert_grads() : f.params.dense_grads();
+      double worst = 0, lost = 0;
+      for (int64_t i = 0; i < p.layout().length; ++i) {
+        double want = 0;
+        for (int q : f.members(expert)) want += grad_value(q, i, expert) * 0.25;
+        worst = std::max(worst, std::abs(double(g.host()[size_t(i)]) + err[size_t(i)] - want));
+        lost = std::max(lost, std::abs(double(g.host()[size_t(i)]) - want));
+      }
+      EXPECT_LT(worst, 1e-4) << p.name();
+      EXPECT_GT(lost, 0.1) << p.name();
+      // The plan's layout of this rank's buffer is the same (runtime::planned_step_communication).
+      bool compared = false;
+      for (const auto& t : runtime::planned_step_communication(f.plan, world_rank()))
+        if (t.group == (expert ? "edp" : "dp") && t.op == "all_reduce") {
+          EXPECT_EQ(t.bytes, 4.0 * double(p.layout().compressed_elems())) << p.name();
+          compared = true;
+        }
+      EXPECT_TRUE(compared) << p.name();
+    }
+  }
+}
 
 // Expert parallelism 2: each rank holds half the experts; the dense buffer reduces over every
 // rank, the expert buffer over the ranks that hold the same experts.

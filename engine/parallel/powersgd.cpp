@@ -1,0 +1,134 @@
+#include "engine/parallel/powersgd.h"
+
+#include <algorithm>
+#include <cmath>
+#include <string_view>
+
+#include "engine/common/error.h"
+#include "engine/common/rng.h"
+
+namespace dstrain::parallel {
+
+PowerSgdLayout powersgd_layout(std::vector<PowerSgdTensor> tensors, int64_t length, int64_t rank,
+                               double min_compression_rate) {
+  DS_CHECK(rank >= 1, "PowerSGD rank {}", rank);
+  std::sort(tensors.begin(), tensors.end(), [](const auto& a, const auto& b) { return a.offset < b.offset; });
+  PowerSgdLayout l;
+  l.length = length;
+  int64_t at = 0;  // the end of what is placed
+  for (const PowerSgdTensor& t : tensors) {
+    if (t.elems == 0) continue;
+    DS_CHECK(t.offset >= at && t.offset + t.elems <= length, "PowerSGD: tensor [{}, {}) overlaps or leaves [0, {})",
+             t.offset, t.offset + t.elems, length);
+    if (t.rows < 1 || t.elems % t.rows != 0) continue;  // (sent whole, with the gaps)
+    const int64_t n = t.rows, m = t.elems / t.rows, r = std::min({rank, n, m});
+    // PyTorch's _should_compress: (n + m) r * rate < n m
+    if (!(double(n + m) * double(r) * min_compression_rate < double(n) * double(m)) || t.rows < 2) continue;
+    if (t.offset > at) l.whole.push_back({at, t.offset});
+    l.matrices.push_back({t.offset, n, m, r, l.p_elems, l.q_elems});
+    l.p_elems += n * r, l.q_elems += m * r;
+    at = t.offset + t.elems;
+  }
+  if (at < length) l.whole.push_back({at, length});
+  for (const Range& w : l.whole) l.whole_elems += w.size();
+  return l;
+}
+
+void orthogonalize_columns(float* a, int64_t n, int64_t r) {
+  std::vector<double> x(size_t(n * r));
+  for (int64_t k = 0; k < n * r; ++k) x[size_t(k)] = a[k];
+  for (int64_t i = 0; i < r; ++i) {
+    double sq = 0, sq0 = 0;  // the column now and as it came (before the earlier columns were removed)
+    for (int64_t k = 0; k < n; ++k) sq += x[size_t(k * r + i)] * x[size_t(k * r + i)], sq0 += double(a[k * r + i]) * a[k * r + i];
+    // A column (numerically) inside the span of the earlier ones — a gradient of lower rank than
+    // asked for — is what rounding left of it: normalised it would be a noise direction, not
+    // orthogonal to the others; it is zeroed instead.
+    const double scale = sq > kOrthoRelativeTolerance * kOrthoRelativeTolerance * sq0 ? 1.0 / std::sqrt(sq) : 0.0;
+    for (int64_t k = 0; k < n; ++k) x[size_t(k * r + i)] *= scale;
+    for (int64_t j = i + 1; j < r; ++j) {
+      double dot = 0;
+      for (int64_t k = 0; k < n; ++k) dot += x[size_t(k * r + i)] * x[size_t(k * r + j)];
+      for (int64_t k = 0; k < n; ++k) x[size_t(k * r + j)] -= dot * x[size_t(k * r + i)];
+    }
+  }
+  for (int64_t k = 0; k < n * r; ++k) a[k] = float(x[size_t(k)]);
+}
+
+PowerSgd::PowerSgd(PowerSgdLayout layout, const PowerSgdOptions& options, kernels::Backend& backend, std::string name)
+    : layout_(std::move(layout)), options_(options), be_(backend), name_(std::move(name)) {
+  DS_CHECK(be_.host_addressable(), "PowerSGD on a backend whose memory the host cannot address");
+}
+
+void PowerSgd::reduce(comm::Communicator& group, float* g, int64_t step, double grad_scale) {
+  const PowerSgdLayout& l = layout_;
+  const int64_t n = l.length;
+  const double W = double(group.size());
+  const float scale = float(grad_scale);
+  if (options_.use_error_feedback) {
+    // g += error * scale; the error buffer then holds the input, until the result is known.
+    if (error_.empty()) error_.assign(size_t(n), 0.0f);
+    for (int64_t i = 0; i < n; ++i) g[i] += error_[size_t(i)] * scale, error_[size_t(i)] = g[i];
+  }
+  if (!options_.warm_start || q_.empty()) {  // fresh Q: the same normals on every rank
+    q_.resize(size_t(l.q_elems));
+    const uint64_t key = stream_key(options_.seed, "powersgd/" + name_ + "/q/" + std::to_string(step));
+    for (int64_t i = 0; i < l.q_elems; ++i) q_[size_t(i)] = float(normal_at(key, uint64_t(i)));
+  }
+  // One all-reduce: the whole part, then every P = M Q.
+  stage_.resize(size_t(l.whole_elems + l.p_elems));
+  float* whole = stage_.data();
+  float* P = stage_.data() + l.whole_elems;
+  int64_t at = 0;
+  for (const Range& w : l.whole) std::copy(g + w.begin, g + w.end, whole + at), at += w.size();
+  for (const PowerSgdMatrix& x : l.matrices)
+    be_.gemm(P + x.p_offset, g + x.offset, q_.data() + x.q_offset, x.rows, x.rank, x.cols, false, false, 1.0f, 0.0f);
+  group.all_reduce(stage_.data(), int64_t(stage_.size()), comm::ReduceOp::kSum)->wait();
+  at = 0;
+  for (const Range& w : l.whole) std::copy(whole + at, whole + at + w.size(), g + w.begin), at += w.size();
+  bool finite = true;
+  for (int64_t i = 0; i < l.p_elems && finite; ++i) finite = std::isfinite(P[i]);
+  // Q = M^T P (P orthogonal), summed; M = P Q^T.
+  for (const PowerSgdMatrix& x : l.matrices) {
+    orthogonalize_columns(P + x.p_offset, x.rows, x.rank);
+    be_.gemm(q_.data() + x.q_offset, g + x.offset, P + x.p_offset, x.cols, x.rank, x.rows, true, false, 1.0f, 0.0f);
+  }
+  if (l.q_elems > 0) group.all_reduce(q_.data(), l.q_elems, comm::ReduceOp::kSum)->wait();
+  for (const PowerSgdMatrix& x : l.matrices)
+    be_.gemm(g + x.offset, P + x.p_offset, q_.data() + x.q_offset, x.rows, x.cols, x.rank, false, true, 1.0f, 0.0f);
+  if (!finite) {  // an overflow: the step is skipped; nothing of it is carried into the next
+    error_.clear();
+    q_.clear();
+    return;
+  }
+  if (options_.use_error_feedback) {
+    const float inv_w = float(1.0 / W), inv_scale = float(1.0 / grad_scale);
+    for (int64_t i = 0; i < n; ++i) error_[size_t(i)] = (error_[size_t(i)] - g[i] * inv_w) * inv_scale;
+  }
+  if (!options_.warm_start) q_.clear();
+}
+
+std::map<std::string, std::vector<float>> PowerSgd::state() const {
+  std::map<std::string, std::vector<float>> s;
+  if (!error_.empty()) s["error_" + name_] = error_;
+  if (!q_.empty() && options_.warm_start) s["q_" + name_] = q_;
+  return s;
+}
+
+void PowerSgd::restore(const std::map<std::string, std::vector<float>>& s) {
+  error_.clear();
+  q_.clear();
+  if (const auto e = s.find("error_" + name_); e != s.end()) {
+    if (int64_t(e->second.size()) != layout_.length)
+      throw Error(fmt::format("PowerSGD error feedback of {} elements for a {} buffer of {}", e->second.size(), name_,
+                              layout_.length));
+    if (options_.use_error_feedback) error_ = e->second;
+  }
+  if (const auto q = s.find("q_" + name_); q != s.end()) {
+    if (int64_t(q->second.size()) != layout_.q_elems)
+      throw Error(fmt::format("PowerSGD Q of {} elements for a {} layout of {}", q->second.size(), name_,
+                              layout_.q_elems));
+    if (options_.warm_start) q_ = q->second;
+  }
+}
+
+}  // namespace dstrain::parallel
