@@ -115,9 +115,9 @@ GradSync::GradSync(model::ParamStore& params, const ZeroSharding& zero, const st
     DS_CHECK(!zero.shards_gradients() && options.backend, "PowerSGD needs whole gradients and the backend");
     for (const bool e : {false, true}) {
       if (zero.group(e).size() == 1) continue;
-      psgd_.push_back(std::make_unique<PowerSgd>(
-          powersgd_layout_of(params, e, options.powersgd->rank, options.powersgd->min_compression_rate),
-          *options.powersgd, *options.backend, e ? "expert" : "dense"));
+      PowerSgdLayout l = powersgd_layout_of(params, e, options.powersgd->rank, options.powersgd->min_compression_rate);
+      if (l.length == 0) continue;  // (no routed experts on this stage)
+      psgd_.push_back(std::make_unique<PowerSgd>(std::move(l), *options.powersgd, *options.backend, e ? "expert" : "dense"));
       psgd_expert_.push_back(e);
     }
   }

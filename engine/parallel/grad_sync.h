@@ -115,8 +115,13 @@ class GradSync final : public model::BackwardObserver {
   const std::vector<GradBucket>& buckets() const { return buckets_; }
   // Whether gradient buffers are reduced through mapped peer memory (else messages).
   bool peer_memory() const { return peer_memory_; }
-  // Bytes of its own buffers (the 16-bit staging slots, when the communication type is not fp32).
-  int64_t buffer_bytes() const { return int64_t(wire_.size()) * 2; }
+  // Bytes of its own buffers (the 16-bit staging slots, when the communication type is not fp32;
+  // PowerSGD's error, Q and staging).
+  int64_t buffer_bytes() const {
+    int64_t b = int64_t(wire_.size()) * 2;
+    for (const auto& p : psgd_) b += p->bytes();
+    return b;
+  }
   // Staging slots of a 16-bit reduction.
   static constexpr int kWireSlots = 4;
 

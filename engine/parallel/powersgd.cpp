@@ -23,7 +23,7 @@ PowerSgdLayout powersgd_layout(std::vector<PowerSgdTensor> tensors, int64_t leng
     if (t.rows < 1 || t.elems % t.rows != 0) continue;  // (sent whole, with the gaps)
     const int64_t n = t.rows, m = t.elems / t.rows, r = std::min({rank, n, m});
     // PyTorch's _should_compress: (n + m) r * rate < n m
-    if (!(double(n + m) * double(r) * min_compression_rate < double(n) * double(m)) || t.rows < 2) continue;
+    if (!(double(n + m) * double(r) * min_compression_rate < double(n) * double(m))) continue;
     if (t.offset > at) l.whole.push_back({at, t.offset});
     l.matrices.push_back({t.offset, n, m, r, l.p_elems, l.q_elems});
     l.p_elems += n * r, l.q_elems += m * r;
@@ -31,8 +31,27 @@ PowerSgdLayout powersgd_layout(std::vector<PowerSgdTensor> tensors, int64_t leng
   }
   if (at < length) l.whole.push_back({at, length});
   for (const Range& w : l.whole) l.whole_elems += w.size();
+  // The digest of the split (restore() refuses a state of another one).
+  uint64_t h = 14695981039346656037ull;
+  const auto mix = [&h](int64_t v) {
+    for (int b = 0; b < 8; ++b) h = (h ^ (uint64_t(v) >> (8 * b) & 0xff)) * 1099511628211ull;
+  };
+  mix(length);
+  for (const PowerSgdMatrix& x : l.matrices) mix(x.offset), mix(x.rows), mix(x.cols), mix(x.rank);
+  l.digest = h;
   return l;
 }
+
+namespace {
+
+// A 64-bit digest as four 16-bit pieces, each exact in a float (the checkpoint stores floats).
+std::vector<float> digest_floats(uint64_t d) {
+  std::vector<float> f;
+  for (int i = 0; i < 4; ++i) f.push_back(float((d >> (16 * i)) & 0xffff));
+  return f;
+}
+
+}  // namespace
 
 void orthogonalize_columns(float* a, int64_t n, int64_t r) {
   std::vector<double> x(size_t(n * r));
@@ -95,11 +114,25 @@ void PowerSgd::reduce(comm::Communicator& group, float* g, int64_t step, double 
   if (l.q_elems > 0) group.all_reduce(q_.data(), l.q_elems, comm::ReduceOp::kSum)->wait();
   for (const PowerSgdMatrix& x : l.matrices)
     be_.gemm(g + x.offset, P + x.p_offset, q_.data() + x.q_offset, x.rows, x.cols, x.rank, false, true, 1.0f, 0.0f);
+  // (the result is the same on every rank, and so is this check)
+  for (int64_t i = 0; i < n && finite; ++i) finite = std::isfinite(g[i]);
   if (!finite) {  // an overflow: the step is skipped; nothing of it is carried into the next
     error_.clear();
     q_.clear();
     return;
   }
+  // A column of Q that is zero (its P column was: a gradient of lower rank than r) would stay
+  // zero under warm start — P = M Q would give it nothing to find — so it starts again from the
+  // normals a fresh Q of the next step would have there.
+  const uint64_t next = stream_key(options_.seed, "powersgd/" + name_ + "/q/" + std::to_string(step + 1));
+  for (const PowerSgdMatrix& x : l.matrices)
+    for (int64_t c = 0; c < x.rank; ++c) {
+      float* q = q_.data() + x.q_offset + c;
+      bool zero = true;
+      for (int64_t k = 0; k < x.cols && zero; ++k) zero = q[k * x.rank] == 0.0f;
+      if (!zero) continue;
+      for (int64_t k = 0; k < x.cols; ++k) q[k * x.rank] = float(normal_at(next, uint64_t(x.q_offset + k * x.rank + c)));
+    }
   if (options_.use_error_feedback) {
     const float inv_w = float(1.0 / W), inv_scale = float(1.0 / grad_scale);
     for (int64_t i = 0; i < n; ++i) error_[size_t(i)] = (error_[size_t(i)] - g[i] * inv_w) * inv_scale;
@@ -111,12 +144,23 @@ std::map<std::string, std::vector<float>> PowerSgd::state() const {
   std::map<std::string, std::vector<float>> s;
   if (!error_.empty()) s["error_" + name_] = error_;
   if (!q_.empty() && options_.warm_start) s["q_" + name_] = q_;
+  if (!s.empty()) s["layout_" + name_] = digest_floats(layout_.digest);
   return s;
+}
+
+int64_t PowerSgd::bytes() const {
+  return 4 * int64_t(error_.capacity() + q_.capacity() + stage_.capacity());
 }
 
 void PowerSgd::restore(const std::map<std::string, std::vector<float>>& s) {
   error_.clear();
   q_.clear();
+  const auto d = s.find("layout_" + name_);
+  if (s.count("error_" + name_) + s.count("q_" + name_) > 0 &&
+      (d == s.end() || d->second != digest_floats(layout_.digest)))
+    throw Error(fmt::format("PowerSGD state of the {} buffer saved for another split into matrices (another "
+                            "gradient_compression.rank or min_compression_rate, or another model)",
+                            name_));
   if (const auto e = s.find("error_" + name_); e != s.end()) {
     if (int64_t(e->second.size()) != layout_.length)
       throw Error(fmt::format("PowerSGD error feedback of {} elements for a {} buffer of {}", e->second.size(), name_,

@@ -11,7 +11,8 @@
 //     P orthogonalised (Gram-Schmidt), Q = M^T P summed (a second all-reduce), and the
 //     approximation P Q^T written over M;
 //   * Q starts as i.i.d. standard normals, the same on every rank (counter-based, from the seed
-//     and the step); with warm_start each step starts from the last step's summed Q.
+//     and the step); with warm_start each step starts from the last step's summed Q (a column
+//     of it that came out zero drawn afresh: below).
 //
 // Scaling. dstrain's gradients are pre-divided (each rank's loss is scaled so that the sum over
 // the ranks is the mean gradient; docs/design.md §6.5), where PyTorch's hook divides the sum by
@@ -19,14 +20,16 @@
 // input less the result divided by the world size W — PyTorch's error, divided by W as every
 // gradient here is. With fp16 the gradients carry the loss scale: the error is kept divided by
 // the scale of its step and multiplied by the next step's, so a scale change moves it along; a
-// step whose summed factors are not finite (an fp16 overflow, skipped by the trainer) resets the
-// error and Q instead of carrying NaN into every later step.
+// step whose result is not finite (an fp16 overflow anywhere in the buffer, which the trainer
+// skips) resets the error and Q instead of carrying NaN into every later step.
 //
 // A zero column of P (a gradient matrix that is all zeros, e.g. an expert no token reached) is
 // left zero rather than divided by its norm (PyTorch's epsilon 0 would give NaN there), and so is
 // a column that rounding alone made non-zero (a gradient of lower rank than the approximation:
 // normalised, that noise would be a direction not orthogonal to the others, and P P^T no
-// projection).
+// projection). Such a column of P makes its column of Q zero, which warm start would keep for
+// ever (P = M Q finds nothing along it); a zero column of Q is therefore drawn afresh, from the
+// normals of the next step's key.
 //
 // Host memory only (the engine refuses the compression where gradients live on a GPU).
 #pragma once
@@ -65,6 +68,7 @@ struct PowerSgdLayout {
   std::vector<PowerSgdMatrix> matrices;
   std::vector<Range> whole;  // the rest of [0, length), in order
   int64_t whole_elems = 0, p_elems = 0, q_elems = 0, length = 0;
+  uint64_t digest = 0;  // of length and every matrix's offset, shape and rank
   // Elements all-reduced per compressed step (the whole part and P, then Q) and per
   // uncompressed one.
   int64_t compressed_elems() const { return whole_elems + p_elems + q_elems; }
@@ -85,10 +89,14 @@ class PowerSgd {
   const PowerSgdLayout& layout() const { return layout_; }
   const std::string& name() const { return name_; }
   // The state a resume needs to continue bit for bit: the error (divided by its step's scale)
-  // and the warm-start Q, each absent while it has none.
+  // and the warm-start Q, each absent while it has none, and the digest of the layout they
+  // belong to ("error_NAME", "q_NAME", "layout_NAME").
   std::map<std::string, std::vector<float>> state() const;
-  // Restores state(); a part absent from `s` starts afresh. Throws Error on a size mismatch.
+  // Restores state(); a part absent from `s` starts afresh. Throws Error when `s` belongs to
+  // another layout (the digest, or a size, differs); nothing is restored then.
   void restore(const std::map<std::string, std::vector<float>>& s);
+  // Host memory held: the error, Q and the staging of the whole part and P.
+  int64_t bytes() const;
 
  private:
   PowerSgdLayout layout_;

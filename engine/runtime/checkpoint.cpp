@@ -260,7 +260,8 @@ const float* Checkpointer::local_data(model::ParamStore& params, AdamW& adam, co
 }
 
 std::string Checkpointer::save(const TrainState& state, model::ParamStore& params, AdamW& adam,
-                               const parallel::ZeroSharding* zero) {
+                               const parallel::ZeroSharding* zero,
+                               const std::map<std::string, std::vector<float>>& rank_state) {
   const trace::Scope t("checkpoint", "checkpoint save");
   std::string error;
   try {
@@ -349,15 +350,15 @@ std::string Checkpointer::save(const TrainState& state, model::ParamStore& param
   for (int r = 0; r < comm_->size(); ++r) {
     std::string listing;
     if (rank_ == r)
-      for (const auto& [name, values] : state.rank_state) listing += fmt::format("{}\n{}\n", name, values.size());
+      for (const auto& [name, values] : rank_state) listing += fmt::format("{}\n{}\n", name, values.size());
     listing = comm::broadcast_string(*comm_, listing, r);
     std::istringstream in(listing);
     for (std::string name, size; std::getline(in, name) && std::getline(in, size);) {
       const int64_t n = std::stoll(size);
-      if (rank_ == r && r != 0) comm_->send(state.rank_state.at(name).data(), n, 0)->wait();
+      if (rank_ == r && r != 0) comm_->send(rank_state.at(name).data(), n, 0)->wait();
       if (rank_ != 0) continue;
       if (r == 0) {
-        full = state.rank_state.at(name);
+        full = rank_state.at(name);
       } else {
         full.resize(size_t(n));
         comm_->recv(full.data(), n, r)->wait();
@@ -539,8 +540,14 @@ double Checkpointer::checkpoint_bytes() const {
   // PowerSGD's error feedback: a gradient's worth per data-parallel replica (Q is small)
   const auto& gc = plan_.config.gradient_compression;
   if (gc && gc->use_error_feedback) {
-    for (const plan::ParamInfo& p : plan_.params)
-      if (!p.buffer) bytes += 4.0 * double(p.numel()) * double(p.shard == plan::Shard::kExpert ? plan_.degrees.edp_group() : plan_.degrees.dp);
+    const plan::Degrees& d = plan_.degrees;
+    for (const plan::ParamInfo& p : plan_.params) {
+      if (p.buffer) continue;  // (copies of each element over the ranks)
+      const int64_t copies = p.shard == plan::Shard::kExpert       ? d.edp_group()
+                             : p.shard == plan::Shard::kReplicated ? d.dp * d.tp
+                                                                   : d.dp;
+      bytes += 4.0 * double(p.numel()) * double(copies);
+    }
   }
   return bytes;
 }
@@ -780,8 +787,12 @@ int64_t verify_checkpoint(const std::string& path, int* version) {
   int64_t tensors = 0;
   const bool weights = weights_only(*f);
   std::vector<std::string> groups = {"model", "optimizer/exp_avg", "optimizer/exp_avg_sq"};
-  if (f->exists("rank_state"))
-    for (const std::string& r : f->list("rank_state")) groups.push_back("rank_state/" + r);
+  try {
+    if (f->exists("rank_state"))
+      for (const std::string& r : f->list("rank_state")) groups.push_back("rank_state/" + r);
+  } catch (const Error&) {
+    throw ConfigError(fmt::format("checkpoint {}: group rank_state cannot be read (truncated file?)", path));
+  }
   for (const std::string& group : groups) {
     if (weights && group[0] == 'o') continue;
     std::vector<std::string> names;

@@ -49,9 +49,9 @@ struct TrainState {
   // A file of weights alone (`weights_only` 1: dstrain-ckpt import-hf): no optimizer state is
   // read — the moments stay as they were (fresh) — and step 0 starts the schedule afresh.
   bool weights_only = false;
-  // This rank's own state beyond the tensors (gradient compression's error feedback and Q,
-  // engine/parallel/powersgd.h), by name: saved as rank_state/rank_RRRRR/NAME; loaded only
-  // into a run of the layout it was saved with (else left empty, and rank_state_note says why).
+  // Filled by a load: this rank's own state beyond the tensors (Checkpointer::save's
+  // `rank_state`), read only into a run of the layout it was saved with (else left empty, and
+  // rank_state_note says why).
   std::map<std::string, std::vector<float>> rank_state;
   std::string rank_state_note;
 };
@@ -68,8 +68,11 @@ class Checkpointer {
   // with checkpoint.async, returns once the tensors are gathered and writes in the background.
   // `zero`: the ZeRO partitions the AdamW moments are sharded by (null when they are not).
   // Returns the checkpoint's path.
+  // `rank_state`: this rank's own state beyond the tensors (gradient compression's error
+  // feedback and Q, engine/parallel/powersgd.h) by name, saved as rank_state/rank_RRRRR/NAME.
   std::string save(const TrainState& state, model::ParamStore& params, AdamW& adam,
-                   const parallel::ZeroSharding* zero = nullptr);
+                   const parallel::ZeroSharding* zero = nullptr,
+                   const std::map<std::string, std::vector<float>>& rank_state = {});
   // Waits for a background write; rethrows its error.
   void wait();
 

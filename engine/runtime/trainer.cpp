@@ -94,6 +94,15 @@ Trainer::Trainer(const plan::ParallelPlan& plan, RankGroups groups, int threads)
                                                                                           ? "through shared memory"
                                                                                           : "by messages")
                                          : "");
+    // PowerSGD's compression stats (PyTorch's hook logs the same): what a compressed step sends.
+    for (const auto& c : engine_.grad_sync->compressors()) {
+      const parallel::PowerSgdLayout& l = c->layout();
+      spdlog::info("gradient compression ({} buffer): PowerSGD rank {} from step {}: {} matrices as factors, {} "
+                   "values whole; {} values per step instead of {} ({:.1f}x fewer)",
+                   c->name(), cfg_.gradient_compression->rank, cfg_.gradient_compression->start_iter + 1,
+                   l.matrices.size(), with_commas(l.whole_elems), with_commas(l.compressed_elems()),
+                   with_commas(l.length), double(l.length) / double(std::max<int64_t>(l.compressed_elems(), 1)));
+    }
   }
   if (zero.shards_optimizer())
     adam_ = std::make_unique<AdamW>(cfg_.optimizer, params, *engine_.backend, zero.shard(false), zero.shard(true));
@@ -141,14 +150,27 @@ Trainer::Trainer(const plan::ParallelPlan& plan, RankGroups groups, int threads)
       publish_weights();
     }
     if (scaler_ && !st.weights_only) scaler_->restore(st.scaler);  // (weights only: the configured initial scale)
-    if (engine_.grad_sync && !engine_.grad_sync->compressors().empty()) {
-      engine_.grad_sync->restore_compression_state(st.rank_state);
-      const int64_t resumed_state = comm::all_reduce_value(*world_, int64_t(st.rank_state.empty() ? 0 : 1),
-                                                           comm::ReduceOp::kSum);
-      if (rank_ == 0 && resumed_state == 0 && st.step > cfg_.gradient_compression->start_iter)
+    // PowerSGD's state: restored on every rank or on none (a rank whose state does not fit makes
+    // every rank start afresh, with the reason).
+    std::string why = st.rank_state_note;
+    if (engine_.grad_sync) {
+      try {
+        engine_.grad_sync->restore_compression_state(st.rank_state);
+      } catch (const Error& e) {
+        why = e.what();
+      }
+    }
+    const int64_t missing = engine_.grad_sync && !engine_.grad_sync->compressors().empty() &&
+                            (st.rank_state.empty() || !why.empty());
+    const int64_t first_missing = -comm::all_reduce_value(*world_, -(missing ? int64_t(rank_) : int64_t(world_->size())),
+                                                          comm::ReduceOp::kMax);
+    if (first_missing < world_->size()) {
+      if (engine_.grad_sync) engine_.grad_sync->restore_compression_state({});
+      why = comm::broadcast_string(*world_, why, int(first_missing));
+      if (rank_ == 0 && st.step > cfg_.gradient_compression->start_iter)
         spdlog::warn("gradient_compression: {} holds no PowerSGD state for this layout{}: the error feedback and "
                      "Q start afresh",
-                     resumed->path, st.rank_state_note.empty() ? "" : " (" + st.rank_state_note + ")");
+                     resumed->path, why.empty() ? "" : " (" + why + ")");
     }
     if (rank_ == 0 && st.weights_only)
       spdlog::info("started from the weights of {} (weights only, e.g. imported from Hugging Face): fresh optimizer "
@@ -525,8 +547,9 @@ std::string Trainer::save_checkpoint(int64_t steps_done) {
   st.data_vocab_size = dataset_->info().vocab_size;
   if (scaler_) st.scaler = scaler_->state();
   st.loss_scale = st.scaler.scale;
-  if (engine_.grad_sync) st.rank_state = engine_.grad_sync->compression_state();
-  const std::string path = checkpointer_->save(st, *engine_.params, *adam_, engine_.zero.get());
+  const std::string path =
+      checkpointer_->save(st, *engine_.params, *adam_, engine_.zero.get(),
+                          engine_.grad_sync ? engine_.grad_sync->compression_state() : std::map<std::string, std::vector<float>>{});
   saved_step_ = steps_done;
   saved_path_ = path;
   return path;

@@ -506,12 +506,22 @@ TEST(DataParallel, PowerSgdResumesBitForBitOnItsLayout) {
                                                 " --set train_micro_batch_size_per_gpu=2"));
   ASSERT_EQ(r.rc, 0) << r.err;
   EXPECT_NE(r.out.find("holds no PowerSGD state for this layout (saved with layout"), std::string::npos) << r.out;
+  // Another rank of approximation on the same layout: the saved state does not fit the matrices'
+  // split; every rank starts afresh, saying why.
+  r = run(mpirun(2) + train_cmd(dir, "rank1", 5, "--resume " + dir + "/straight/step_00000004.h5" + psgd +
+                                                     " --set gradient_compression.rank=1"));
+  ASSERT_EQ(r.rc, 0) << r.err;
+  EXPECT_NE(r.out.find("holds no PowerSGD state for this layout (PowerSGD state of the dense buffer saved for another "
+                       "split into matrices"),
+            std::string::npos)
+      << r.out;
 }
 
-// An fp16 overflow on a compressed step: the step is skipped, the compression's state reset, and
-// training goes on with finite losses (no NaN carried in the error feedback or Q). Where the
-// gradients are not in host memory (the device-memory check standing in for a GPU) the
-// compression is refused in one line.
+// fp16 with PowerSGD from the first step: an overflow (injected into rank 0's reduced gradients,
+// after the compression: tests/mpi/test_powersgd.cpp covers an overflow inside it) skips exactly
+// that step, the loss scale halves — the error feedback, kept divided by the scale, follows it —
+// and training goes on with finite, falling losses. Where the gradients are not in host memory
+// (the device-memory check standing in for a GPU) the compression is refused in one line.
 TEST(DataParallel, PowerSgdSkipsAnOverflowedFp16StepAndGoesOn) {
   const std::string dir = ::testing::TempDir() + "/powersgd_fp16";
   std::filesystem::remove_all(dir);

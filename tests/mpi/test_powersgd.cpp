@@ -19,6 +19,7 @@
 #include "engine/parallel/powersgd.h"
 
 #include "tests/mpi/mpi_test_util.h"
+#include "tests/mpi/powersgd_reference.h"
 
 namespace dstrain::parallel {
 namespace {
@@ -60,6 +61,9 @@ TEST(PowerSgd, LayoutFollowsTorchsCompressionRule) {
   EXPECT_EQ(all.matrices[0].rank, 6);
   EXPECT_EQ(all.matrices[1].rank, 3);
   EXPECT_EQ(all.matrices[2].rank, 8);
+  // A [1, m] matrix only at a rate below m / (m + 1), as PyTorch's rule gives.
+  EXPECT_EQ(powersgd_layout({{0, 40, 1}}, 40, 1, 0.9).matrices.size(), 1u);
+  EXPECT_EQ(powersgd_layout({{0, 40, 1}}, 40, 1, 1.0).matrices.size(), 0u);
   // A high rate compresses nothing.
   EXPECT_TRUE(powersgd_layout(tensors(), kLength, 1, 1000.0).matrices.empty());
 }
@@ -84,61 +88,6 @@ TEST(PowerSgd, GramSchmidtMakesOrthonormalColumnsAndKeepsAZeroColumnZero) {
   for (int64_t k = 0; k < n; ++k) EXPECT_EQ(b[size_t(k * 2 + 1)], 0.0f) << k;
 }
 
-// Naive PowerSGD in double over every rank's input, as in the paper and PyTorch's hook (with
-// dstrain's sum scaling: the result is the approximated sum, errors e_r = in_r - result / W).
-struct Reference {
-  Reference(const PowerSgdLayout& l, int W, uint64_t seed) : l(l), W(W), seed(seed), e(size_t(W), std::vector<double>(size_t(l.length), 0.0)) {}
-  std::vector<double> step(int64_t s) {
-    std::vector<std::vector<double>> in(size_t(W), std::vector<double>(size_t(l.length)));
-    std::vector<double> sum(size_t(l.length), 0.0), out(size_t(l.length), 0.0);
-    for (int r = 0; r < W; ++r)
-      for (int64_t i = 0; i < l.length; ++i) {
-        in[size_t(r)][size_t(i)] = double(float(input(r, i, s))) + e[size_t(r)][size_t(i)];
-        sum[size_t(i)] += in[size_t(r)][size_t(i)];
-      }
-    for (const Range& w : l.whole)
-      for (int64_t i = w.begin; i < w.end; ++i) out[size_t(i)] = sum[size_t(i)];
-    if (q.empty()) {
-      const uint64_t key = stream_key(seed, "powersgd/test/q/" + std::to_string(s));
-      for (int64_t i = 0; i < l.q_elems; ++i) q.push_back(float(normal_at(key, uint64_t(i))));
-    }
-    for (const PowerSgdMatrix& x : l.matrices) {
-      const int64_t n = x.rows, m = x.cols, k = x.rank;
-      const double* S = sum.data() + x.offset;
-      std::vector<double> P(size_t(n * k), 0.0), Qn(size_t(m * k), 0.0);
-      for (int64_t a = 0; a < n; ++a)
-        for (int64_t c = 0; c < k; ++c)
-          for (int64_t b = 0; b < m; ++b) P[size_t(a * k + c)] += S[a * m + b] * q[size_t(x.q_offset + b * k + c)];
-      for (int64_t c = 0; c < k; ++c) {  // Gram-Schmidt
-        double norm = 0;
-        for (int64_t a = 0; a < n; ++a) norm += P[size_t(a * k + c)] * P[size_t(a * k + c)];
-        norm = std::sqrt(norm);
-        for (int64_t a = 0; a < n; ++a) P[size_t(a * k + c)] /= norm;
-        for (int64_t d = c + 1; d < k; ++d) {
-          double dot = 0;
-          for (int64_t a = 0; a < n; ++a) dot += P[size_t(a * k + c)] * P[size_t(a * k + d)];
-          for (int64_t a = 0; a < n; ++a) P[size_t(a * k + d)] -= dot * P[size_t(a * k + c)];
-        }
-      }
-      for (int64_t b = 0; b < m; ++b)
-        for (int64_t c = 0; c < k; ++c)
-          for (int64_t a = 0; a < n; ++a) Qn[size_t(b * k + c)] += S[a * m + b] * P[size_t(a * k + c)];
-      for (int64_t a = 0; a < n; ++a)
-        for (int64_t b = 0; b < m; ++b)
-          for (int64_t c = 0; c < k; ++c) out[size_t(x.offset + a * m + b)] += P[size_t(a * k + c)] * Qn[size_t(b * k + c)];
-      for (int64_t i = 0; i < m * k; ++i) q[size_t(x.q_offset + i)] = Qn[size_t(i)];
-    }
-    for (int r = 0; r < W; ++r)
-      for (int64_t i = 0; i < l.length; ++i) e[size_t(r)][size_t(i)] = in[size_t(r)][size_t(i)] - out[size_t(i)] / W;
-    return out;
-  }
-  PowerSgdLayout l;
-  int W;
-  uint64_t seed;
-  std::vector<std::vector<double>> e;
-  std::vector<double> q;
-};
-
 std::vector<float> rank_input(int r, int64_t s, double scale = 1.0) {
   std::vector<float> g(static_cast<size_t>(kLength));
   for (int64_t i = 0; i < kLength; ++i) g[size_t(i)] = float(input(r, i, s)) * float(scale);
@@ -152,11 +101,11 @@ TEST(PowerSgd, MatchesANaivePowerSgdOfEveryRanksInputOverWarmStartedSteps) {
   PowerSgdOptions o;
   o.rank = 2, o.start_iter = 0, o.seed = 7;
   PowerSgd psgd(l, o, *be, "test");
-  Reference ref(l, world_size(), 7);
+  testing::PowerSgdReference ref(l, world_size(), 7, "test");
   for (int64_t s = 0; s < 3; ++s) {
     std::vector<float> g = rank_input(world_rank(), s);
     psgd.reduce(*c, g.data(), s, 1.0);
-    const std::vector<double> want = ref.step(s);
+    const std::vector<double> want = ref.step(s, [s](int r, int64_t i) { return float(input(r, i, s)); });
     double scale = 0;
     for (double x : want) scale = std::max(scale, std::abs(x));
     for (int64_t i = 0; i < kLength; ++i) ASSERT_NEAR(g[size_t(i)], want[size_t(i)], 2e-5 * scale) << "step " << s << " element " << i;
@@ -236,6 +185,37 @@ TEST(PowerSgd, ALossScaleChangeCarriesTheErrorAlongAndAnOverflowResetsTheState) 
   std::vector<float> next = rank_input(world_rank(), 3);
   a.reduce(*c, next.data(), 3, 1.0);
   for (float x : next) ASSERT_TRUE(std::isfinite(x));
+  EXPECT_FALSE(a.state().empty());
+  // The same with the inf in a part sent whole (P stays finite there): reset too.
+  bad = rank_input(world_rank(), 4);
+  if (world_rank() == 0) bad[245] = std::numeric_limits<float>::infinity();
+  a.reduce(*c, bad.data(), 4, 1.0);
+  EXPECT_FALSE(std::isfinite(bad[245]));
+  EXPECT_TRUE(a.state().empty());
+  next = rank_input(world_rank(), 5);
+  a.reduce(*c, next.data(), 5, 1.0);
+  for (float x : next) ASSERT_TRUE(std::isfinite(x));
+}
+
+// A matrix whose gradient is zero on the first compressed step (an expert no token reached)
+// makes its Q columns zero; drawn afresh, they let the next step's non-zero gradient through
+// (warm start would otherwise keep them zero for ever, and the matrix would get no update).
+TEST(PowerSgd, AMatrixThatStartsAtZeroIsNotLostToWarmStart) {
+  auto c = world();
+  auto be = backend();
+  const PowerSgdLayout l = powersgd_layout(tensors(), kLength, 2, 2.0);
+  PowerSgdOptions o;
+  o.rank = 2, o.start_iter = 0;
+  PowerSgd psgd(l, o, *be, "z");
+  std::vector<float> g = rank_input(world_rank(), 0);
+  std::fill(g.begin() + 262, g.begin() + 502, 0.0f);  // the [30, 8] matrix
+  psgd.reduce(*c, g.data(), 0, 1.0);
+  for (int64_t i = 262; i < 502; ++i) ASSERT_EQ(g[size_t(i)], 0.0f);
+  g = rank_input(world_rank(), 1);
+  psgd.reduce(*c, g.data(), 1, 1.0);
+  double largest = 0;
+  for (int64_t i = 262; i < 502; ++i) largest = std::max(largest, double(std::abs(g[size_t(i)])));
+  EXPECT_GT(largest, 0.1);
 }
 
 TEST(PowerSgd, StateAndRestoreContinueBitForBit) {
@@ -259,10 +239,16 @@ TEST(PowerSgd, StateAndRestoreContinueBitForBit) {
   std::vector<float> gf = rank_input(world_rank(), 1);
   fresh.reduce(*c, gf.data(), 1, 1.0);
   EXPECT_NE(gf, ga);
-  // A state of another layout is refused.
+  // A state of another layout is refused: a size differs, or the digest of the split into
+  // matrices does (a state of the same sizes but other matrices).
   auto wrong = a.state();
   wrong["error_r"].pop_back();
   EXPECT_THROW(b.restore(wrong), dstrain::Error);
+  PowerSgd same_sizes(l, o, *be, "r");
+  auto foreign = a.state();
+  foreign["layout_r"][0] += 1.0f;
+  EXPECT_THROW(same_sizes.restore(foreign), dstrain::Error);
+  EXPECT_TRUE(same_sizes.state().empty());
 }
 
 }  // namespace
