@@ -42,6 +42,7 @@
 #include "dstrain/kernels/backend.h"
 #include "engine/comm/communicator.h"
 #include "engine/parallel/zero/partition.h"
+#include "engine/plan/powersgd_layout.h"
 
 namespace dstrain::parallel {
 
@@ -54,27 +55,10 @@ struct PowerSgdOptions {
   uint64_t seed = 0;
 };
 
-// A gradient tensor of a flat buffer: `elems` elements from `offset`, its first dimension `rows`
-// (0 for a tensor of fewer than two dimensions).
-struct PowerSgdTensor {
-  int64_t offset = 0, elems = 0, rows = 0;
-};
-struct PowerSgdMatrix {
-  int64_t offset = 0, rows = 0, cols = 0, rank = 0;
-  int64_t p_offset = 0, q_offset = 0;  // into the P and Q staging
-};
-// Which parts of a buffer of `length` elements are compressed and which are sent whole.
-struct PowerSgdLayout {
-  std::vector<PowerSgdMatrix> matrices;
-  std::vector<Range> whole;  // the rest of [0, length), in order
-  int64_t whole_elems = 0, p_elems = 0, q_elems = 0, length = 0;
-  uint64_t digest = 0;  // of length and every matrix's offset, shape and rank
-  // Elements all-reduced per compressed step (the whole part and P, then Q) and per
-  // uncompressed one.
-  int64_t compressed_elems() const { return whole_elems + p_elems + q_elems; }
-};
-PowerSgdLayout powersgd_layout(std::vector<PowerSgdTensor> tensors, int64_t length, int64_t rank,
-                               double min_compression_rate);
+using plan::PowerSgdLayout;
+using plan::PowerSgdMatrix;
+using plan::PowerSgdTensor;
+using plan::powersgd_layout;
 
 class PowerSgd {
  public:

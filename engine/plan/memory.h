@@ -20,7 +20,8 @@ struct MemoryEstimate {
   double weights = 0;    // bytes of the working weights (compute dtype)
   double gradients = 0;  // bytes of gradients held after reduction
   double optimizer = 0;  // bytes of fp32 master (mixed precision) + AdamW moments
-  double total() const { return weights + gradients + optimizer; }
+  double compression = 0;  // bytes of PowerSGD's error feedback, Q and staging (gradient_compression)
+  double total() const { return weights + gradients + optimizer + compression; }
 };
 
 // `dense` / `expert`: parameters this rank holds; `dp` / `edp`: the groups they shard over.

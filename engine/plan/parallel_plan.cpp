@@ -58,7 +58,42 @@ MemoryEstimate ParallelPlan::memory(int stage, int zero_stage, config::Precision
     if (holds_gradient_shard(zero_stage)) m.gradients += 4.0 * double(gradient_window(stage));
     else m.gradients = 4.0 * double(s.dense_params + s.expert_params);
   }
+  if (const auto& gc = config.gradient_compression) {
+    int rank = 0;  // (the first rank of the stage)
+    while (rank + 1 < degrees.world() && grid.coord(rank).pp != stage) ++rank;
+    for (const PowerSgdLayout& l : powersgd_layouts(rank))
+      if (l.length > 0)
+        m.compression += 4.0 * double((gc->use_error_feedback ? l.length : 0) + l.whole_elems + l.p_elems + l.q_elems);
+  }
   return m;
+}
+
+std::array<PowerSgdLayout, 2> ParallelPlan::powersgd_layouts(int rank) const {
+  std::array<PowerSgdLayout, 2> out;
+  const auto& gc = config.gradient_compression;
+  if (!gc) return out;
+  // The flat buffers as ParamStore lays them out: every held non-buffer tensor's slice in
+  // registry order, a vocabulary shard padded to its block.
+  std::array<std::vector<PowerSgdTensor>, 2> tensors;
+  std::array<int64_t, 2> length = {0, 0};
+  for (size_t i = 0; i < params.size(); ++i) {
+    const ParamInfo& info = params[i];
+    const ShardSpec sh = shard(i, rank);
+    if (!sh.held || info.buffer) continue;
+    const size_t e = info.shard == Shard::kExpert ? 1 : 0;
+    const int64_t numel = sh.local_numel();
+    const int64_t stored =
+        info.shard == Shard::kVocab ? vocab_block(info.shape[0], degrees.tp) * (info.numel() / info.shape[0]) : numel;
+    const std::vector<int64_t>& ls = sh.local_shape;
+    const int64_t rows = ls.size() >= 2 && ls[0] > 0 ? stored / (numel / ls[0]) : 0;
+    tensors[e].push_back({length[e], stored, rows});
+    length[e] += stored;
+  }
+  const int groups[2] = {degrees.dp, degrees.edp_group()};
+  for (size_t e = 0; e < 2; ++e)
+    if (groups[e] > 1 && length[e] > 0)
+      out[e] = powersgd_layout(std::move(tensors[e]), length[e], gc->rank, gc->min_compression_rate);
+  return out;
 }
 
 bool ParallelPlan::holds_gradient_shard(int zero_stage) const {

@@ -3,6 +3,7 @@
 // checked on a laptop (`dstrain CONFIG --dry-run --world-size 2048`).
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <vector>
 
@@ -12,6 +13,7 @@
 #include "engine/plan/model_math.h"
 #include "engine/plan/param_table.h"
 #include "engine/plan/pipeline_schedule.h"
+#include "engine/plan/powersgd_layout.h"
 #include "engine/plan/rank_grid.h"
 #include "engine/plan/stage_assignment.h"
 
@@ -79,7 +81,9 @@ struct ParallelPlan {
   ActivationMemory activations(int pp, int64_t micro_batch = 0, Native16 native = {}) const;
   ShardSpec shard(size_t param_index, int rank) const;
   // At ZeRO-2 the gradients are the shard, plus — holding one — gradient_window(stage) elements,
-  // or the whole buffer where no shard is held (below).
+  // or the whole buffer where no shard is held (below). With gradient_compression, `compression`
+  // is PowerSGD's memory: the error feedback (one fp32 gradient of each compressed buffer), Q and
+  // the staging of the whole part and P.
   MemoryEstimate memory(int stage, int zero_stage, config::Precision precision) const;
   // Whether `zero_stage` would hold only a gradient shard between reductions (docs/design.md
   // §6.5; parallel::GradSync's hold_shard): ZeRO-2 reducing every micro-batch as its backward
@@ -92,6 +96,10 @@ struct ParallelPlan {
   // being filled and kGradShardFlights buckets in flight — at most the rest of the buffers.
   int64_t gradient_window(int stage) const;
   bool gradients_in_device_memory = false;  // set where the device is resolved (a GPU backend)
+  // With gradient_compression: PowerSGD's split of world rank `rank`'s dense and routed-expert
+  // gradient buffers (as parallel::GradSync makes it from the parameter store), each empty where
+  // its group has one rank or the buffer no elements; both empty without compression.
+  std::array<PowerSgdLayout, 2> powersgd_layouts(int rank) const;
   // Bytes pipeline rank `pp` needs: state at the configured ZeRO stage and precision, plus its
   // activations with the schedule's peak in flight.
   double rank_need(int pp) const;

@@ -151,8 +151,9 @@ void memory_section(std::ostringstream& o, const ParallelPlan& p) {
   const size_t ranks = p.stage_loads.size();  // per pipeline rank (its chunks together)
   for (size_t s = 0; s < ranks; ++s) {
     const MemoryEstimate e = p.memory(static_cast<int>(s), zero, prec);
-    o << fmt::format("  stage {:<3} weights {}, gradients {}, optimizer {}: total {}\n", s,
+    o << fmt::format("  stage {:<3} weights {}, gradients {}, optimizer {}{}: total {}\n", s,
                      human_bytes(e.weights), human_bytes(e.gradients), human_bytes(e.optimizer),
+                     e.compression > 0 ? ", PowerSGD " + human_bytes(e.compression) : std::string(),
                      human_bytes(e.total()));
   }
   int worst = 0;

@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <array>
 #include <cstdlib>
 #include <tuple>
 
@@ -168,7 +169,6 @@ std::vector<PlannedTransfer> planned_step_communication(const plan::ParallelPlan
   // The flat buffers of this rank, as ParamStore lays them out: every held non-buffer tensor's
   // slice, vocabulary-parallel ones padded to the vocabulary block.
   int64_t dense = 0, expert = 0;
-  std::vector<parallel::PowerSgdTensor> dense_tensors, expert_tensors;  // (gradient_compression's matrices)
   for (size_t i = 0; i < plan.params.size(); ++i) {
     if (plan.param_stage[i] != c.pp) continue;
     const plan::ParamInfo& info = plan.params[i];
@@ -177,11 +177,9 @@ std::vector<PlannedTransfer> planned_step_communication(const plan::ParallelPlan
     const int64_t stored = info.shard == plan::Shard::kVocab
                                ? plan::vocab_block(info.shape[0], d.tp) * (info.numel() / info.shape[0])
                                : s.local_numel();
-    int64_t& offset = info.shard == plan::Shard::kExpert ? expert : dense;
-    const int64_t rows = s.local_shape.size() >= 2 && s.local_shape[0] > 0 ? stored / (s.local_numel() / s.local_shape[0]) : 0;
-    (info.shard == plan::Shard::kExpert ? expert_tensors : dense_tensors).push_back({offset, stored, rows});
-    offset += stored;
+    (info.shard == plan::Shard::kExpert ? expert : dense) += stored;
   }
+  const std::array<plan::PowerSgdLayout, 2> compressed = plan.powersgd_layouts(rank);
   std::vector<PlannedTransfer> out;
   const int zero = int(cfg.zero_optimization.stage);
   const double elem = cfg.precision() == config::Precision::kFp32 ? 4.0 : 2.0;  // the all-gather moves compute copies
@@ -191,10 +189,8 @@ std::vector<PlannedTransfer> planned_step_communication(const plan::ParallelPlan
     if (ranks == 1 || numel == 0) continue;
     // (holding a ZeRO-2 shard, every micro-batch is reduced)
     const double times = plan.holds_gradient_shard(zero) ? double(plan.batch.accumulation) : 1.0;
-    if (const auto& gc = cfg.gradient_compression) {  // (a compressed step: its factors and the rest, in fp32)
-      const parallel::PowerSgdLayout l = parallel::powersgd_layout(group == "dp" ? dense_tensors : expert_tensors, numel,
-                                                                   gc->rank, gc->min_compression_rate);
-      out.push_back({group, "all_reduce", 4.0 * double(l.compressed_elems())});
+    if (cfg.gradient_compression) {  // (a compressed step: its factors and the rest, in fp32)
+      out.push_back({group, "all_reduce", 4.0 * double(compressed[group == "dp" ? 0 : 1].compressed_elems())});
     } else {
       out.push_back({group, zero >= 2 ? "reduce_scatter" : "all_reduce", times * reduce_elem * double(numel)});
     }

@@ -30,7 +30,7 @@ struct PowerSgdReference {
         in[size_t(r)][size_t(i)] = double(input(r, i)) + e[size_t(r)][size_t(i)];
         sum[size_t(i)] += in[size_t(r)][size_t(i)];
       }
-    for (const Range& w : l.whole)
+    for (const auto& w : l.whole)
       for (int64_t i = w.begin; i < w.end; ++i) out[size_t(i)] = sum[size_t(i)];
     if (q.empty()) {
       const uint64_t key = stream_key(seed, "powersgd/" + name + "/q/" + std::to_string(s));

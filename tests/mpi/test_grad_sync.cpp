@@ -187,7 +187,7 @@ TEST(GradSync, PowerSgdStepsAfterStartIterAndMatchesANaivePowerSgd) {
       PowerSgdLayout sub = p.layout();
       sub.matrices.resize(std::min<size_t>(sub.matrices.size(), 6));
       std::vector<char> checked(size_t(sub.length), 0);
-      for (const Range& w : sub.whole) std::fill(checked.begin() + w.begin, checked.begin() + w.end, 1);
+      for (const auto& w : sub.whole) std::fill(checked.begin() + w.begin, checked.begin() + w.end, 1);
       for (const PowerSgdMatrix& x : sub.matrices)
         std::fill(checked.begin() + x.offset, checked.begin() + x.offset + x.rows * x.cols, 1);
       testing::PowerSgdReference ref(sub, group.size(), 11, p.name());
@@ -207,7 +207,8 @@ TEST(GradSync, PowerSgdStepsAfterStartIterAndMatchesANaivePowerSgd) {
       EXPECT_LT(worst, 1e-5 * largest) << p.name();
       EXPECT_LT(worst_error, 1e-5 * largest) << p.name();
       EXPECT_GT(lost, 0.1) << p.name();
-      // The plan's layout of this rank's buffer is the same (runtime::planned_step_communication).
+      // The plan's split of this rank's buffer is the same (memory, runtime::planned_step_communication).
+      EXPECT_EQ(f.plan.powersgd_layouts(world_rank())[expert ? 1 : 0].digest, p.layout().digest) << p.name();
       bool compared = false;
       for (const auto& t : runtime::planned_step_communication(f.plan, world_rank()))
         if (t.group == (expert ? "edp" : "dp") && t.op == "all_reduce") {

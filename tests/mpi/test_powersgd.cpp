@@ -117,7 +117,7 @@ TEST(PowerSgd, MatchesANaivePowerSgdOfEveryRanksInputOverWarmStartedSteps) {
       ASSERT_NEAR(err[size_t(i)], ref.e[size_t(world_rank())][size_t(i)], 2e-5 * scale) << "step " << s << " element " << i;
     if (s > 0) continue;
     // (no error yet:) the parts sent whole are the plain sum
-    for (const Range& w : l.whole)
+    for (const auto& w : l.whole)
       for (int64_t i = w.begin; i < w.end; ++i) {
         double sum = 0;
         for (int r = 0; r < world_size(); ++r) sum += double(float(input(r, i, s)));

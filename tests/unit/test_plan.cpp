@@ -2,6 +2,7 @@
 // memory by ZeRO stage, and the dry-run report.
 #include <gtest/gtest.h>
 
+#include <array>
 #include <cmath>
 #include <cstdlib>
 #include <map>
@@ -240,6 +241,42 @@ TEST(Memory, ZeroTwoCountsTheShardAndItsWindowWhereItHoldsOne) {
   gpu.gradients_in_device_memory = true;
   EXPECT_FALSE(gpu.holds_gradient_shard(2));
   EXPECT_EQ(gpu.memory(0, 2, config::Precision::kFp32).gradients, 4.0 * double(s.params()));
+}
+
+// gradient_compression: the plan counts PowerSGD's memory — per compressed buffer an fp32
+// error (with error feedback), Q and the staging of the whole part and P — from the same split
+// the compression makes, and none where no group has more than one rank.
+TEST(Memory, PowerSgdCountsItsErrorFeedbackQAndStaging) {
+  const std::vector<std::string> psgd = {"zero_optimization.stage=1", "gradient_compression.rank=4",
+                                         "train_batch_size=16"};
+  const ParallelPlan p = make_plan(config::load_config_file("configs/small.yaml", psgd), 4);
+  const std::array<PowerSgdLayout, 2> l = p.powersgd_layouts(0);
+  const StageLoad& s = p.stage_loads[0];
+  ASSERT_EQ(l[0].length, s.dense_params);
+  ASSERT_EQ(l[1].length, s.expert_params);
+  double want = 0;
+  for (const PowerSgdLayout& x : l) {
+    EXPECT_GT(x.matrices.size(), 0u);
+    EXPECT_LT(x.compressed_elems() * 10, x.length);
+    want += 4.0 * double(x.length + x.whole_elems + x.p_elems + x.q_elems);
+  }
+  const MemoryEstimate m = p.memory(0, 1, config::Precision::kFp32);
+  EXPECT_EQ(m.compression, want);
+  EXPECT_EQ(m.total(), m.weights + m.gradients + m.optimizer + want);
+  EXPECT_EQ(m.total() - want, make_plan(config::load_config_file("configs/small.yaml", {"zero_optimization.stage=1",
+                                                                                        "train_batch_size=16"}),
+                                        4)
+                                  .memory(0, 1, config::Precision::kFp32)
+                                  .total());
+  std::vector<std::string> no_feedback = psgd;
+  no_feedback.push_back("gradient_compression.use_error_feedback=false");
+  EXPECT_EQ(make_plan(config::load_config_file("configs/small.yaml", no_feedback), 4)
+                .memory(0, 1, config::Precision::kFp32)
+                .compression,
+            want - 4.0 * double(l[0].length + l[1].length));
+  const ParallelPlan one = make_plan(config::load_config_file("configs/small.yaml", psgd), 1);
+  EXPECT_EQ(one.memory(0, 1, config::Precision::kFp32).compression, 0.0);
+  EXPECT_EQ(one.powersgd_layouts(0)[0].length, 0);
 }
 
 // The tensors read in fp32 under mixed precision (their side copies): norms, biases, routers —
