@@ -117,8 +117,9 @@ class GradSync final : public model::BackwardObserver {
   bool peer_memory() const { return peer_memory_; }
   // Bytes of its own buffers (the 16-bit staging slots, when the communication type is not fp32;
   // PowerSGD's error, Q and staging).
-  int64_t buffer_bytes() const {
-    int64_t b = int64_t(wire_.size()) * 2;
+  int64_t buffer_bytes() const { return int64_t(wire_.size()) * 2 + compression_bytes(); }
+  int64_t compression_bytes() const {
+    int64_t b = 0;
     for (const auto& p : psgd_) b += p->bytes();
     return b;
   }

@@ -43,6 +43,10 @@ void orthogonalize_columns(float* a, int64_t n, int64_t r) {
 PowerSgd::PowerSgd(PowerSgdLayout layout, const PowerSgdOptions& options, kernels::Backend& backend, std::string name)
     : layout_(std::move(layout)), options_(options), be_(backend), name_(std::move(name)) {
   DS_CHECK(be_.host_addressable(), "PowerSGD on a backend whose memory the host cannot address");
+  // Held from the start, as the plan counts it (ParallelPlan::memory's `compression`).
+  if (options_.use_error_feedback) error_.reserve(size_t(layout_.length));
+  q_.reserve(size_t(layout_.q_elems));
+  stage_.reserve(size_t(layout_.whole_elems + layout_.p_elems));
 }
 
 void PowerSgd::reduce(comm::Communicator& group, float* g, int64_t step, double grad_scale) {

@@ -568,8 +568,10 @@ std::vector<double> Trainer::memory_figures() {
                        ? 4.0 * double(plan_.batch.micro * cfg_.seq_length * cfg_.model.hidden_size)
                        : 0.0;
   if (staging < double(kSharedMin)) staging = 0;
+  // (the 16-bit staging slots as held: their size is the config's bucket size; PowerSGD's as planned)
   const double comm_planned =
-      staging + (engine_.grad_sync ? double(engine_.grad_sync->buffer_bytes()) : 0.0);  // (the bucket size is the config's)
+      staging + m.compression +
+      (engine_.grad_sync ? double(engine_.grad_sync->buffer_bytes() - engine_.grad_sync->compression_bytes()) : 0.0);
   const double weights = double(params.weight_bytes());
   // (holding a ZeRO-2 shard: the buffers' resident bytes at their fullest, the shard and what
   // was in flight)
