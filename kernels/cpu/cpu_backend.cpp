@@ -40,6 +40,9 @@ class CpuBackend final : public Backend {
     threads_ = threads > 0 ? threads : omp_get_max_threads();
     omp_set_num_threads(threads_);
     openblas_set_num_threads(threads_);
+    name_ = std::string("cpu (") + to_string(gemm_) + ", " + std::to_string(threads_) + " threads)";
+    num_threads_ = threads_;
+    op_timing_clock_ = "the host clock";
   }
 
   void check_attention(int64_t S) const {
@@ -48,13 +51,8 @@ class CpuBackend final : public Backend {
                                   std::to_string(attention_s_) + " (call reserve_attention)");
   }
 
-  std::string name() const override {
-    return std::string("cpu (") + to_string(gemm_) + ", " + std::to_string(threads_) + " threads)";
-  }
-  int num_threads() const override { return threads_; }
-  std::string op_timing_clock() const override { return "the host clock"; }
-  void set_op_timing(bool on) override { times_.set(on); }
-  std::vector<OpTime> take_op_times() override { return times_.take(); }
+  void set_op_timing_impl(bool on) override { times_.set(on); }
+  std::vector<OpTime> take_op_times_impl() override { return times_.take(); }
 
   void* allocate(int64_t bytes) override {
     const size_t n = size_t((std::max<int64_t>(bytes, 1) + 63) / 64 * 64);
@@ -63,22 +61,15 @@ class CpuBackend final : public Backend {
     return p;
   }
   void deallocate(void* p) override { std::free(p); }
-  void copy_to_host(void* host, const void* src, int64_t bytes) override {
-    const HostOpTimes::Scope op_scope(times_, "copy_to_host");
-    if (bytes > 0) std::memcpy(host, src, size_t(bytes));
+  void copy_impl(void* dst, const void* src, int64_t bytes, CopyKind kind) override {
+    const HostOpTimes::Scope op_scope(times_, kind == CopyKind::kToHost     ? "copy_to_host"
+                                              : kind == CopyKind::kFromHost ? "copy_from_host"
+                                                                            : "copy");
+    std::memcpy(dst, src, size_t(bytes));
   }
-  void copy_from_host(void* dst, const void* host, int64_t bytes) override {
-    const HostOpTimes::Scope op_scope(times_, "copy_from_host");
-    if (bytes > 0) std::memcpy(dst, host, size_t(bytes));
-  }
-  void copy(void* dst, const void* src, int64_t bytes) override {
-    const HostOpTimes::Scope op_scope(times_, "copy");
-    if (bytes > 0) std::memcpy(dst, src, size_t(bytes));
-  }
-  bool host_addressable() const override { return true; }
-  int64_t device_memory_free() override { return -1; }
-  void synchronize() override {}  // every op has finished when it returns
-  void sum_squares(double* out, const float* x, int64_t n, bool accumulate) override {
+  int64_t device_memory_free_impl() override { return -1; }
+  void synchronize_impl() override {}  // every op has finished when it returns
+  void sum_squares_impl(double* out, const float* x, int64_t n, bool accumulate) override {
     const HostOpTimes::Scope op_scope(times_, "sum_squares");
     double sum = 0;
 #pragma omp parallel for simd reduction(+ : sum) schedule(static)
@@ -86,16 +77,12 @@ class CpuBackend final : public Backend {
     *out = accumulate ? *out + sum : sum;
   }
 
-  void convert(View dst, ConstView src, int64_t n) override {
+  void convert_impl(View dst, ConstView src, int64_t n) override {
     const HostOpTimes::Scope op_scope(times_, "convert");
-    if (n <= 0) return;
     if (dst.dtype == src.dtype) {
       std::memcpy(dst.data, src.data, size_t(n * dtype_size(src.dtype)));
       return;
     }
-    if (dst.dtype != DType::kF32 && src.dtype != DType::kF32)
-      throw std::invalid_argument(std::string("convert: ") + to_string(src.dtype) + " to " + to_string(dst.dtype) +
-                                  " (one side must be fp32)");
     // Blocks of 4096 elements (a multiple of every vector width) over the threads.
     constexpr int64_t kBlock = 4096;
     const int64_t blocks = (n + kBlock - 1) / kBlock;
@@ -111,14 +98,11 @@ class CpuBackend final : public Backend {
     }
   }
 
-  void gemm(float* C, ConstView A, ConstView B, int64_t M, int64_t N, int64_t K, bool ta, bool tb, float alpha,
-            float beta) override {
+  void gemm_impl(float* C, ConstView A, ConstView B, int64_t M, int64_t N, int64_t K, bool ta, bool tb, float alpha,
+                 float beta) override {
     const HostOpTimes::Scope op_scope(times_, "gemm");
-    if (A.dtype != B.dtype)
-      throw std::invalid_argument(std::string("gemm: inputs of two types, ") + to_string(A.dtype) + " and " +
-                                  to_string(B.dtype));
     if (A.dtype == DType::kF32)
-      return gemm(C, static_cast<const float*>(A.data), static_cast<const float*>(B.data), M, N, K, ta, tb, alpha,
+      return gemm_f32(C, static_cast<const float*>(A.data), static_cast<const float*>(B.data), M, N, K, ta, tb, alpha,
                   beta);
     // bf16 on the AMX unit where there is one (unless DSTRAIN_DENSE_GEMM=onednn), A not
     // transposed (the weight gradients stay on oneDNN, as the experts' do).
@@ -151,12 +135,12 @@ class CpuBackend final : public Backend {
       }
     }
   }
-  void gemm_grouped(float* const* C, const void* const* A, const void* const* B, DType dtype, const int64_t* M,
-                    const int64_t* N, const int64_t* K, int64_t count, bool ta, bool tb, float alpha,
-                    float beta) override {
+  void gemm_grouped_impl(float* const* C, const void* const* A, const void* const* B, DType dtype,
+                         const int64_t* M, const int64_t* N, const int64_t* K, int64_t count, bool ta, bool tb,
+                         float alpha, float beta) override {
     const HostOpTimes::Scope op_scope(times_, "gemm_grouped");
     if (dtype == DType::kF32)
-      return gemm_grouped(C, reinterpret_cast<const float* const*>(A), reinterpret_cast<const float* const*>(B), M,
+      return gemm_grouped_f32(C, reinterpret_cast<const float* const*>(A), reinterpret_cast<const float* const*>(B), M,
                           N, K, count, ta, tb, alpha, beta);
     // The row counts change every step: run-time dimensions, one primitive for all of them.
     // Many problems: one per thread at a time, as the fp32 form (small GEMMs run closer to the
@@ -185,17 +169,23 @@ class CpuBackend final : public Backend {
       lowp_.run(C[i], static_cast<const uint16_t*>(A[i]), static_cast<const uint16_t*>(B[i]), M[i], N[i], K[i], ta,
                 tb, alpha, beta, low(dtype), true);
   }
-  bool low_precision_gemm_native(DType dtype) override {
-    return dtype != DType::kF32 && lowp_.operands_16bit(low(dtype));
-  }
-  std::string lowp_gemm_implementation(DType dtype) override {
-    if (dtype == DType::kF32) return to_string(gemm_);
-    return lowp_.implementation(256, 256, 256, false, true, low(dtype)) + " (isa " + cpu::onednn_isa() + ")";
+  // 16-bit attention only where the 16-bit GEMMs run natively: where they are widened the
+  // model's dO comes in fp32 (ComputeCast), and Q, K, V are widened to match.
+  LowPrecisionSupport low_precision_impl(DType dtype, bool describe) override {
+    LowPrecisionSupport s;
+    if (describe)
+      s.gemm_implementation = dtype == DType::kF32 ? to_string(gemm_)
+                                                   : lowp_.implementation(256, 256, 256, false, true, low(dtype)) +
+                                                         " (isa " + cpu::onednn_isa() + ")";
+    if (dtype == DType::kF32) return s;
+    s.gemm_native = lowp_.operands_16bit(low(dtype));
+    s.attention = lowp_.native(low(dtype)) && (amx_attention(dtype) || tile_gemm(dtype).available());
+    return s;
   }
 
-  void gemm(float* C, const float* A, const float* B, int64_t M, int64_t N, int64_t K, bool ta,
-            bool tb, float alpha, float beta) override {
-    const HostOpTimes::Scope op_scope(times_, "gemm");
+  // fp32 (the typed ops' fp32 case).
+  void gemm_f32(float* C, const float* A, const float* B, int64_t M, int64_t N, int64_t K, bool ta, bool tb,
+                float alpha, float beta) {
     if (M == 0 || N == 0) return;
     if (K == 0) {  // BLAS leaves C untouched for K = 0; C = beta * C is what the math says
       for (int64_t i = 0; i < M * N; ++i) C[i] = beta == 0.0f ? 0.0f : beta * C[i];
@@ -210,53 +200,32 @@ class CpuBackend final : public Backend {
     cpu::blas_gemm(C, A, B, M, N, K, ta, tb, alpha, beta);
   }
 
-  void gemm_grouped(float* const* C, const float* const* A, const float* const* B,
-                    const int64_t* M, const int64_t* N, const int64_t* K, int64_t count, bool ta,
-                    bool tb, float alpha, float beta) override {
-    const HostOpTimes::Scope op_scope(times_, "gemm_grouped");
+  void gemm_grouped_f32(float* const* C, const float* const* A, const float* const* B, const int64_t* M,
+                        const int64_t* N, const int64_t* K, int64_t count, bool ta, bool tb, float alpha, float beta) {
     // Many small problems: one per thread at a time (the BLAS runs single-threaded inside an
     // OpenMP region), largest first. Few problems: one after the other, each with all threads.
     if (count < 2 * threads_) {
-      for (int64_t i = 0; i < count; ++i) gemm(C[i], A[i], B[i], M[i], N[i], K[i], ta, tb, alpha, beta);
+      for (int64_t i = 0; i < count; ++i) gemm_f32(C[i], A[i], B[i], M[i], N[i], K[i], ta, tb, alpha, beta);
       return;
     }
 #pragma omp parallel for schedule(dynamic, 1)
-    for (int64_t i = 0; i < count; ++i) gemm(C[i], A[i], B[i], M[i], N[i], K[i], ta, tb, alpha, beta);
+    for (int64_t i = 0; i < count; ++i) gemm_f32(C[i], A[i], B[i], M[i], N[i], K[i], ta, tb, alpha, beta);
   }
 
-  void rmsnorm_forward(float* y, float* rstd, const float* x, const float* w, int64_t rows,
-                       int64_t C, float eps) override {
-    const HostOpTimes::Scope op_scope(times_, "rmsnorm_forward");
-    cpu::rmsnorm_forward(y, rstd, x, w, rows, C, eps);
-  }
-  void rmsnorm_forward(View y, float* rstd, const float* x, const float* w, int64_t rows, int64_t C,
-                       float eps) override {
+  void rmsnorm_forward_impl(View y, float* rstd, const float* x, const float* w, int64_t rows, int64_t C,
+                            float eps) override {
     const HostOpTimes::Scope op_scope(times_, "rmsnorm_forward");
     if (y.dtype == DType::kF32) return cpu::rmsnorm_forward(static_cast<float*>(y.data), rstd, x, w, rows, C, eps);
     rows_rounded(y, rows, C, [&](int64_t r, float* row) { cpu::rmsnorm_row(row, rstd + r, x + r * C, w, C, eps); });
   }
-  void rmsnorm_backward(float* dx, float* dw, const float* dy, const float* x, const float* w,
-                        const float* rstd, int64_t rows, int64_t C) override {
+  void rmsnorm_backward_impl(float* dx, float* dw, const float* dy, const float* x, const float* w,
+                             const float* rstd, int64_t rows, int64_t C) override {
     const HostOpTimes::Scope op_scope(times_, "rmsnorm_backward");
     cpu::rmsnorm_backward(dx, dw, dy, x, w, rstd, rows, C);
   }
-  void rope_forward(float* out, int64_t out_ts, int64_t out_hs, const float* in, int64_t in_ts,
-                    int64_t in_hs, const float* cos, const float* sin, int64_t N, int64_t S,
-                    int64_t heads, int64_t dr, bool interleave) override {
-    const HostOpTimes::Scope op_scope(times_, "rope_forward");
-    cpu::rope_forward(out, out_ts, out_hs, in, in_ts, in_hs, cos, sin, N, S, heads, dr, interleave);
-  }
-  void rope_backward(float* din, int64_t in_ts, int64_t in_hs, const float* dout, int64_t out_ts,
-                     int64_t out_hs, const float* cos, const float* sin, int64_t N, int64_t S,
-                     int64_t heads, int64_t dr, bool interleave, bool accumulate) override {
-    const HostOpTimes::Scope op_scope(times_, "rope_backward");
-    check_rope_backward(in_hs, heads, dr, accumulate);
-    cpu::rope_backward(din, in_ts, in_hs, dout, out_ts, out_hs, cos, sin, N, S, heads, dr,
-                       interleave, accumulate);
-  }
-  void rope_forward(View out, int64_t out_ts, int64_t out_hs, const float* in, int64_t in_ts, int64_t in_hs,
-                    const float* cos, const float* sin, int64_t N, int64_t S, int64_t heads, int64_t dr,
-                    bool interleave) override {
+  void rope_forward_impl(View out, int64_t out_ts, int64_t out_hs, const float* in, int64_t in_ts, int64_t in_hs,
+                         const float* cos, const float* sin, int64_t N, int64_t S, int64_t heads, int64_t dr,
+                         bool interleave) override {
     const HostOpTimes::Scope op_scope(times_, "rope_forward");
     if (out.dtype == DType::kF32)
       return cpu::rope_forward(static_cast<float*>(out.data), out_ts, out_hs, in, in_ts, in_hs, cos, sin, N, S, heads,
@@ -267,11 +236,10 @@ class CpuBackend final : public Backend {
                             interleave);
     });
   }
-  void rope_backward(View din, int64_t in_ts, int64_t in_hs, const float* dout, int64_t out_ts, int64_t out_hs,
-                     const float* cos, const float* sin, int64_t N, int64_t S, int64_t heads, int64_t dr,
-                     bool interleave, bool accumulate) override {
+  void rope_backward_impl(View din, int64_t in_ts, int64_t in_hs, const float* dout, int64_t out_ts, int64_t out_hs,
+                          const float* cos, const float* sin, int64_t N, int64_t S, int64_t heads, int64_t dr,
+                          bool interleave, bool accumulate) override {
     const HostOpTimes::Scope op_scope(times_, "rope_backward");
-    check_rope_backward(din.dtype, in_hs, heads, dr, accumulate);
     if (din.dtype == DType::kF32)
       return cpu::rope_backward(static_cast<float*>(din.data), in_ts, in_hs, dout, out_ts, out_hs, cos, sin, N, S,
                                 heads, dr, interleave, accumulate);
@@ -281,7 +249,7 @@ class CpuBackend final : public Backend {
                              interleave, false);
     });
   }
-  void reserve_attention(int64_t S) override {
+  void reserve_attention_impl(int64_t S) override {
     const int64_t n = cpu::attention_workspace_floats(S, threads_);
     if (int64_t(attention_ws_.size()) < n) attention_ws_.assign(size_t(n), 0.0f);
     if (int64_t(attention_ws16_.size()) < n) attention_ws16_.assign(size_t(n), 0);
@@ -298,24 +266,19 @@ class CpuBackend final : public Backend {
   static bool own_amx(DType t, const std::string& choice) {
     return t == DType::kBF16 && choice != "onednn" && cpu::amx_bf16_usable();
   }
-  void set_options(const KernelOptions& o) override {
+  void set_options_impl(const KernelOptions& o) override {
     for (const std::string* v : {&o.cpu_dense_gemm, &o.cpu_grouped_gemm, &o.cpu_attention})
       if (*v != "auto" && *v != "amx" && *v != "onednn")
         throw std::invalid_argument("kernel option " + *v + ": valid for the CPU's products: auto, amx, onednn");
     lowp_.set_choice(o.lowp_gemm);
-    options_ = o;
   }
-  const KernelOptions& options() const override { return options_; }
-  bool low_precision_attention(DType t) const override {
-    return t != DType::kF32 && lowp_.native(low(t)) && (amx_attention(t) || tile_gemm(t).available());
-  }
-  void attention_forward(float* O, float* lse, ConstView Q, ConstView K, ConstView V, int64_t B, int64_t S,
-                         int64_t nh, int64_t dqk, int64_t dv, float scale) override {
+  void attention_forward_impl(float* O, float* lse, ConstView Q, ConstView K, ConstView V, int64_t B, int64_t S,
+                              int64_t nh, int64_t dqk, int64_t dv, float scale) override {
     const HostOpTimes::Scope op_scope(times_, "attention_forward");
     if (Q.dtype == DType::kF32)
-      return attention_forward(O, lse, static_cast<const float*>(Q.data), static_cast<const float*>(K.data),
+      return attention_forward_f32(O, lse, static_cast<const float*>(Q.data), static_cast<const float*>(K.data),
                                static_cast<const float*>(V.data), B, S, nh, dqk, dv, scale);
-    check_lowp_attention(Q.dtype, {K.dtype, V.dtype});
+    check_lowp_attention(Q.dtype);
     check_attention(S);
     reserve_packs(S, dqk, dv);
     if (amx_attention(Q.dtype))
@@ -328,14 +291,14 @@ class CpuBackend final : public Backend {
                               attention_ws16_.data(), attention_pack16_.data(), attention_pack32_.data(), threads_,
                               tile_gemm(Q.dtype), low(Q.dtype));
   }
-  void attention_backward(float* dQ, float* dK, float* dV, const float* dO, ConstView dO_lp, ConstView Q, ConstView K,
-                          ConstView V, const float* O, const float* lse, int64_t B, int64_t S, int64_t nh,
-                          int64_t dqk, int64_t dv, float scale) override {
+  void attention_backward_impl(float* dQ, float* dK, float* dV, const float* dO, ConstView dO_lp, ConstView Q,
+                               ConstView K, ConstView V, const float* O, const float* lse, int64_t B, int64_t S,
+                               int64_t nh, int64_t dqk, int64_t dv, float scale) override {
     const HostOpTimes::Scope op_scope(times_, "attention_backward");
     if (Q.dtype == DType::kF32)
-      return attention_backward(dQ, dK, dV, dO, static_cast<const float*>(Q.data), static_cast<const float*>(K.data),
+      return attention_backward_f32(dQ, dK, dV, dO, static_cast<const float*>(Q.data), static_cast<const float*>(K.data),
                                 static_cast<const float*>(V.data), O, lse, B, S, nh, dqk, dv, scale);
-    check_lowp_attention(Q.dtype, {K.dtype, V.dtype, dO_lp.dtype});
+    check_lowp_attention(Q.dtype);
     check_attention(S);
     reserve_packs(S, dqk, dv);
     if (amx_attention(Q.dtype))
@@ -358,63 +321,48 @@ class CpuBackend final : public Backend {
     if (int64_t(attention_pack16_.size()) < u16) attention_pack16_.resize(size_t(u16));
     if (int64_t(attention_pack32_.size()) < f32) attention_pack32_.resize(size_t(f32));
   }
-  void check_lowp_attention(DType t, std::initializer_list<DType> others) const {
-    for (DType o : others)
-      if (o != t) throw std::invalid_argument(std::string("attention on views of two types: ") + to_string(t) +
-                                              " and " + to_string(o));
-    if (!low_precision_attention(t))
+  // (Backend::attention_forward has checked that the views are of one type.)
+  void check_lowp_attention(DType t) {
+    if (!low_precision_impl(t, false).attention)
       throw std::invalid_argument(std::string("no ") + to_string(t) + " attention on this CPU (oneDNN has no " +
                                   to_string(t) + " matmul for it): pass fp32 views");
   }
-  void attention_forward(float* O, float* lse, const float* Q, const float* K, const float* V,
-                         int64_t B, int64_t S, int64_t nh, int64_t dqk, int64_t dv,
-                         float scale) override {
-    const HostOpTimes::Scope op_scope(times_, "attention_forward");
+  void attention_forward_f32(float* O, float* lse, const float* Q, const float* K, const float* V, int64_t B,
+                             int64_t S, int64_t nh, int64_t dqk, int64_t dv, float scale) {
     check_attention(S);
     cpu::attention_forward(O, lse, Q, K, V, B, S, nh, dqk, dv, scale, attention_ws_.data(), threads_);
   }
-  void attention_backward(float* dQ, float* dK, float* dV, const float* dO, const float* Q,
-                          const float* K, const float* V, const float* O, const float* lse,
-                          int64_t B, int64_t S, int64_t nh, int64_t dqk, int64_t dv,
-                          float scale) override {
-    const HostOpTimes::Scope op_scope(times_, "attention_backward");
+  void attention_backward_f32(float* dQ, float* dK, float* dV, const float* dO, const float* Q, const float* K,
+                              const float* V, const float* O, const float* lse, int64_t B, int64_t S, int64_t nh,
+                              int64_t dqk, int64_t dv, float scale) {
     check_attention(S);
     cpu::attention_backward(dQ, dK, dV, dO, Q, K, V, O, lse, B, S, nh, dqk, dv, scale, attention_ws_.data(),
                             threads_);
   }
-  void swiglu_forward(float* M, const float* GU, int64_t N, int64_t I) override {
-    const HostOpTimes::Scope op_scope(times_, "swiglu_forward");
-    cpu::swiglu_forward(M, GU, N, I);
-  }
-  void swiglu_forward(View M, const float* GU, int64_t N, int64_t I) override {
+  void swiglu_forward_impl(View M, const float* GU, int64_t N, int64_t I) override {
     const HostOpTimes::Scope op_scope(times_, "swiglu_forward");
     if (M.dtype == DType::kF32) return cpu::swiglu_forward(static_cast<float*>(M.data), GU, N, I);
     rows_rounded(M, N, I, [&](int64_t t, float* row) { cpu::swiglu_row(row, GU + t * 2 * I, I); });
   }
-  void swiglu_backward(View dGU, const float* dM, const float* GU, int64_t N, int64_t I) override {
+  void swiglu_backward_impl(View dGU, const float* dM, const float* GU, int64_t N, int64_t I) override {
     const HostOpTimes::Scope op_scope(times_, "swiglu_backward");
     if (dGU.dtype == DType::kF32) return cpu::swiglu_backward(static_cast<float*>(dGU.data), dM, GU, N, I);
     rows_rounded(dGU, N, 2 * I,
                  [&](int64_t t, float* row) { cpu::swiglu_backward_row(row, dM + t * I, GU + t * 2 * I, I); });
   }
-  void swiglu_backward(float* dGU, const float* dM, const float* GU, int64_t N, int64_t I) override {
-    const HostOpTimes::Scope op_scope(times_, "swiglu_backward");
-    cpu::swiglu_backward(dGU, dM, GU, N, I);
-  }
-  void router_forward(int32_t* idx, float* w, float* scores, const float* logits, const float* bias,
-                      int64_t N, const RouterParams& p) override {
+  void router_forward_impl(int32_t* idx, float* w, float* scores, const float* logits, const float* bias,
+                           int64_t N, const RouterParams& p) override {
     const HostOpTimes::Scope op_scope(times_, "router_forward");
     if (p.num_experts > 1024) throw std::invalid_argument("router: more than 1024 experts");
     cpu::router_forward(idx, w, scores, logits, bias, N, p);
   }
-  void router_backward(float* dlogits, const float* dw, const float* dscores_extra,
-                       const float* scores, const int32_t* idx, int64_t N,
-                       const RouterParams& p) override {
+  void router_backward_impl(float* dlogits, const float* dw, const float* dscores_extra, const float* scores,
+                            const int32_t* idx, int64_t N, const RouterParams& p) override {
     const HostOpTimes::Scope op_scope(times_, "router_backward");
     cpu::router_backward(dlogits, dw, dscores_extra, scores, idx, N, p);
   }
-  void moe_plan(int32_t* pos, int32_t* src, int32_t* counts, const int32_t* idx, int64_t N, int64_t k,
-                int64_t E) override {
+  void moe_plan_impl(int32_t* pos, int32_t* src, int32_t* counts, const int32_t* idx, int64_t N, int64_t k,
+                     int64_t E) override {
     const HostOpTimes::Scope op_scope(times_, "moe_plan");
     std::fill(counts, counts + E, 0);
     for (int64_t i = 0; i < N * k; ++i) {
@@ -438,7 +386,7 @@ class CpuBackend final : public Backend {
                                   std::to_string(g) + " of " + std::to_string(b.groups));
     return g;
   }
-  void moe_balance_stats(float* stats, const int32_t* idx, const float* scores, const BalanceShape& b) override {
+  void moe_balance_stats_impl(float* stats, const int32_t* idx, const float* scores, const BalanceShape& b) override {
     const HostOpTimes::Scope op_scope(times_, "moe_balance_stats");
     std::vector<double> acc(size_t(2 * b.groups * b.E), 0.0);
     double* f = acc.data();
@@ -453,8 +401,8 @@ class CpuBackend final : public Backend {
     }
     for (size_t i = 0; i < acc.size(); ++i) stats[i] = float(acc[i]);
   }
-  void moe_balance_grad(float* dscores, float* aux, const float* stats, const float* scores, const BalanceShape& b,
-                        double weight, double grad_scale) override {
+  void moe_balance_grad_impl(float* dscores, float* aux, const float* stats, const float* scores,
+                             const BalanceShape& b, double weight, double grad_scale) override {
     const HostOpTimes::Scope op_scope(times_, "moe_balance_grad");
     const float* f = stats;
     const float* P = stats + b.groups * b.E;
@@ -478,11 +426,7 @@ class CpuBackend final : public Backend {
         dscores[i * b.E + e] = float((weight * fg[e] / double(b.T) - dot) / sum * grad_scale);
     }
   }
-  void gather_rows(float* out, const float* in, const int32_t* src, int64_t n, int64_t H) override {
-    const HostOpTimes::Scope op_scope(times_, "gather_rows");
-    cpu::gather_rows(out, in, src, n, H);
-  }
-  void gather_rows(View out, const float* in, const int32_t* src, int64_t n, int64_t H) override {
+  void gather_rows_impl(View out, const float* in, const int32_t* src, int64_t n, int64_t H) override {
     const HostOpTimes::Scope op_scope(times_, "gather_rows");
     if (out.dtype == DType::kF32) return cpu::gather_rows(static_cast<float*>(out.data), in, src, n, H);
     const cpu::LowPrecision lp = low(out.dtype);
@@ -490,18 +434,17 @@ class CpuBackend final : public Backend {
 #pragma omp parallel for schedule(static)
     for (int64_t i = 0; i < n; ++i) cpu::convert_to(o + i * H, in + int64_t(src[i]) * H, H, lp);
   }
-  void moe_combine(float* out, const float* Y, const float* w, const int32_t* pos, int64_t N,
-                   int64_t k, int64_t H) override {
+  void moe_combine_impl(float* out, const float* Y, const float* w, const int32_t* pos, int64_t N, int64_t k,
+                        int64_t H) override {
+    if (!w) {  // moe_dispatch_backward
+      const HostOpTimes::Scope op_scope(times_, "moe_dispatch_backward");
+      return cpu::moe_dispatch_backward(out, Y, pos, N, k, H);
+    }
     const HostOpTimes::Scope op_scope(times_, "moe_combine");
     cpu::moe_combine(out, Y, w, pos, N, k, H);
   }
-  void moe_combine_backward(float* dY, float* dw, const float* dout, const float* Y, const float* w,
-                            const int32_t* pos, int64_t N, int64_t k, int64_t H) override {
-    const HostOpTimes::Scope op_scope(times_, "moe_combine_backward");
-    cpu::moe_combine_backward(dY, dw, dout, Y, w, pos, N, k, H);
-  }
-  void moe_combine_backward(View dY, float* dw, const float* dout, const float* Y, const float* w,
-                            const int32_t* pos, int64_t N, int64_t k, int64_t H) override {
+  void moe_combine_backward_impl(View dY, float* dw, const float* dout, const float* Y, const float* w,
+                                 const int32_t* pos, int64_t N, int64_t k, int64_t H) override {
     const HostOpTimes::Scope op_scope(times_, "moe_combine_backward");
     if (dY.dtype == DType::kF32)
       return cpu::moe_combine_backward(static_cast<float*>(dY.data), dw, dout, Y, w, pos, N, k, H);
@@ -519,32 +462,27 @@ class CpuBackend final : public Backend {
         }
     }
   }
-  void moe_dispatch_backward(float* dx, const float* dXp, const int32_t* pos, int64_t N, int64_t k,
-                             int64_t H) override {
-    const HostOpTimes::Scope op_scope(times_, "moe_dispatch_backward");
-    cpu::moe_dispatch_backward(dx, dXp, pos, N, k, H);
-  }
-  void cross_entropy(float* loss, float* logits, const int32_t* target, int64_t rows, int64_t V,
-                     float grad_scale) override {
+  void cross_entropy_impl(float* loss, float* logits, const int32_t* target, int64_t rows, int64_t V,
+                          float grad_scale) override {
     const HostOpTimes::Scope op_scope(times_, "cross_entropy");
     cpu::cross_entropy(loss, logits, target, rows, V, grad_scale);
   }
-  void cross_entropy_row_max(float* row_max, const float* logits, int64_t rows, int64_t V) override {
+  void cross_entropy_row_max_impl(float* row_max, const float* logits, int64_t rows, int64_t V) override {
     const HostOpTimes::Scope op_scope(times_, "cross_entropy_row_max");
     cpu::cross_entropy_row_max(row_max, logits, rows, V);
   }
-  void cross_entropy_row_sums(float* sums, const float* logits, const float* row_max, const int32_t* target,
-                              int64_t v0, int64_t rows, int64_t V) override {
+  void cross_entropy_row_sums_impl(float* sums, const float* logits, const float* row_max, const int32_t* target,
+                                   int64_t v0, int64_t rows, int64_t V) override {
     const HostOpTimes::Scope op_scope(times_, "cross_entropy_row_sums");
     cpu::cross_entropy_row_sums(sums, logits, row_max, target, v0, rows, V);
   }
-  void cross_entropy_finish(float* loss, float* logits, const float* row_max, const float* sums,
-                            const int32_t* target, int64_t v0, int64_t rows, int64_t V,
-                            float grad_scale) override {
+  void cross_entropy_finish_impl(float* loss, float* logits, const float* row_max, const float* sums,
+                                 const int32_t* target, int64_t v0, int64_t rows, int64_t V,
+                                 float grad_scale) override {
     const HostOpTimes::Scope op_scope(times_, "cross_entropy_finish");
     cpu::cross_entropy_finish(loss, logits, row_max, sums, target, v0, rows, V, grad_scale);
   }
-  void embedding_forward(float* out, ConstView table, const int32_t* ids, int64_t N, int64_t H) override {
+  void embedding_forward_impl(float* out, ConstView table, const int32_t* ids, int64_t N, int64_t H) override {
     const HostOpTimes::Scope op_scope(times_, "embedding_forward");
     if (table.dtype == DType::kF32) return cpu::embedding_forward(out, static_cast<const float*>(table.data), ids, N, H);
     const auto* t16 = static_cast<const uint16_t*>(table.data);
@@ -556,24 +494,20 @@ class CpuBackend final : public Backend {
       else cpu::convert_from(o, t16 + int64_t(ids[t]) * H, H, p);
     }
   }
-  void embedding_backward(float* dtable, const float* dout, const int32_t* ids, int64_t N,
-                          int64_t H, int64_t V) override {
+  void embedding_backward_impl(float* dtable, const float* dout, const int32_t* ids, int64_t N, int64_t H,
+                               int64_t V) override {
     const HostOpTimes::Scope op_scope(times_, "embedding_backward");
     cpu::embedding_backward(dtable, dout, ids, N, H, V);
   }
-  void adamw(float* param, const float* grad, float* m, float* v, int64_t n,
-             const AdamWParams& p) override {
-    const HostOpTimes::Scope op_scope(times_, "adamw");
-    cpu::adamw(param, grad, m, v, n, p);
-  }
-  // One pass: each block of 4096 elements is updated, rounded and widened while it is in cache
-  // (the unfused three read and write the master weights and the copies three times).
-  void adamw_round(float* param, const float* grad, float* m, float* v, int64_t n, const AdamWParams& p, View half,
-                   float* widened) override {
+  // adamw_round in one pass: each block of 4096 elements is updated, rounded and widened while it
+  // is in cache (the unfused three read and write the master weights and the copies three times).
+  void adamw_impl(float* param, const float* grad, float* m, float* v, int64_t n, const AdamWParams& p, View half,
+                  float* widened) override {
+    if (!half.data) {
+      const HostOpTimes::Scope op_scope(times_, "adamw");
+      return cpu::adamw(param, grad, m, v, n, p);
+    }
     const HostOpTimes::Scope op_scope(times_, "adamw_round");
-    if (n <= 0) return;
-    if (half.dtype == DType::kF32)
-      throw std::invalid_argument("adamw_round: the compute copy must be bf16 or fp16, not fp32");
     const cpu::AdamWStep<float> s(p);
     const cpu::LowPrecision lp = low(half.dtype);
     uint16_t* h = static_cast<uint16_t*>(half.data);
@@ -587,21 +521,16 @@ class CpuBackend final : public Backend {
       if (widened) cpu::convert_from(widened + i, h + i, len, lp);
     }
   }
-  void add(float* y, const float* x, int64_t n) override {
+  void add_impl(float* y, const float* x, int64_t n) override {
     const HostOpTimes::Scope op_scope(times_, "add");
     cpu::add(y, x, n);
   }
-  void fill(float* y, float value, int64_t n) override {
+  void fill_impl(float* y, float value, int64_t n) override {
     const HostOpTimes::Scope op_scope(times_, "fill");
 #pragma omp parallel for schedule(static)
     for (int64_t i = 0; i < n; ++i) y[i] = value;
   }
-  void copy_strided(float* dst, int64_t ds, const float* src, int64_t ss, int64_t rows,
-                    int64_t cols) override {
-    const HostOpTimes::Scope op_scope(times_, "copy_strided");
-    cpu::copy_strided(dst, ds, src, ss, rows, cols);
-  }
-  void copy_strided(View dst, int64_t ds, const float* src, int64_t ss, int64_t rows, int64_t cols) override {
+  void copy_strided_impl(View dst, int64_t ds, const float* src, int64_t ss, int64_t rows, int64_t cols) override {
     const HostOpTimes::Scope op_scope(times_, "copy_strided");
     if (dst.dtype == DType::kF32) return cpu::copy_strided(static_cast<float*>(dst.data), ds, src, ss, rows, cols);
     const cpu::LowPrecision lp = low(dst.dtype);
@@ -609,8 +538,8 @@ class CpuBackend final : public Backend {
 #pragma omp parallel for schedule(static)
     for (int64_t r = 0; r < rows; ++r) cpu::convert_to(o + r * ds, src + r * ss, cols, lp);
   }
-  void add_strided(float* dst, int64_t ds, const float* src, int64_t ss, int64_t rows,
-                   int64_t cols) override {
+  void add_strided_impl(float* dst, int64_t ds, const float* src, int64_t ss, int64_t rows,
+                        int64_t cols) override {
     const HostOpTimes::Scope op_scope(times_, "add_strided");
     cpu::add_strided(dst, ds, src, ss, rows, cols);
   }
@@ -655,7 +584,6 @@ class CpuBackend final : public Backend {
 
   int threads_ = 1;
   HostOpTimes times_;  // monitor.op_breakdown
-  KernelOptions options_;
   GemmLibrary gemm_;
   mutable cpu::LowPrecisionGemm lowp_;  // (const queries may measure which path is faster, once)
   std::vector<float> attention_ws_;  // per-thread score blocks (reserve_attention)

@@ -23,7 +23,7 @@ namespace cuda_impl {
 // (`tiled`), the rows kernels (`rows`), or cuDNN's fused attention for bf16 / fp16 inputs
 // (`cudnn`; fp32 inputs run the rows kernels whatever the choice) — the experts' grouped GEMM
 // (`grouped` or `loop`) and the pool's poisoning; checked here, once.
-void CudaBackend::set_options(const KernelOptions& o) {
+void CudaBackend::set_options_impl(const KernelOptions& o) {
   AttentionChoice a = AttentionChoice::kTiled;
   if (o.cuda_attention == "rows") a = AttentionChoice::kRows;
   else if (o.cuda_attention == "cudnn") a = AttentionChoice::kCudnn;
@@ -34,7 +34,6 @@ void CudaBackend::set_options(const KernelOptions& o) {
   if (o.cuda_grouped_gemm != "grouped" && o.cuda_grouped_gemm != "loop")
     throw std::invalid_argument("kernels.cuda_grouped_gemm " + o.cuda_grouped_gemm + ": valid: grouped, loop");
   std::lock_guard<std::mutex> lock(mu_);
-  options_ = o;
   attention_ = a;
   poison_ = o.cuda_poison;
 }
@@ -85,21 +84,9 @@ __global__ void attention_backward_dkv_kernel(float* dK, float* dV, const dev::S
 
 // ---- The ops -----------------------------------------------------------------------------------
 
-void CudaBackend::reserve_attention(int64_t S) { attention_s_ = std::max(attention_s_, S); }
-void CudaBackend::attention_forward(float* O, float* lse, const float* Q, const float* K, const float* V, int64_t B,
-                                    int64_t S, int64_t nh, int64_t dqk, int64_t dv, float scale) {
-  const EventOpTimes::Scope op_scope(times_, "attention_forward");
-  attention_forward(O, lse, f32(Q), f32(K), f32(V), B, S, nh, dqk, dv, scale);
-}
-void CudaBackend::attention_backward(float* dQ, float* dK, float* dV, const float* dO, const float* Q, const float* K,
-                                     const float* V, const float* O, const float* lse, int64_t B, int64_t S,
-                                     int64_t nh, int64_t dqk, int64_t dv, float scale) {
-  const EventOpTimes::Scope op_scope(times_, "attention_backward");
-  attention_backward(dQ, dK, dV, dO, f32(dO), f32(Q), f32(K), f32(V), O, lse, B, S, nh, dqk, dv, scale);
-}
-bool CudaBackend::low_precision_attention(DType) const { return true; }
-void CudaBackend::attention_forward(float* O, float* lse, ConstView Q, ConstView K, ConstView V, int64_t B, int64_t S,
-                                    int64_t nh, int64_t dqk, int64_t dv, float scale) {
+void CudaBackend::reserve_attention_impl(int64_t S) { attention_s_ = std::max(attention_s_, S); }
+void CudaBackend::attention_forward_impl(float* O, float* lse, ConstView Q, ConstView K, ConstView V, int64_t B,
+                                         int64_t S, int64_t nh, int64_t dqk, int64_t dv, float scale) {
   const EventOpTimes::Scope op_scope(times_, "attention_forward");
   check_attention(Q, K, V, S, dqk, dv);
   const dev::AttnShape a{B, S, nh, dqk, dv, scale};
@@ -127,9 +114,9 @@ void CudaBackend::attention_forward(float* O, float* lse, ConstView Q, ConstView
   }
   DS_LAUNCHED();
 }
-void CudaBackend::attention_backward(float* dQ, float* dK, float* dV, const float* dO, ConstView dO_lp, ConstView Q,
-                                     ConstView K, ConstView V, const float* O, const float* lse, int64_t B, int64_t S,
-                                     int64_t nh, int64_t dqk, int64_t dv, float scale) {
+void CudaBackend::attention_backward_impl(float* dQ, float* dK, float* dV, const float* dO, ConstView dO_lp,
+                                          ConstView Q, ConstView K, ConstView V, const float* O, const float* lse,
+                                          int64_t B, int64_t S, int64_t nh, int64_t dqk, int64_t dv, float scale) {
   const EventOpTimes::Scope op_scope(times_, "attention_backward");
   check_attention(Q, K, V, S, dqk, dv);
   if (dO_lp.dtype != Q.dtype)

@@ -97,11 +97,16 @@ CudaBackend::CudaBackend(int device) : device_(device) {
   smem_optin_ = int64_t(prop.sharedMemPerBlockOptin);
   DS_CUDA(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
   times_.stream = stream_;
+  native_stream_ = stream_;
+  host_addressable_ = false;
+  num_threads_ = sms_;
+  op_timing_clock_ = "CUDA events";
   DS_LT(cublasLtCreate(&lt_));
   DS_LT(cublasCreate(&blas_));
   DS_LT(cublasSetStream(blas_, stream_));
   workspace_ = allocate(kWorkspaceBytes);
   partials_ = static_cast<double*>(allocate(kSumBlocks * int64_t(sizeof(double))));
+  name_ = describe();
 }
 
 CudaBackend::~CudaBackend() {
@@ -119,7 +124,7 @@ CudaBackend::~CudaBackend() {
   cudaStreamDestroy(stream_);
 }
 
-std::string CudaBackend::name() const {
+std::string CudaBackend::describe() const {
   int driver = 0, runtime = 0;
   cudaDriverGetVersion(&driver);
   cudaRuntimeGetVersion(&runtime);
@@ -127,10 +132,8 @@ std::string CudaBackend::name() const {
   return "cuda (" + device_name_ + ", device " + std::to_string(device_) + ", driver " + v(driver) + ", runtime " +
          v(runtime) + ", cuBLASLt " + std::to_string(cublasLtGetVersion()) + ")";
 }
-int CudaBackend::num_threads() const { return sms_; }
-std::string CudaBackend::op_timing_clock() const { return "CUDA events"; }
-void CudaBackend::set_op_timing(bool on) { times_.set(on); }
-std::vector<OpTime> CudaBackend::take_op_times() { return times_.take(); }
+void CudaBackend::set_op_timing_impl(bool on) { times_.set(on); }
+std::vector<OpTime> CudaBackend::take_op_times_impl() { return times_.take(); }
 
 // ---- The caching pool --------------------------------------------------------------------------
 
@@ -239,24 +242,18 @@ float* CudaBackend::scratch(int64_t floats) {
 
 // ---- The stream and copies ---------------------------------------------------------------------
 
-void CudaBackend::copy_to_host(void* host, const void* src, int64_t bytes) {
-  const EventOpTimes::Scope op_scope(times_, "copy_to_host");
-  if (bytes <= 0) return;
-  DS_CUDA(cudaMemcpyAsync(host, src, size_t(bytes), cudaMemcpyDeviceToHost, stream_));
-  DS_CUDA(cudaStreamSynchronize(stream_));
+void CudaBackend::copy_impl(void* dst, const void* src, int64_t bytes, CopyKind kind) {
+  if (kind == CopyKind::kOnDevice) {
+    const EventOpTimes::Scope op_scope(times_, "copy");
+    DS_CUDA(cudaMemcpyAsync(dst, src, size_t(bytes), cudaMemcpyDeviceToDevice, stream_));
+    return;
+  }
+  const bool to_host = kind == CopyKind::kToHost;
+  const EventOpTimes::Scope op_scope(times_, to_host ? "copy_to_host" : "copy_from_host");
+  DS_CUDA(cudaMemcpyAsync(dst, src, size_t(bytes), to_host ? cudaMemcpyDeviceToHost : cudaMemcpyHostToDevice,
+                          stream_));
+  DS_CUDA(cudaStreamSynchronize(stream_));  // the caller may read, free or reuse the host side when this returns
 }
-void CudaBackend::copy_from_host(void* dst, const void* host, int64_t bytes) {
-  const EventOpTimes::Scope op_scope(times_, "copy_from_host");
-  if (bytes <= 0) return;
-  DS_CUDA(cudaMemcpyAsync(dst, host, size_t(bytes), cudaMemcpyHostToDevice, stream_));
-  DS_CUDA(cudaStreamSynchronize(stream_));  // the caller may free or reuse `host` when this returns
-}
-void CudaBackend::copy(void* dst, const void* src, int64_t bytes) {
-  const EventOpTimes::Scope op_scope(times_, "copy");
-  if (bytes > 0) DS_CUDA(cudaMemcpyAsync(dst, src, size_t(bytes), cudaMemcpyDeviceToDevice, stream_));
-}
-bool CudaBackend::host_addressable() const { return false; }
-void* CudaBackend::native_stream() { return stream_; }
 bool CudaBackend::is_device_memory(const void* p) const {
   cudaPointerAttributes a{};
   if (!p || cudaPointerGetAttributes(&a, p) != cudaSuccess) {
@@ -265,13 +262,13 @@ bool CudaBackend::is_device_memory(const void* p) const {
   }
   return a.type == cudaMemoryTypeDevice || a.type == cudaMemoryTypeManaged;
 }
-int64_t CudaBackend::device_memory_free() {
+int64_t CudaBackend::device_memory_free_impl() {
   size_t free = 0, total = 0;
   DS_CUDA(cudaMemGetInfo(&free, &total));
   std::lock_guard<std::mutex> lock(mu_);
   return int64_t(free) + cached_;  // the pool's cached blocks are free for this backend too
 }
-void CudaBackend::synchronize() { DS_CUDA(cudaStreamSynchronize(stream_)); }
+void CudaBackend::synchronize_impl() { DS_CUDA(cudaStreamSynchronize(stream_)); }
 
 }  // namespace cuda_impl
 

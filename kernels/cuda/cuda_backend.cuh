@@ -233,128 +233,96 @@ class CudaBackend final : public Backend {
   // cuda_backend.cu: the device, the pool, the stream, copies, op timing.
   explicit CudaBackend(int device);
   ~CudaBackend() override;
-  std::string name() const override;
-  int num_threads() const override;
-  void set_options(const KernelOptions& options) override;
-  const KernelOptions& options() const override { return options_; }
   AttentionChoice attention_choice() const { return attention_; }
-  std::string op_timing_clock() const override;
-  void set_op_timing(bool on) override;
-  std::vector<OpTime> take_op_times() override;
   void* allocate(int64_t bytes) override;
   void deallocate(void* p) override;
   void record_use(const void* p, std::shared_ptr<StreamUse> use) override;
   CudaPoolStats pool_stats();
-  void copy_to_host(void* host, const void* src, int64_t bytes) override;
-  void copy_from_host(void* dst, const void* host, int64_t bytes) override;
-  void copy(void* dst, const void* src, int64_t bytes) override;
-  bool host_addressable() const override;
-  void* native_stream() override;
   bool is_device_memory(const void* p) const override;
-  int64_t device_memory_free() override;
-  void synchronize() override;
+
+ protected:
+  // The ops (Backend's *_impl: called by its wrappers, which have checked the calls).
+  void set_options_impl(const KernelOptions& options) override;  // attention.cu
+  void set_op_timing_impl(bool on) override;
+  std::vector<OpTime> take_op_times_impl() override;
+  void copy_impl(void* dst, const void* src, int64_t bytes, CopyKind kind) override;
+  int64_t device_memory_free_impl() override;
+  void synchronize_impl() override;
 
   // gemm.cu
-  void gemm(float* C, const float* A, const float* B, int64_t M, int64_t N, int64_t K, bool ta, bool tb, float alpha,
-            float beta) override;
-  void gemm(float* C, ConstView A, ConstView B, int64_t M, int64_t N, int64_t K, bool ta, bool tb, float alpha,
-            float beta) override;
-  void gemm_grouped(float* const* C, const float* const* A, const float* const* B, const int64_t* M, const int64_t* N,
-                    const int64_t* K, int64_t count, bool ta, bool tb, float alpha, float beta) override;
-  void gemm_grouped(float* const* C, const void* const* A, const void* const* B, DType dtype, const int64_t* M,
-                    const int64_t* N, const int64_t* K, int64_t count, bool ta, bool tb, float alpha,
-                    float beta) override;
-  std::string lowp_gemm_implementation(DType dtype) override;
-  bool low_precision_gemm_native(DType dtype) override;
+  void gemm_impl(float* C, ConstView A, ConstView B, int64_t M, int64_t N, int64_t K, bool ta, bool tb, float alpha,
+                 float beta) override;
+  void gemm_grouped_impl(float* const* C, const void* const* A, const void* const* B, DType dtype, const int64_t* M,
+                         const int64_t* N, const int64_t* K, int64_t count, bool ta, bool tb, float alpha,
+                         float beta) override;
+  LowPrecisionSupport low_precision_impl(DType dtype, bool describe) override;
 
   // attention.cu (the tiles: attention_tiles.cu; cuDNN: cudnn_dispatch.cu)
-  void reserve_attention(int64_t S) override;
-  void attention_forward(float* O, float* lse, const float* Q, const float* K, const float* V, int64_t B, int64_t S,
-                         int64_t nh, int64_t dqk, int64_t dv, float scale) override;
-  void attention_backward(float* dQ, float* dK, float* dV, const float* dO, const float* Q, const float* K,
-                          const float* V, const float* O, const float* lse, int64_t B, int64_t S, int64_t nh,
-                          int64_t dqk, int64_t dv, float scale) override;
-  bool low_precision_attention(DType) const override;
-  void attention_forward(float* O, float* lse, ConstView Q, ConstView K, ConstView V, int64_t B, int64_t S,
-                         int64_t nh, int64_t dqk, int64_t dv, float scale) override;
-  void attention_backward(float* dQ, float* dK, float* dV, const float* dO, ConstView dO_lp, ConstView Q, ConstView K,
-                          ConstView V, const float* O, const float* lse, int64_t B, int64_t S, int64_t nh,
-                          int64_t dqk, int64_t dv, float scale) override;
+  void reserve_attention_impl(int64_t S) override;
+  void attention_forward_impl(float* O, float* lse, ConstView Q, ConstView K, ConstView V, int64_t B, int64_t S,
+                              int64_t nh, int64_t dqk, int64_t dv, float scale) override;
+  void attention_backward_impl(float* dQ, float* dK, float* dV, const float* dO, ConstView dO_lp, ConstView Q,
+                               ConstView K, ConstView V, const float* O, const float* lse, int64_t B, int64_t S,
+                               int64_t nh, int64_t dqk, int64_t dv, float scale) override;
 
   // norm_activation.cu
-  void convert(View dst, ConstView src, int64_t n) override;
-  void rmsnorm_forward(float* y, float* rstd, const float* x, const float* w, int64_t rows, int64_t C,
-                       float eps) override;
-  void rmsnorm_forward(View y, float* rstd, const float* x, const float* w, int64_t rows, int64_t C,
-                       float eps) override;
-  void rmsnorm_backward(float* dx, float* dw, const float* dy, const float* x, const float* w, const float* rstd,
-                        int64_t rows, int64_t C) override;
-  void rope_forward(float* out, int64_t out_ts, int64_t out_hs, const float* in, int64_t in_ts, int64_t in_hs,
-                    const float* cos, const float* sin, int64_t N, int64_t S, int64_t heads, int64_t dr,
-                    bool interleave) override;
-  void rope_forward(View out, int64_t out_ts, int64_t out_hs, const float* in, int64_t in_ts, int64_t in_hs,
-                    const float* cos, const float* sin, int64_t N, int64_t S, int64_t heads, int64_t dr,
-                    bool interleave) override;
-  void rope_backward(float* din, int64_t in_ts, int64_t in_hs, const float* dout, int64_t out_ts, int64_t out_hs,
-                     const float* cos, const float* sin, int64_t N, int64_t S, int64_t heads, int64_t dr,
-                     bool interleave, bool accumulate) override;
-  void rope_backward(View din, int64_t in_ts, int64_t in_hs, const float* dout, int64_t out_ts, int64_t out_hs,
-                     const float* cos, const float* sin, int64_t N, int64_t S, int64_t heads, int64_t dr,
-                     bool interleave, bool accumulate) override;
-  void swiglu_forward(float* M, const float* GU, int64_t N, int64_t I) override;
-  void swiglu_forward(View M, const float* GU, int64_t N, int64_t I) override;
-  void swiglu_backward(float* dGU, const float* dM, const float* GU, int64_t N, int64_t I) override;
-  void swiglu_backward(View dGU, const float* dM, const float* GU, int64_t N, int64_t I) override;
-  void add(float* y, const float* x, int64_t n) override;
-  void fill(float* y, float value, int64_t n) override;
-  void copy_strided(float* dst, int64_t dst_stride, const float* src, int64_t src_stride, int64_t rows,
-                    int64_t cols) override;
-  void copy_strided(View dst, int64_t dst_stride, const float* src, int64_t src_stride, int64_t rows,
-                    int64_t cols) override;
-  void add_strided(float* dst, int64_t dst_stride, const float* src, int64_t src_stride, int64_t rows,
-                   int64_t cols) override;
+  void convert_impl(View dst, ConstView src, int64_t n) override;
+  void rmsnorm_forward_impl(View y, float* rstd, const float* x, const float* w, int64_t rows, int64_t C,
+                            float eps) override;
+  void rmsnorm_backward_impl(float* dx, float* dw, const float* dy, const float* x, const float* w, const float* rstd,
+                             int64_t rows, int64_t C) override;
+  void rope_forward_impl(View out, int64_t out_ts, int64_t out_hs, const float* in, int64_t in_ts, int64_t in_hs,
+                         const float* cos, const float* sin, int64_t N, int64_t S, int64_t heads, int64_t dr,
+                         bool interleave) override;
+  void rope_backward_impl(View din, int64_t in_ts, int64_t in_hs, const float* dout, int64_t out_ts, int64_t out_hs,
+                          const float* cos, const float* sin, int64_t N, int64_t S, int64_t heads, int64_t dr,
+                          bool interleave, bool accumulate) override;
+  void swiglu_forward_impl(View M, const float* GU, int64_t N, int64_t I) override;
+  void swiglu_backward_impl(View dGU, const float* dM, const float* GU, int64_t N, int64_t I) override;
+  void add_impl(float* y, const float* x, int64_t n) override;
+  void fill_impl(float* y, float value, int64_t n) override;
+  void copy_strided_impl(View dst, int64_t dst_stride, const float* src, int64_t src_stride, int64_t rows,
+                         int64_t cols) override;
+  void add_strided_impl(float* dst, int64_t dst_stride, const float* src, int64_t src_stride, int64_t rows,
+                        int64_t cols) override;
 
   // moe.cu
-  void router_forward(int32_t* idx, float* w, float* scores, const float* logits, const float* bias, int64_t N,
-                      const RouterParams& p) override;
-  void router_backward(float* dlogits, const float* dw, const float* dscores_extra, const float* scores,
-                       const int32_t* idx, int64_t N, const RouterParams& p) override;
-  void moe_plan(int32_t* pos, int32_t* src, int32_t* counts, const int32_t* idx, int64_t N, int64_t k,
-                int64_t E) override;
-  void moe_balance_stats(float* stats, const int32_t* idx, const float* scores, const BalanceShape& b) override;
-  void moe_balance_grad(float* dscores, float* aux, const float* stats, const float* scores, const BalanceShape& b,
-                        double weight, double grad_scale) override;
-  void gather_rows(float* out, const float* in, const int32_t* src, int64_t n, int64_t H) override;
-  void gather_rows(View out, const float* in, const int32_t* src, int64_t n, int64_t H) override;
-  void moe_combine(float* out, const float* Y, const float* w, const int32_t* pos, int64_t N, int64_t k,
-                   int64_t H) override;
-  void moe_combine_backward(float* dY, float* dw, const float* dout, const float* Y, const float* w,
-                            const int32_t* pos, int64_t N, int64_t k, int64_t H) override;
-  void moe_combine_backward(View dY, float* dw, const float* dout, const float* Y, const float* w,
-                            const int32_t* pos, int64_t N, int64_t k, int64_t H) override;
-  void moe_dispatch_backward(float* dx, const float* dXp, const int32_t* pos, int64_t N, int64_t k,
-                             int64_t H) override;
+  void router_forward_impl(int32_t* idx, float* w, float* scores, const float* logits, const float* bias, int64_t N,
+                           const RouterParams& p) override;
+  void router_backward_impl(float* dlogits, const float* dw, const float* dscores_extra, const float* scores,
+                            const int32_t* idx, int64_t N, const RouterParams& p) override;
+  void moe_plan_impl(int32_t* pos, int32_t* src, int32_t* counts, const int32_t* idx, int64_t N, int64_t k,
+                     int64_t E) override;
+  void moe_balance_stats_impl(float* stats, const int32_t* idx, const float* scores, const BalanceShape& b) override;
+  void moe_balance_grad_impl(float* dscores, float* aux, const float* stats, const float* scores,
+                             const BalanceShape& b, double weight, double grad_scale) override;
+  void gather_rows_impl(View out, const float* in, const int32_t* src, int64_t n, int64_t H) override;
+  void moe_combine_impl(float* out, const float* Y, const float* w, const int32_t* pos, int64_t N, int64_t k,
+                        int64_t H) override;
+  void moe_combine_backward_impl(View dY, float* dw, const float* dout, const float* Y, const float* w,
+                                 const int32_t* pos, int64_t N, int64_t k, int64_t H) override;
 
   // loss_optimizer.cu
-  void cross_entropy(float* loss, float* logits, const int32_t* target, int64_t rows, int64_t V,
-                     float grad_scale) override;
-  void cross_entropy_row_max(float* row_max, const float* logits, int64_t rows, int64_t V) override;
-  void cross_entropy_row_sums(float* sums, const float* logits, const float* row_max, const int32_t* target,
-                              int64_t v0, int64_t rows, int64_t V) override;
-  void cross_entropy_finish(float* loss, float* logits, const float* row_max, const float* sums,
-                            const int32_t* target, int64_t v0, int64_t rows, int64_t V, float grad_scale) override;
-  void embedding_forward(float* out, ConstView table, const int32_t* ids, int64_t N, int64_t H) override;
-  void embedding_backward(float* dtable, const float* dout, const int32_t* ids, int64_t N, int64_t H,
-                          int64_t) override;
-  void adamw(float* param, const float* grad, float* m, float* v, int64_t n, const AdamWParams& p) override;
-  void adamw_round(float* param, const float* grad, float* m, float* v, int64_t n, const AdamWParams& p, View half,
-                   float* widened) override;
-  void sum_squares(double* out, const float* x, int64_t n, bool accumulate) override;
+  void cross_entropy_impl(float* loss, float* logits, const int32_t* target, int64_t rows, int64_t V,
+                          float grad_scale) override;
+  void cross_entropy_row_max_impl(float* row_max, const float* logits, int64_t rows, int64_t V) override;
+  void cross_entropy_row_sums_impl(float* sums, const float* logits, const float* row_max, const int32_t* target,
+                                   int64_t v0, int64_t rows, int64_t V) override;
+  void cross_entropy_finish_impl(float* loss, float* logits, const float* row_max, const float* sums,
+                                 const int32_t* target, int64_t v0, int64_t rows, int64_t V,
+                                 float grad_scale) override;
+  void embedding_forward_impl(float* out, ConstView table, const int32_t* ids, int64_t N, int64_t H) override;
+  void embedding_backward_impl(float* dtable, const float* dout, const int32_t* ids, int64_t N, int64_t H,
+                               int64_t) override;
+  void adamw_impl(float* param, const float* grad, float* m, float* v, int64_t n, const AdamWParams& p, View half,
+                  float* widened) override;
+  void sum_squares_impl(double* out, const float* x, int64_t n, bool accumulate) override;
 
  private:
   static constexpr int64_t kWorkspaceBytes = 32ll << 20;  // cuBLASLt's, one for every GEMM
   static constexpr size_t kMaxPlans = 4096;                // GEMM shapes cached at most
 
+  std::string describe() const;  // the name: device, driver, runtime, cuBLASLt
   static const float* f(const void* p) { return static_cast<const float*>(p); }
   static float* fm(void* p) { return static_cast<float*>(p); }
   static const uint16_t* h(const void* p) { return static_cast<const uint16_t*>(p); }
@@ -431,7 +399,6 @@ class CudaBackend final : public Backend {
   // The pool (cuda_backend.cu).
   std::mutex mu_;
   bool poison_ = false;  // KernelOptions::cuda_poison
-  KernelOptions options_;
   AttentionChoice attention_ = AttentionChoice::kTiled;
   std::multimap<int64_t, Block> free_;
   std::map<void*, Block> used_;

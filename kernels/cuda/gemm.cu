@@ -42,23 +42,9 @@ uint32_t alignment_of(const void* p) {
 
 }  // namespace
 
-void CudaBackend::gemm(float* C, const float* A, const float* B, int64_t M, int64_t N, int64_t K, bool ta, bool tb,
-                       float alpha, float beta) {
-  const EventOpTimes::Scope op_scope(times_, "gemm");
-  gemm(C, ConstView{A, DType::kF32}, ConstView{B, DType::kF32}, M, N, K, ta, tb, alpha, beta);
-}
-void CudaBackend::gemm_grouped(float* const* C, const float* const* A, const float* const* B, const int64_t* M,
-                               const int64_t* N, const int64_t* K, int64_t count, bool ta, bool tb, float alpha,
-                               float beta) {
-  const EventOpTimes::Scope op_scope(times_, "gemm_grouped");
-  if (grouped_call(C, reinterpret_cast<const void* const*>(A), reinterpret_cast<const void* const*>(B), DType::kF32, M,
-                   N, K, count, ta, tb, alpha, beta))
-    return;
-  for (int64_t i = 0; i < count; ++i) gemm(C[i], A[i], B[i], M[i], N[i], K[i], ta, tb, alpha, beta);
-}
-void CudaBackend::gemm_grouped(float* const* C, const void* const* A, const void* const* B, DType dtype,
-                               const int64_t* M, const int64_t* N, const int64_t* K, int64_t count, bool ta, bool tb,
-                               float alpha, float beta) {
+void CudaBackend::gemm_grouped_impl(float* const* C, const void* const* A, const void* const* B, DType dtype,
+                                    const int64_t* M, const int64_t* N, const int64_t* K, int64_t count, bool ta,
+                                    bool tb, float alpha, float beta) {
   const EventOpTimes::Scope op_scope(times_, "gemm_grouped");
   if (grouped_call(C, A, B, dtype, M, N, K, count, ta, tb, alpha, beta)) return;
   for (int64_t i = 0; i < count; ++i)
@@ -150,13 +136,9 @@ bool CudaBackend::grouped_supported(DType dtype) {
 }
 // Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T: cuBLASLt's first operand is
 // B and its second A, with m = N, n = M.
-void CudaBackend::gemm(float* C, ConstView A, ConstView B, int64_t M, int64_t N, int64_t K, bool ta, bool tb,
-                       float alpha, float beta) {
+void CudaBackend::gemm_impl(float* C, ConstView A, ConstView B, int64_t M, int64_t N, int64_t K, bool ta, bool tb,
+                            float alpha, float beta) {
   const EventOpTimes::Scope op_scope(times_, "gemm");
-  if (A.dtype != B.dtype)
-    throw std::invalid_argument(std::string("gemm: inputs of two types, ") + to_string(A.dtype) + " and " +
-                                to_string(B.dtype));
-  if (M == 0 || N == 0) return;
   if (K == 0) {
     scale_kernel<<<blocks_for(M * N), kThreads, 0, stream_>>>(C, beta, M * N);
     DS_LAUNCHED();
@@ -167,10 +149,15 @@ void CudaBackend::gemm(float* C, ConstView A, ConstView B, int64_t M, int64_t N,
   DS_LT(cublasLtMatmul(lt_, plan.op, &alpha, B.data, plan.a, A.data, plan.b, &beta, C, plan.c, C, plan.c, &plan.algo,
                        workspace_, kWorkspaceBytes, stream_));
 }
-std::string CudaBackend::lowp_gemm_implementation(DType dtype) {
-  return std::string("cuBLASLt ") + to_string(dtype) + " inputs, fp32 accumulation (" + device_name_ + ")";
+// bf16 and fp16 GEMMs and attention run natively on every device the backend takes.
+LowPrecisionSupport CudaBackend::low_precision_impl(DType dtype, bool describe) {
+  LowPrecisionSupport s;
+  s.gemm_native = s.attention = dtype != DType::kF32;
+  if (describe)
+    s.gemm_implementation =
+        std::string("cuBLASLt ") + to_string(dtype) + " inputs, fp32 accumulation (" + device_name_ + ")";
+  return s;
 }
-bool CudaBackend::low_precision_gemm_native(DType dtype) { return dtype != DType::kF32; }
 
 void CudaBackend::destroy(GemmPlan& plan) {
   if (plan.a) cublasLtMatrixLayoutDestroy(plan.a);

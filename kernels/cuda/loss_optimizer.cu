@@ -164,27 +164,27 @@ __global__ void adamw_round_kernel(float* param, const float* grad, float* m, fl
 
 }  // namespace
 
-void CudaBackend::cross_entropy(float* loss, float* logits, const int32_t* target, int64_t rows, int64_t V,
+void CudaBackend::cross_entropy_impl(float* loss, float* logits, const int32_t* target, int64_t rows, int64_t V,
                                 float grad_scale) {
   const EventOpTimes::Scope op_scope(times_, "cross_entropy");
   if (rows <= 0) return;
   cross_entropy_kernel<<<unsigned(rows), kThreads, 0, stream_>>>(loss, logits, target, V, grad_scale);
   DS_LAUNCHED();
 }
-void CudaBackend::cross_entropy_row_max(float* row_max, const float* logits, int64_t rows, int64_t V) {
+void CudaBackend::cross_entropy_row_max_impl(float* row_max, const float* logits, int64_t rows, int64_t V) {
   const EventOpTimes::Scope op_scope(times_, "cross_entropy_row_max");
   if (rows <= 0) return;
   ce_row_max_kernel<<<unsigned(rows), kThreads, 0, stream_>>>(row_max, logits, V);
   DS_LAUNCHED();
 }
-void CudaBackend::cross_entropy_row_sums(float* sums, const float* logits, const float* row_max, const int32_t* target,
+void CudaBackend::cross_entropy_row_sums_impl(float* sums, const float* logits, const float* row_max, const int32_t* target,
                                          int64_t v0, int64_t rows, int64_t V) {
   const EventOpTimes::Scope op_scope(times_, "cross_entropy_row_sums");
   if (rows <= 0) return;
   ce_row_sums_kernel<<<unsigned(rows), kThreads, 0, stream_>>>(sums, logits, row_max, target, v0, V);
   DS_LAUNCHED();
 }
-void CudaBackend::cross_entropy_finish(float* loss, float* logits, const float* row_max, const float* sums,
+void CudaBackend::cross_entropy_finish_impl(float* loss, float* logits, const float* row_max, const float* sums,
                                        const int32_t* target, int64_t v0, int64_t rows, int64_t V, float grad_scale) {
   const EventOpTimes::Scope op_scope(times_, "cross_entropy_finish");
   if (rows <= 0) return;
@@ -192,7 +192,7 @@ void CudaBackend::cross_entropy_finish(float* loss, float* logits, const float* 
   DS_LAUNCHED();
 }
 
-void CudaBackend::embedding_forward(float* out, ConstView table, const int32_t* ids, int64_t N, int64_t H) {
+void CudaBackend::embedding_forward_impl(float* out, ConstView table, const int32_t* ids, int64_t N, int64_t H) {
   const EventOpTimes::Scope op_scope(times_, "embedding_forward");
   if (N * H <= 0) return;
   const auto* t16 = static_cast<const uint16_t*>(table.data);
@@ -204,7 +204,7 @@ void CudaBackend::embedding_forward(float* out, ConstView table, const int32_t* 
     embedding_forward_kernel<2><<<blocks_for(N * H), kThreads, 0, stream_>>>(out, t16, ids, N, H);
   DS_LAUNCHED();
 }
-void CudaBackend::embedding_backward(float* dtable, const float* dout, const int32_t* ids, int64_t N, int64_t H,
+void CudaBackend::embedding_backward_impl(float* dtable, const float* dout, const int32_t* ids, int64_t N, int64_t H,
                                      int64_t) {
   const EventOpTimes::Scope op_scope(times_, "embedding_backward");
   if (N * H <= 0) return;
@@ -216,14 +216,15 @@ void CudaBackend::embedding_backward(float* dtable, const float* dout, const int
   DS_LAUNCHED();
 }
 
-void CudaBackend::adamw(float* param, const float* grad, float* m, float* v, int64_t n, const AdamWParams& p) {
-  const EventOpTimes::Scope op_scope(times_, "adamw");
-  if (n <= 0) return;
-  adamw_kernel<<<blocks_for(n), kThreads, 0, stream_>>>(param, grad, m, v, n, dev::adamw_consts(p));
-  DS_LAUNCHED();
-}
-void CudaBackend::adamw_round(float* param, const float* grad, float* m, float* v, int64_t n, const AdamWParams& p,
-                              View half, float* widened) {
+void CudaBackend::adamw_impl(float* param, const float* grad, float* m, float* v, int64_t n, const AdamWParams& p,
+                             View half, float* widened) {
+  if (!half.data) {  // adamw
+    const EventOpTimes::Scope op_scope(times_, "adamw");
+    if (n <= 0) return;
+    adamw_kernel<<<blocks_for(n), kThreads, 0, stream_>>>(param, grad, m, v, n, dev::adamw_consts(p));
+    DS_LAUNCHED();
+    return;
+  }
   const EventOpTimes::Scope op_scope(times_, "adamw_round");
   if (n <= 0) return;
   auto* h = static_cast<uint16_t*>(half.data);
@@ -239,7 +240,7 @@ void CudaBackend::adamw_round(float* param, const float* grad, float* m, float* 
 }
 
 // Two passes with a fixed grid (the same partial sums, in the same order, every time).
-void CudaBackend::sum_squares(double* out, const float* x, int64_t n, bool accumulate) {
+void CudaBackend::sum_squares_impl(double* out, const float* x, int64_t n, bool accumulate) {
   const EventOpTimes::Scope op_scope(times_, "sum_squares");
   sum_squares_partial_kernel<<<kSumBlocks, kThreads, 0, stream_>>>(partials_, x, n);
   sum_squares_final_kernel<<<1, kThreads, 0, stream_>>>(out, partials_, accumulate);

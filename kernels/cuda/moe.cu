@@ -143,7 +143,7 @@ __global__ void moe_dispatch_backward_kernel(float* dx, const float* dXp, const 
 
 }  // namespace
 
-void CudaBackend::router_forward(int32_t* idx, float* w, float* scores, const float* logits, const float* bias,
+void CudaBackend::router_forward_impl(int32_t* idx, float* w, float* scores, const float* logits, const float* bias,
                                  int64_t N, const RouterParams& p) {
   const EventOpTimes::Scope op_scope(times_, "router_forward");
   check_router(p);
@@ -151,7 +151,7 @@ void CudaBackend::router_forward(int32_t* idx, float* w, float* scores, const fl
   router_forward_kernel<<<blocks_for(N, 128), 128, 0, stream_>>>(idx, w, scores, logits, bias, N, p);
   DS_LAUNCHED();
 }
-void CudaBackend::router_backward(float* dlogits, const float* dw, const float* dscores_extra, const float* scores,
+void CudaBackend::router_backward_impl(float* dlogits, const float* dw, const float* dscores_extra, const float* scores,
                                   const int32_t* idx, int64_t N, const RouterParams& p) {
   const EventOpTimes::Scope op_scope(times_, "router_backward");
   check_router(p);
@@ -162,7 +162,7 @@ void CudaBackend::router_backward(float* dlogits, const float* dw, const float* 
 
 // The plan with CUB: the slots' experts radix-sorted (stable) with the slot numbers as values,
 // then scattered into pos / src; counts by binary search in the sorted experts.
-void CudaBackend::moe_plan(int32_t* pos, int32_t* src, int32_t* counts, const int32_t* idx, int64_t N, int64_t k,
+void CudaBackend::moe_plan_impl(int32_t* pos, int32_t* src, int32_t* counts, const int32_t* idx, int64_t N, int64_t k,
                            int64_t E) {
   const EventOpTimes::Scope op_scope(times_, "moe_plan");
   if (E <= 0) return;
@@ -180,7 +180,7 @@ void CudaBackend::moe_plan(int32_t* pos, int32_t* src, int32_t* counts, const in
   plan_counts_kernel<<<blocks_for(E), kThreads, 0, stream_>>>(counts, sorted, n, E);
   DS_LAUNCHED();
 }
-void CudaBackend::moe_balance_stats(float* stats, const int32_t* idx, const float* scores, const BalanceShape& b) {
+void CudaBackend::moe_balance_stats_impl(float* stats, const int32_t* idx, const float* scores, const BalanceShape& b) {
   const EventOpTimes::Scope op_scope(times_, "moe_balance_stats");
   if (b.groups * b.E <= 0) return;
   double* rowsum = reinterpret_cast<double*>(scratch(2 * std::max<int64_t>(b.n, 1)));
@@ -191,7 +191,7 @@ void CudaBackend::moe_balance_stats(float* stats, const int32_t* idx, const floa
   balance_stats_kernel<<<blocks_for(b.groups * b.E), kThreads, 0, stream_>>>(stats, idx, scores, rowsum, b);
   DS_LAUNCHED();
 }
-void CudaBackend::moe_balance_grad(float* dscores, float* aux, const float* stats, const float* scores,
+void CudaBackend::moe_balance_grad_impl(float* dscores, float* aux, const float* stats, const float* scores,
                                    const BalanceShape& b, double weight, double grad_scale) {
   const EventOpTimes::Scope op_scope(times_, "moe_balance_grad");
   if (aux) {
@@ -203,11 +203,7 @@ void CudaBackend::moe_balance_grad(float* dscores, float* aux, const float* stat
   DS_LAUNCHED();
 }
 
-void CudaBackend::gather_rows(float* out, const float* in, const int32_t* src, int64_t n, int64_t H) {
-  const EventOpTimes::Scope op_scope(times_, "gather_rows");
-  gather_rows(View{out, DType::kF32}, in, src, n, H);
-}
-void CudaBackend::gather_rows(View out, const float* in, const int32_t* src, int64_t n, int64_t H) {
+void CudaBackend::gather_rows_impl(View out, const float* in, const int32_t* src, int64_t n, int64_t H) {
   const EventOpTimes::Scope op_scope(times_, "gather_rows");
   if (n * H <= 0) return;
   const int blocks = blocks_for(n * H);
@@ -216,19 +212,21 @@ void CudaBackend::gather_rows(View out, const float* in, const int32_t* src, int
   });
   DS_LAUNCHED();
 }
-void CudaBackend::moe_combine(float* out, const float* Y, const float* w, const int32_t* pos, int64_t N, int64_t k,
-                              int64_t H) {
+void CudaBackend::moe_combine_impl(float* out, const float* Y, const float* w, const int32_t* pos, int64_t N,
+                                   int64_t k, int64_t H) {
+  if (!w) {  // moe_dispatch_backward
+    const EventOpTimes::Scope op_scope(times_, "moe_dispatch_backward");
+    if (N * H <= 0) return;
+    moe_dispatch_backward_kernel<<<blocks_for(N * H), kThreads, 0, stream_>>>(out, Y, pos, N, k, H);
+    DS_LAUNCHED();
+    return;
+  }
   const EventOpTimes::Scope op_scope(times_, "moe_combine");
   if (N * H <= 0) return;
   moe_combine_kernel<<<blocks_for(N * H), kThreads, 0, stream_>>>(out, Y, w, pos, N, k, H);
   DS_LAUNCHED();
 }
-void CudaBackend::moe_combine_backward(float* dY, float* dw, const float* dout, const float* Y, const float* w,
-                                       const int32_t* pos, int64_t N, int64_t k, int64_t H) {
-  const EventOpTimes::Scope op_scope(times_, "moe_combine_backward");
-  moe_combine_backward(View{dY, DType::kF32}, dw, dout, Y, w, pos, N, k, H);
-}
-void CudaBackend::moe_combine_backward(View dY, float* dw, const float* dout, const float* Y, const float* w,
+void CudaBackend::moe_combine_backward_impl(View dY, float* dw, const float* dout, const float* Y, const float* w,
                                        const int32_t* pos, int64_t N, int64_t k, int64_t H) {
   const EventOpTimes::Scope op_scope(times_, "moe_combine_backward");
   if (N * k <= 0) return;
@@ -236,13 +234,6 @@ void CudaBackend::moe_combine_backward(View dY, float* dw, const float* dout, co
   with_storage(dY, [&](auto kind, auto* p) {
     moe_combine_backward_kernel<decltype(kind)::value><<<blocks, kThreads, 0, stream_>>>(p, dw, dout, Y, w, pos, N, k, H);
   });
-  DS_LAUNCHED();
-}
-void CudaBackend::moe_dispatch_backward(float* dx, const float* dXp, const int32_t* pos, int64_t N, int64_t k,
-                                        int64_t H) {
-  const EventOpTimes::Scope op_scope(times_, "moe_dispatch_backward");
-  if (N * H <= 0) return;
-  moe_dispatch_backward_kernel<<<blocks_for(N * H), kThreads, 0, stream_>>>(dx, dXp, pos, N, k, H);
   DS_LAUNCHED();
 }
 

@@ -197,7 +197,7 @@ __global__ void swiglu_backward_kernel(dev::Storage<KIND>* dGU, const float* dM,
 
 }  // namespace
 
-void CudaBackend::convert(View dst, ConstView src, int64_t n) {
+void CudaBackend::convert_impl(View dst, ConstView src, int64_t n) {
   const EventOpTimes::Scope op_scope(times_, "convert");
   if (n <= 0) return;
   if (dst.dtype == src.dtype) {
@@ -205,9 +205,6 @@ void CudaBackend::convert(View dst, ConstView src, int64_t n) {
                             stream_));
     return;
   }
-  if (dst.dtype != DType::kF32 && src.dtype != DType::kF32)
-    throw std::invalid_argument(std::string("convert: ") + to_string(src.dtype) + " to " + to_string(dst.dtype) +
-                                " (one side must be fp32)");
   auto* d16 = static_cast<uint16_t*>(dst.data);
   auto* s16 = static_cast<const uint16_t*>(src.data);
   if (dst.dtype == DType::kBF16) to_lowp_kernel<1><<<blocks_for(n), kThreads, 0, stream_>>>(d16, f(src.data), n);
@@ -217,13 +214,8 @@ void CudaBackend::convert(View dst, ConstView src, int64_t n) {
   DS_LAUNCHED();
 }
 
-void CudaBackend::rmsnorm_forward(float* y, float* rstd, const float* x, const float* w, int64_t rows, int64_t C,
-                                  float eps) {
-  const EventOpTimes::Scope op_scope(times_, "rmsnorm_forward");
-  rmsnorm_forward(View{y, DType::kF32}, rstd, x, w, rows, C, eps);
-}
-void CudaBackend::rmsnorm_forward(View y, float* rstd, const float* x, const float* w, int64_t rows, int64_t C,
-                                  float eps) {
+void CudaBackend::rmsnorm_forward_impl(View y, float* rstd, const float* x, const float* w, int64_t rows, int64_t C,
+                                       float eps) {
   const EventOpTimes::Scope op_scope(times_, "rmsnorm_forward");
   if (rows <= 0) return;
   with_storage(y, [&](auto kind, auto* p) {
@@ -231,7 +223,7 @@ void CudaBackend::rmsnorm_forward(View y, float* rstd, const float* x, const flo
   });
   DS_LAUNCHED();
 }
-void CudaBackend::rmsnorm_backward(float* dx, float* dw, const float* dy, const float* x, const float* w,
+void CudaBackend::rmsnorm_backward_impl(float* dx, float* dw, const float* dy, const float* x, const float* w,
                                    const float* rstd, int64_t rows, int64_t C) {
   const EventOpTimes::Scope op_scope(times_, "rmsnorm_backward");
   if (rows <= 0 || C <= 0) return;
@@ -247,13 +239,7 @@ void CudaBackend::rmsnorm_backward(float* dx, float* dw, const float* dy, const 
   DS_LAUNCHED();
 }
 
-void CudaBackend::rope_forward(float* out, int64_t out_ts, int64_t out_hs, const float* in, int64_t in_ts,
-                               int64_t in_hs, const float* cos, const float* sin, int64_t N, int64_t S, int64_t heads,
-                               int64_t dr, bool interleave) {
-  const EventOpTimes::Scope op_scope(times_, "rope_forward");
-  rope_forward(View{out, DType::kF32}, out_ts, out_hs, in, in_ts, in_hs, cos, sin, N, S, heads, dr, interleave);
-}
-void CudaBackend::rope_forward(View out, int64_t out_ts, int64_t out_hs, const float* in, int64_t in_ts,
+void CudaBackend::rope_forward_impl(View out, int64_t out_ts, int64_t out_hs, const float* in, int64_t in_ts,
                                int64_t in_hs, const float* cos, const float* sin, int64_t N, int64_t S, int64_t heads,
                                int64_t dr, bool interleave) {
   const EventOpTimes::Scope op_scope(times_, "rope_forward");
@@ -265,21 +251,13 @@ void CudaBackend::rope_forward(View out, int64_t out_ts, int64_t out_hs, const f
   });
   DS_LAUNCHED();
 }
-void CudaBackend::rope_backward(float* din, int64_t in_ts, int64_t in_hs, const float* dout, int64_t out_ts,
-                                int64_t out_hs, const float* cos, const float* sin, int64_t N, int64_t S,
-                                int64_t heads, int64_t dr, bool interleave, bool accumulate) {
-  const EventOpTimes::Scope op_scope(times_, "rope_backward");
-  rope_backward(View{din, DType::kF32}, in_ts, in_hs, dout, out_ts, out_hs, cos, sin, N, S, heads, dr, interleave,
-                accumulate);
-}
-void CudaBackend::rope_backward(View din, int64_t in_ts, int64_t in_hs, const float* dout, int64_t out_ts,
+void CudaBackend::rope_backward_impl(View din, int64_t in_ts, int64_t in_hs, const float* dout, int64_t out_ts,
                                 int64_t out_hs, const float* cos, const float* sin, int64_t N, int64_t S,
                                 int64_t heads, int64_t dr, bool interleave, bool accumulate) {
   const EventOpTimes::Scope op_scope(times_, "rope_backward");
   const int64_t n = N * heads * (dr / 2);
   if (n <= 0) return;
-  check_rope_backward(din.dtype, in_hs, heads, dr, accumulate);
-  if (in_hs == 0) {  // one row for all heads (accumulating, so fp32: check_rope_backward)
+  if (in_hs == 0) {  // one row for all heads (accumulating, so fp32: Backend::rope_backward checked)
     rope_backward_shared_kernel<<<blocks_for(N * (dr / 2)), kThreads, 0, stream_>>>(
         static_cast<float*>(din.data), in_ts, dout, out_ts, out_hs, cos, sin, N, S, heads, dr, interleave,
         accumulate);
@@ -293,11 +271,7 @@ void CudaBackend::rope_backward(View din, int64_t in_ts, int64_t in_hs, const fl
   DS_LAUNCHED();
 }
 
-void CudaBackend::swiglu_forward(float* M, const float* GU, int64_t N, int64_t I) {
-  const EventOpTimes::Scope op_scope(times_, "swiglu_forward");
-  swiglu_forward(View{M, DType::kF32}, GU, N, I);
-}
-void CudaBackend::swiglu_forward(View M, const float* GU, int64_t N, int64_t I) {
+void CudaBackend::swiglu_forward_impl(View M, const float* GU, int64_t N, int64_t I) {
   const EventOpTimes::Scope op_scope(times_, "swiglu_forward");
   if (N * I <= 0) return;
   const int blocks = blocks_for(N * I);
@@ -306,11 +280,7 @@ void CudaBackend::swiglu_forward(View M, const float* GU, int64_t N, int64_t I) 
   });
   DS_LAUNCHED();
 }
-void CudaBackend::swiglu_backward(float* dGU, const float* dM, const float* GU, int64_t N, int64_t I) {
-  const EventOpTimes::Scope op_scope(times_, "swiglu_backward");
-  swiglu_backward(View{dGU, DType::kF32}, dM, GU, N, I);
-}
-void CudaBackend::swiglu_backward(View dGU, const float* dM, const float* GU, int64_t N, int64_t I) {
+void CudaBackend::swiglu_backward_impl(View dGU, const float* dM, const float* GU, int64_t N, int64_t I) {
   const EventOpTimes::Scope op_scope(times_, "swiglu_backward");
   if (N * I <= 0) return;
   const int blocks = blocks_for(N * I);
@@ -320,27 +290,19 @@ void CudaBackend::swiglu_backward(View dGU, const float* dM, const float* GU, in
   DS_LAUNCHED();
 }
 
-void CudaBackend::add(float* y, const float* x, int64_t n) {
+void CudaBackend::add_impl(float* y, const float* x, int64_t n) {
   const EventOpTimes::Scope op_scope(times_, "add");
   if (n <= 0) return;
   add_kernel<<<blocks_for(n), kThreads, 0, stream_>>>(y, x, n);
   DS_LAUNCHED();
 }
-void CudaBackend::fill(float* y, float value, int64_t n) {
+void CudaBackend::fill_impl(float* y, float value, int64_t n) {
   const EventOpTimes::Scope op_scope(times_, "fill");
   if (n <= 0) return;
   fill_kernel<<<blocks_for(n), kThreads, 0, stream_>>>(y, value, n);
   DS_LAUNCHED();
 }
-void CudaBackend::copy_strided(float* dst, int64_t dst_stride, const float* src, int64_t src_stride, int64_t rows,
-                               int64_t cols) {
-  const EventOpTimes::Scope op_scope(times_, "copy_strided");
-  if (rows * cols <= 0) return;
-  strided_kernel<false><<<blocks_for(rows * cols), kThreads, 0, stream_>>>(dst, dst_stride, src, src_stride, rows,
-                                                                           cols);
-  DS_LAUNCHED();
-}
-void CudaBackend::copy_strided(View dst, int64_t dst_stride, const float* src, int64_t src_stride, int64_t rows,
+void CudaBackend::copy_strided_impl(View dst, int64_t dst_stride, const float* src, int64_t src_stride, int64_t rows,
                                int64_t cols) {
   const EventOpTimes::Scope op_scope(times_, "copy_strided");
   if (rows * cols <= 0) return;
@@ -350,7 +312,7 @@ void CudaBackend::copy_strided(View dst, int64_t dst_stride, const float* src, i
   });
   DS_LAUNCHED();
 }
-void CudaBackend::add_strided(float* dst, int64_t dst_stride, const float* src, int64_t src_stride, int64_t rows,
+void CudaBackend::add_strided_impl(float* dst, int64_t dst_stride, const float* src, int64_t src_stride, int64_t rows,
                               int64_t cols) {
   const EventOpTimes::Scope op_scope(times_, "add_strided");
   if (rows * cols <= 0) return;

@@ -50,6 +50,6 @@ struct CudaRangeHooks {
 CudaRangeHooks cuda_range_hooks();
 
 // The plugin's interface version: the loader refuses a libdstrain_cuda.so of another.
-constexpr int kCudaPluginAbi = 2;
+constexpr int kCudaPluginAbi = 3;
 
 }  // namespace dstrain::kernels

@@ -1,0 +1,250 @@
+// The kernel interface's two layers (docs/design.md §6.1, "One seam per operation"): the rules
+// the public wrappers hold for every backend, and the device-memory check, which runs every op
+// on its inner backend through Backend's operand() hook with no op of its own.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <random>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "dstrain/kernels/backend.h"
+
+namespace dstrain::kernels {
+namespace {
+
+using FVec = std::vector<float>;
+
+FVec randn(size_t n, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> d(0.0f, 1.0f);
+  FVec v(n);
+  for (float& x : v) x = d(rng);
+  return v;
+}
+
+// Both kinds of backend the tests have: the CPU one, and the CPU one behind checked device memory.
+std::vector<std::pair<std::string, std::unique_ptr<Backend>>> backends() {
+  std::vector<std::pair<std::string, std::unique_ptr<Backend>>> v;
+  v.emplace_back("cpu", make_cpu_backend(1));
+  v.emplace_back("device check", make_device_check_backend(make_cpu_backend(1)));
+  return v;
+}
+
+// A device buffer holding `host`, and a way to read it back.
+struct Buf {
+  Buf(Backend& be, const FVec& host) : be(be), mem(be, int64_t(host.size()) * 4), n(host.size()) {
+    be.copy_from_host(mem.data(), host.data(), int64_t(n) * 4);
+  }
+  FVec read() const {
+    FVec out(n);
+    be.copy_to_host(out.data(), mem.data(), int64_t(n) * 4);
+    return out;
+  }
+  float* f() const { return mem.as<float>(); }
+  Backend& be;
+  DeviceBuffer mem;
+  size_t n;
+};
+
+// `call` throws std::invalid_argument whose message contains `what`.
+void expect_refused(const std::function<void()>& call, const std::string& what, const std::string& tag) {
+  try {
+    call();
+    ADD_FAILURE() << tag << ": accepted; expected \"" << what << "\"";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << tag << ": " << e.what();
+  }
+}
+
+// The dtype rules are refused the same way on every backend, before any backend runs: the
+// outputs keep every bit they had.
+TEST(BackendSeam, DtypeRulesAreRefusedAlikeOnEveryBackendWithOutputsUntouched) {
+  for (auto& [tag, be] : backends()) {
+    const FVec x = randn(64, 1), y0 = randn(64, 2);
+    Buf a(*be, x), out(*be, y0);
+    DeviceBuffer lp(*be, 64 * 2);
+    be->convert({lp.data(), DType::kBF16}, f32(a.f()), 64);
+    // gemm: inputs of one type.
+    expect_refused([&] { be->gemm(out.f(), f32(a.f()), ConstView{lp.data(), DType::kBF16}, 8, 8, 8, false, true, 1.0f, 0.0f); },
+                   "gemm: inputs of two types", tag);
+    // convert: one side fp32 unless the types match.
+    DeviceBuffer f16(*be, 64 * 2);
+    expect_refused([&] { be->convert({f16.data(), DType::kF16}, ConstView{lp.data(), DType::kBF16}, 64); },
+                   "one side must be fp32", tag);
+    // attention: Q, K, V (and dO's 16-bit copy) of one type.
+    be->reserve_attention(4);
+    Buf lse(*be, FVec(16, 7.0f));
+    expect_refused(
+        [&] {
+          be->attention_forward(out.f(), lse.f(), f32(a.f()), ConstView{lp.data(), DType::kBF16}, f32(a.f()), 1, 4, 2,
+                                8, 8, 0.5f);
+        },
+        "attention on views of two types", tag);
+    expect_refused(
+        [&] {
+          be->attention_backward(out.f(), out.f(), out.f(), a.f(), ConstView{lp.data(), DType::kBF16}, f32(a.f()),
+                                 f32(a.f()), f32(a.f()), a.f(), lse.f(), 1, 4, 2, 8, 8, 0.5f);
+        },
+        "attention on views of two types", tag);
+    // adamw_round: the compute copy is 16-bit.
+    Buf m(*be, FVec(64, 0.0f)), v(*be, FVec(64, 0.0f));
+    expect_refused([&] { be->adamw_round(out.f(), a.f(), m.f(), v.f(), 64, AdamWParams{}, View{a.f(), DType::kF32}, nullptr); },
+                   "must be bf16 or fp16", tag);
+    // rope_backward: a 16-bit din is only overwritten; heads' rows may not overlap.
+    Buf cs(*be, FVec(16, 1.0f));
+    expect_refused(
+        [&] {
+          be->rope_backward(View{lp.data(), DType::kBF16}, 8, 4, a.f(), 8, 4, cs.f(), cs.f(), 4, 4, 2, 4, false, true);
+        },
+        "accumulate into a 16-bit din", tag);
+    expect_refused([&] { be->rope_backward(out.f(), 8, 2, a.f(), 8, 4, cs.f(), cs.f(), 4, 4, 2, 4, false, false); },
+                   "overlap", tag);
+    EXPECT_EQ(out.read(), y0) << tag;
+    EXPECT_EQ(lse.read(), FVec(16, 7.0f)) << tag;
+    EXPECT_EQ(m.read(), FVec(64, 0.0f)) << tag;
+  }
+}
+
+// An op with nothing to do returns before any backend runs: its pointers are not looked at (the
+// device check would refuse these nulls), and nothing is written.
+TEST(BackendSeam, OpsOfZeroSizeTouchNothingOnEveryBackend) {
+  for (auto& [tag, be] : backends()) {
+    EXPECT_NO_THROW({
+      be->gemm(nullptr, static_cast<const float*>(nullptr), nullptr, 0, 8, 8, false, false, 1.0f, 0.0f);
+      be->rmsnorm_forward(static_cast<float*>(nullptr), nullptr, nullptr, nullptr, 0, 16, 1e-6f);
+      be->swiglu_forward(static_cast<float*>(nullptr), nullptr, 0, 8);
+      be->gather_rows(static_cast<float*>(nullptr), nullptr, nullptr, 0, 8);
+      be->moe_dispatch_backward(nullptr, nullptr, nullptr, 0, 2, 8);
+      be->cross_entropy(nullptr, nullptr, nullptr, 0, 16, 1.0f);
+      be->adamw(nullptr, nullptr, nullptr, nullptr, 0, AdamWParams{});
+      be->fill(nullptr, 1.0f, 0);
+      be->add(nullptr, nullptr, 0);
+      be->copy(nullptr, nullptr, 0);
+      be->convert({nullptr, DType::kBF16}, f32(nullptr), 0);
+      be->gemm_grouped(nullptr, static_cast<const float* const*>(nullptr), nullptr, nullptr, nullptr, nullptr, 0,
+                       false, false, 1.0f, 0.0f);
+    }) << tag;
+    // A GEMM with K = 0 still scales C (C = beta C) and reads neither input.
+    Buf c(*be, FVec{1, 2, 3, 4});
+    be->gemm(c.f(), static_cast<const float*>(nullptr), nullptr, 2, 2, 0, false, false, 1.0f, 0.5f);
+    EXPECT_EQ(c.read(), (FVec{0.5f, 1, 1.5f, 2})) << tag;
+  }
+}
+
+// The folded ops: the dispatch gather's backward is moe_combine with unit weights, bit for bit;
+// adamw_round's master weights are adamw's; the fp32 overloads are the typed op on fp32 views.
+TEST(BackendSeam, FoldedOpsGiveTheBitsOfWhatTheyReplace) {
+  for (auto& [tag, be] : backends()) {
+    const int64_t N = 5, k = 2, H = 24, n = 300;
+    const FVec Y = randn(size_t(N * k * H), 3), x0 = randn(size_t(N * H), 4);
+    std::vector<int32_t> pos_h(size_t(N * k));
+    for (int64_t i = 0; i < N * k; ++i) pos_h[size_t(i)] = int32_t((i * 7) % (N * k));
+    DeviceArray<int32_t> pos(*be, N * k);
+    be->copy_from_host(pos.data(), pos_h.data(), N * k * 4);
+    Buf y(*be, Y), a(*be, x0), b(*be, x0), ones(*be, FVec(size_t(N * k), 1.0f));
+    be->moe_dispatch_backward(a.f(), y.f(), pos.data(), N, k, H);
+    be->moe_combine(b.f(), y.f(), ones.f(), pos.data(), N, k, H);
+    EXPECT_EQ(a.read(), b.read()) << tag;
+    FVec want = x0;  // and both are the sums they stand for
+    for (int64_t t = 0; t < N; ++t)
+      for (int64_t j = 0; j < k; ++j)
+        for (int64_t c = 0; c < H; ++c) want[size_t(t * H + c)] += Y[size_t(pos_h[size_t(t * k + j)] * H + c)];
+    EXPECT_EQ(a.read(), want) << tag;
+
+    const FVec p0 = randn(size_t(n), 5), g = randn(size_t(n), 6);
+    Buf p1(*be, p0), p2(*be, p0), grad(*be, g), m1(*be, FVec(size_t(n), 0.0f)), v1(*be, FVec(size_t(n), 0.0f)),
+        m2(*be, FVec(size_t(n), 0.0f)), v2(*be, FVec(size_t(n), 0.0f)), widened(*be, FVec(size_t(n), 0.0f));
+    DeviceBuffer half(*be, n * 2);
+    AdamWParams ap;
+    ap.lr = 0.01f, ap.weight_decay = 0.1f;
+    be->adamw(p1.f(), grad.f(), m1.f(), v1.f(), n, ap);
+    be->adamw_round(p2.f(), grad.f(), m2.f(), v2.f(), n, ap, View{half.data(), DType::kBF16}, widened.f());
+    EXPECT_EQ(p1.read(), p2.read()) << tag;
+    EXPECT_EQ(m1.read(), m2.read()) << tag;
+    EXPECT_EQ(v1.read(), v2.read()) << tag;
+    Buf back(*be, FVec(size_t(n), 0.0f));
+    be->convert({back.f(), DType::kF32}, ConstView{half.data(), DType::kBF16}, n);
+    EXPECT_EQ(back.read(), widened.read()) << tag;
+
+    // The fp32 overload and the typed op on fp32 views: the same bits.
+    const int64_t rows = 6, C = 20;
+    const FVec xs = randn(size_t(rows * C), 7), w = randn(size_t(C), 8);
+    Buf xb(*be, xs), wb(*be, w), y1(*be, FVec(size_t(rows * C))), y2(*be, FVec(size_t(rows * C))),
+        r1(*be, FVec(size_t(rows))), r2(*be, FVec(size_t(rows)));
+    be->rmsnorm_forward(y1.f(), r1.f(), xb.f(), wb.f(), rows, C, 1e-6f);
+    be->rmsnorm_forward(View{y2.f(), DType::kF32}, r2.f(), xb.f(), wb.f(), rows, C, 1e-6f);
+    EXPECT_EQ(y1.read(), y2.read()) << tag;
+    EXPECT_EQ(r1.read(), r2.read()) << tag;
+  }
+}
+
+// What the device check answers itself and what it takes from the backend it stands in front of.
+TEST(BackendSeam, TheDeviceCheckKeepsItsMemoryAndTakesTheRestFromItsInnerBackend) {
+  auto inner = make_cpu_backend(1);
+  const std::string inner_name = inner->name();
+  auto be = make_device_check_backend(std::move(inner));
+  EXPECT_EQ(be->name(), inner_name + " behind checked device memory");
+  EXPECT_EQ(be->num_threads(), 1);
+  EXPECT_FALSE(be->host_addressable());
+  EXPECT_EQ(be->op_timing_clock(), "the host clock");
+  EXPECT_EQ(be->device_memory_free(), -1);  // host memory, really
+  KernelOptions o;
+  o.cpu_attention = "onednn";
+  be->set_options(o);
+  EXPECT_EQ(be->options().cpu_attention, "onednn");
+  o.cpu_attention = "tpu";
+  EXPECT_THROW(be->set_options(o), std::invalid_argument);
+  EXPECT_EQ(be->options().cpu_attention, "onednn");  // a refused value changes nothing
+  const LowPrecisionSupport f = be->low_precision(DType::kF32, true);
+  EXPECT_FALSE(f.gemm_native);
+  EXPECT_FALSE(f.attention);
+  EXPECT_FALSE(f.gemm_implementation.empty());
+  EXPECT_TRUE(be->low_precision(DType::kBF16).gemm_implementation.empty());  // filled only when asked
+  // Op timing runs on the inner backend and is read through the check.
+  be->set_op_timing(true);
+  DeviceBuffer a(*be, 64);
+  be->fill(a.as<float>(), 1.0f, 16);
+  bool saw_fill = false;
+  for (const OpTime& t : be->take_op_times()) saw_fill = saw_fill || (t.op == "fill" && t.calls == 1);
+  EXPECT_TRUE(saw_fill);
+}
+
+// A backend that implements only its memory and options: every op it leaves out fails loudly,
+// naming itself and the op, instead of doing nothing — a backend is complete or refuses.
+class MemoryOnlyBackend final : public Backend {
+ public:
+  MemoryOnlyBackend() { name_ = "memory-only"; }
+  void* allocate(int64_t bytes) override { return ::operator new(size_t(std::max<int64_t>(bytes, 1))); }
+  void deallocate(void* p) override { ::operator delete(p); }
+
+ protected:
+  void set_options_impl(const KernelOptions&) override {}
+};
+
+TEST(BackendSeam, AnOpABackendDoesNotImplementFailsNamingIt) {
+  MemoryOnlyBackend be;
+  DeviceBuffer a(be, 64);
+  try {
+    be.fill(a.as<float>(), 1.0f, 16);
+    ADD_FAILURE() << "fill ran on a backend without fill_impl";
+  } catch (const std::logic_error& e) {
+    EXPECT_NE(std::string(e.what()).find("memory-only implements no fill_impl"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(be.synchronize(), std::logic_error);
+  EXPECT_THROW(be.low_precision(DType::kBF16), std::logic_error);
+  be.fill(a.as<float>(), 1.0f, 0);  // nothing to do: no backend runs
+  KernelOptions o;
+  o.lowp_gemm = "widened";
+  be.set_options(o);
+  EXPECT_EQ(be.options().lowp_gemm, "widened");
+  EXPECT_TRUE(be.take_op_times().empty());  // op timing is optional
+}
+
+}  // namespace
+}  // namespace dstrain::kernels
