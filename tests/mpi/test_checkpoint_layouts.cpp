@@ -1,5 +1,5 @@
 // Checkpoints across layouts, under mpirun -np 4: every rank initialises its shards of the
-// `small` model (layout-invariant values) and moments derived from them, rank 0 gathers and
+// `tiny` model with 4 layers (layout-invariant values) and moments derived from them, rank 0 gathers and
 // writes one checkpoint, and the file must hold exactly the single-rank tensors. Then every
 // rank of another layout reads back only its own slices and must get its values.
 #include <gtest/gtest.h>
@@ -24,7 +24,7 @@ using testing::world_rank;
 
 plan::ParallelPlan make(int tp, int pp, int ep, int world, const std::string& dir, int zero = 0) {
   const auto cfg = config::load_config_file(
-      "configs/small.yaml", {"parallel.tensor=" + std::to_string(tp), "parallel.pipeline=" + std::to_string(pp),
+      "configs/tiny.yaml", {"model.num_hidden_layers=4", "parallel.tensor=" + std::to_string(tp), "parallel.pipeline=" + std::to_string(pp),
                              "parallel.expert=" + std::to_string(ep), "checkpoint.dir=" + dir,
                              "train_batch_size=16", "train_micro_batch_size_per_gpu=null",
                              "gradient_accumulation_steps=null", "zero_optimization.stage=" + std::to_string(zero)});
@@ -41,7 +41,7 @@ struct RankState {
 RankState rank_state(const plan::ParallelPlan& p, bool fill) {
   const plan::Coord c = p.grid.coord(world_rank());
   RankState s;
-  s.params = std::make_unique<model::ParamStore>(p.params, p.param_stage, 32,
+  s.params = std::make_unique<model::ParamStore>(p.params, p.param_stage, p.config.model.num_routed(),
                                                   model::ShardCoords{c.pp, c.tp, p.degrees.tp, c.ep, p.degrees.ep});
   s.be = kernels::make_cpu_backend(1);
   s.adam = std::make_unique<runtime::AdamW>(p.config.optimizer, *s.params, *s.be);
@@ -174,7 +174,7 @@ ShardedState sharded_state(const plan::ParallelPlan& p, bool fill) {
   s.groups = comm::create_groups(runtime::group_specs(p.grid, world_rank()));
   s.dp = s.groups[1].communicator("dp");
   s.edp = s.groups[4].communicator("edp");
-  s.params = std::make_unique<model::ParamStore>(p.params, p.param_stage, 32,
+  s.params = std::make_unique<model::ParamStore>(p.params, p.param_stage, p.config.model.num_routed(),
                                                   model::ShardCoords{c.pp, c.tp, p.degrees.tp, c.ep, p.degrees.ep});
   s.zero = std::make_unique<parallel::ZeroSharding>(1, s.params->dense_numel(), s.params->expert_numel(), *s.dp, *s.edp);
   s.params->pad(s.zero->buffer_length(false), s.zero->buffer_length(true));
