@@ -111,6 +111,27 @@ TEST(BackendSeam, DtypeRulesAreRefusedAlikeOnEveryBackendWithOutputsUntouched) {
   }
 }
 
+// Sizes are counts: a negative one, an odd rope width or tokens without positions are refused by
+// the wrappers, naming the op, on every backend.
+TEST(BackendSeam, ImpossibleSizesAreRefusedNamingTheOp) {
+  for (auto& [tag, be] : backends()) {
+    Buf a(*be, FVec(64, 1.0f)), b(*be, FVec(64, 2.0f));
+    expect_refused([&] { be->gemm(a.f(), b.f(), b.f(), 2, -1, 2, false, false, 1.0f, 0.0f); },
+                   "gemm: a negative size (-1)", tag);
+    expect_refused([&] { be->rmsnorm_forward(a.f(), b.f(), b.f(), b.f(), 2, -4, 1e-6f); },
+                   "rmsnorm_forward: a negative size", tag);
+    expect_refused([&] { be->rope_forward(a.f(), 8, 4, b.f(), 8, 4, b.f(), b.f(), 2, 4, 2, 3, false); },
+                   "rope_forward: an odd rope width 3", tag);
+    expect_refused([&] { be->rope_backward(a.f(), 8, 4, b.f(), 8, 4, b.f(), b.f(), 2, 0, 2, 4, false, false); },
+                   "rope_backward: tokens without positions", tag);
+    expect_refused([&] { be->attention_forward(a.f(), b.f(), b.f(), b.f(), b.f(), 1, 4, -2, 8, 8, 0.5f); },
+                   "attention_forward: a negative size", tag);
+    expect_refused([&] { be->swiglu_forward(a.f(), b.f(), -3, 4); }, "swiglu_forward: a negative size", tag);
+    expect_refused([&] { be->copy_strided(a.f(), 4, b.f(), 4, 2, -4); }, "copy_strided: a negative size", tag);
+    EXPECT_EQ(a.read(), FVec(64, 1.0f)) << tag;
+  }
+}
+
 // An op with nothing to do returns before any backend runs: its pointers are not looked at (the
 // device check would refuse these nulls), and nothing is written.
 TEST(BackendSeam, OpsOfZeroSizeTouchNothingOnEveryBackend) {

@@ -255,6 +255,7 @@ class Backend {
   // (fp32, bf16 or fp16), products accumulated in fp32, C fp32. K = 0 gives C = beta * C.
   void gemm(float* C, ConstView A, ConstView B, int64_t M, int64_t N, int64_t K, bool trans_a, bool trans_b,
             float alpha, float beta) {
+    check_sizes("gemm", {M, N, K});
     if (M == 0 || N == 0) return;
     if (A.dtype != B.dtype)
       throw std::invalid_argument(std::string("gemm: inputs of two types, ") + to_string(A.dtype) + " and " +
@@ -291,6 +292,7 @@ class Backend {
   // normed latents as their GEMMs read them).
   void rmsnorm_forward(View y, float* rstd, const float* x, const float* w, int64_t rows, int64_t C, float eps) {
     const char* op = "rmsnorm_forward";
+    check_sizes(op, {rows, C});
     if (rows > 0) target_->rmsnorm_forward_impl(d(op, y), d(op, rstd), d(op, x), d(op, w), rows, C, eps);
   }
   void rmsnorm_forward(float* y, float* rstd, const float* x, const float* w, int64_t rows, int64_t C, float eps) {
@@ -300,6 +302,7 @@ class Backend {
   void rmsnorm_backward(float* dx, float* dw, const float* dy, const float* x, const float* w, const float* rstd,
                         int64_t rows, int64_t C) {
     const char* op = "rmsnorm_backward";
+    check_sizes(op, {rows, C});
     if (rows > 0)
       target_->rmsnorm_backward_impl(d(op, dx), d(op, dw), d(op, dy), d(op, x), d(op, w), d(op, rstd), rows, C);
   }
@@ -313,6 +316,7 @@ class Backend {
                     const float* cos, const float* sin, int64_t N, int64_t S, int64_t heads, int64_t dr,
                     bool interleave) {
     const char* op = "rope_forward";
+    check_rope_sizes(op, N, S, heads, dr);
     if (N > 0)
       target_->rope_forward_impl(d(op, out), out_ts, out_hs, d(op, in), in_ts, in_hs, d(op, cos), d(op, sin), N, S,
                                  heads, dr, interleave);
@@ -332,6 +336,7 @@ class Backend {
                      const float* cos, const float* sin, int64_t N, int64_t S, int64_t heads, int64_t dr,
                      bool interleave, bool accumulate) {
     const char* op = "rope_backward";
+    check_rope_sizes(op, N, S, heads, dr);
     if (N <= 0) return;
     check_rope_backward(din.dtype, in_hs, heads, dr, accumulate);
     target_->rope_backward_impl(d(op, din), in_ts, in_hs, d(op, dout), out_ts, out_hs, d(op, cos), d(op, sin), N, S,
@@ -357,6 +362,7 @@ class Backend {
   void attention_forward(float* O, float* lse, ConstView Q, ConstView K, ConstView V, int64_t B, int64_t S,
                          int64_t nh, int64_t dqk, int64_t dv, float scale) {
     const char* op = "attention_forward";
+    check_sizes(op, {B, S, nh, dqk, dv});
     check_attention_types(Q.dtype, {K.dtype, V.dtype});
     target_->attention_forward_impl(d(op, O), d(op, lse), d(op, Q), d(op, K), d(op, V), B, S, nh, dqk, dv, scale);
   }
@@ -368,6 +374,7 @@ class Backend {
                           ConstView V, const float* O, const float* lse, int64_t B, int64_t S, int64_t nh,
                           int64_t dqk, int64_t dv, float scale) {
     const char* op = "attention_backward";
+    check_sizes(op, {B, S, nh, dqk, dv});
     check_attention_types(Q.dtype, {K.dtype, V.dtype, dO_lp.dtype});
     target_->attention_backward_impl(d(op, dQ), d(op, dK), d(op, dV), d(op, dO), d(op, dO_lp), d(op, Q), d(op, K),
                                      d(op, V), d(op, O), d(op, lse), B, S, nh, dqk, dv, scale);
@@ -383,6 +390,7 @@ class Backend {
   // values are the fp32 ones rounded as convert() rounds them, bit for bit — a 16-bit GEMM input
   // written by its producer, with no fp32 array written and read again (docs/design.md §6.10).
   void swiglu_forward(View M, const float* GU, int64_t N, int64_t I) {
+    check_sizes("swiglu_forward", {N, I});
     if (N * I > 0) target_->swiglu_forward_impl(d("swiglu_forward", M), d("swiglu_forward", GU), N, I);
   }
   void swiglu_forward(float* M, const float* GU, int64_t N, int64_t I) {
@@ -391,6 +399,7 @@ class Backend {
   // dGU of any storage type (the experts' dGU, which only their GEMMs read), rounded as above.
   void swiglu_backward(View dGU, const float* dM, const float* GU, int64_t N, int64_t I) {
     const char* op = "swiglu_backward";
+    check_sizes(op, {N, I});
     if (N * I > 0) target_->swiglu_backward_impl(d(op, dGU), d(op, dM), d(op, GU), N, I);
   }
   void swiglu_backward(float* dGU, const float* dM, const float* GU, int64_t N, int64_t I) {
@@ -421,6 +430,7 @@ class Backend {
   // through an explicit copy, nothing else of the routing.
   void moe_plan(int32_t* pos, int32_t* src, int32_t* counts, const int32_t* idx, int64_t N, int64_t k, int64_t E) {
     const char* op = "moe_plan";
+    check_sizes(op, {N, k, E});
     const bool rows = N * k > 0;
     if (E > 0)
       target_->moe_plan_impl(rows ? d(op, pos) : pos, rows ? d(op, src) : src, d(op, counts),
@@ -454,6 +464,7 @@ class Backend {
   // convert() rounds, bit for bit).
   void gather_rows(View out, const float* in, const int32_t* src, int64_t n, int64_t H) {
     const char* op = "gather_rows";
+    check_sizes(op, {n, H});
     if (n * H > 0) target_->gather_rows_impl(d(op, out), d(op, in), d(op, src), n, H);
   }
   void gather_rows(float* out, const float* in, const int32_t* src, int64_t n, int64_t H) {
@@ -462,12 +473,14 @@ class Backend {
   // MoE combine: out[t] += sum_j w[t,j] * Y[pos[t,j]], t < N, j < k.
   void moe_combine(float* out, const float* Y, const float* w, const int32_t* pos, int64_t N, int64_t k, int64_t H) {
     const char* op = "moe_combine";
+    check_sizes(op, {N, k, H});
     if (N * H > 0) target_->moe_combine_impl(d(op, out), k ? d(op, Y) : Y, d(op, w), d(op, pos), N, k, H);
   }
   // Backward of the dispatch gather: dx[t] += sum_j dXp[pos[t,j]] — moe_combine with unit
   // weights (the backends' moe_combine_impl with w null).
   void moe_dispatch_backward(float* dx, const float* dXp, const int32_t* pos, int64_t N, int64_t k, int64_t H) {
     const char* op = "moe_dispatch_backward";
+    check_sizes(op, {N, k, H});
     if (N * H > 0) target_->moe_combine_impl(d(op, dx), k ? d(op, dXp) : dXp, nullptr, d(op, pos), N, k, H);
   }
   // Backward of moe_combine: dY[pos[t,j]] = w[t,j] * dout[t]; dw[t,j] = <dout[t], Y[pos[t,j]]>.
@@ -476,6 +489,7 @@ class Backend {
   void moe_combine_backward(View dY, float* dw, const float* dout, const float* Y, const float* w,
                             const int32_t* pos, int64_t N, int64_t k, int64_t H) {
     const char* op = "moe_combine_backward";
+    check_sizes(op, {N, k, H});
     if (N * k > 0)
       target_->moe_combine_backward_impl(d(op, dY), d(op, dw), d(op, dout), d(op, Y), d(op, w), d(op, pos), N, k, H);
   }
@@ -489,6 +503,7 @@ class Backend {
   // target is -100 get loss 0 and a zero gradient.
   void cross_entropy(float* loss, float* logits, const int32_t* target, int64_t rows, int64_t V, float grad_scale) {
     const char* op = "cross_entropy";
+    check_sizes(op, {rows, V});
     if (rows > 0) target_->cross_entropy_impl(d(op, loss), d(op, logits), d(op, target), rows, V, grad_scale);
   }
   // The same loss computed vocabulary-parallel (docs/model.md §10.1): `logits` [rows, V] holds
@@ -518,10 +533,12 @@ class Backend {
   // be 16-bit (the compute copy under mixed precision): its rows are widened, exactly.
   void embedding_forward(float* out, ConstView table, const int32_t* ids, int64_t N, int64_t H) {
     const char* op = "embedding_forward";
+    check_sizes(op, {N, H});
     if (N * H > 0) target_->embedding_forward_impl(d(op, out), d(op, table), d(op, ids), N, H);
   }
   void embedding_backward(float* dtable, const float* dout, const int32_t* ids, int64_t N, int64_t H, int64_t V) {
     const char* op = "embedding_backward";
+    check_sizes(op, {N, H, V});
     if (N * H > 0) target_->embedding_backward_impl(d(op, dtable), d(op, dout), d(op, ids), N, H, V);
   }
 
@@ -563,6 +580,7 @@ class Backend {
   // as convert()).
   void copy_strided(View dst, int64_t dst_stride, const float* src, int64_t src_stride, int64_t rows, int64_t cols) {
     const char* op = "copy_strided";
+    check_sizes(op, {rows, cols});
     if (rows * cols > 0) target_->copy_strided_impl(d(op, dst), dst_stride, d(op, src), src_stride, rows, cols);
   }
   void copy_strided(float* dst, int64_t dst_stride, const float* src, int64_t src_stride, int64_t rows,
@@ -572,6 +590,7 @@ class Backend {
   void add_strided(float* dst, int64_t dst_stride, const float* src, int64_t src_stride, int64_t rows,
                    int64_t cols) {  // dst[r, :cols] += src[r, :cols]
     const char* op = "add_strided";
+    check_sizes(op, {rows, cols});
     if (rows * cols > 0) target_->add_strided_impl(d(op, dst), dst_stride, d(op, src), src_stride, rows, cols);
   }
 
@@ -747,6 +766,17 @@ class Backend {
   }
   View d(const char* op, View v) const { return {d(op, v.data), v.dtype}; }
   ConstView d(const char* op, ConstView v) const { return {d(op, v.data), v.dtype}; }
+  // Sizes are counts: a negative one is a caller's bug, refused before any backend runs.
+  static void check_sizes(const char* op, std::initializer_list<int64_t> sizes) {
+    for (int64_t n : sizes)
+      if (n < 0) throw std::invalid_argument(std::string(op) + ": a negative size (" + std::to_string(n) + ")");
+  }
+  // RoPE rotates pairs of a dr-vector by position t % S.
+  static void check_rope_sizes(const char* op, int64_t N, int64_t S, int64_t heads, int64_t dr) {
+    check_sizes(op, {N, S, heads, dr});
+    if (dr % 2 != 0) throw std::invalid_argument(std::string(op) + ": an odd rope width " + std::to_string(dr));
+    if (N > 0 && S == 0) throw std::invalid_argument(std::string(op) + ": tokens without positions (S = 0)");
+  }
   static void check_attention_types(DType q, std::initializer_list<DType> others) {
     for (DType o : others)
       if (o != q)
