@@ -7,6 +7,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cmath>
@@ -41,19 +42,38 @@ inline std::string slurp(const std::string& path) {
   return s.str();
 }
 
+// Seconds one command of a test may take before it is killed (DSTRAIN_TEST_COMMAND_TIMEOUT,
+// default 100: below CTest's 120 s per test, so that a hang names its command).
+inline int command_timeout_s() {
+  const char* v = std::getenv("DSTRAIN_TEST_COMMAND_TIMEOUT");
+  return v && std::atoi(v) > 0 ? std::atoi(v) : 100;
+}
+
 // Runs a shell command; its output goes through files unique to this process and call (the
-// tests of this program run in parallel, each in its own process).
+// tests of this program run in parallel, each in its own process). A command still running
+// after command_timeout_s() is killed with everything it started, and its Result says so.
 inline Result run(const std::string& args) {
   static int calls = 0;
   const std::string dir = ::testing::TempDir();
   const std::string tag = std::to_string(getpid()) + "_" + std::to_string(calls++);
   const std::string out = dir + "/cli_out_" + tag + ".txt", err = dir + "/cli_err_" + tag + ".txt";
-  const std::string cmd = args + " >" + out + " 2>" + err + " </dev/null";
+  std::string quoted;  // args inside single quotes
+  for (char c : args) quoted += c == '\'' ? std::string("'\\''") : std::string(1, c);
+  const int limit = command_timeout_s();
+  const std::string cmd = "timeout -k 5 " + std::to_string(limit) + " sh -c '" + quoted + "' >" + out + " 2>" + err +
+                          " </dev/null";
+  const auto start = std::chrono::steady_clock::now();
   const int status = std::system(cmd.c_str());
+  const bool killed = (WIFEXITED(status) && (WEXITSTATUS(status) == 124 || WEXITSTATUS(status) == 137)) &&
+                      std::chrono::steady_clock::now() - start >= std::chrono::seconds(limit);
   Result r;
   r.rc = WIFEXITED(status) ? WEXITSTATUS(status) : 128;
   r.out = slurp(out);
   r.err = slurp(err);
+  if (killed) {
+    r.err += "\n[test] killed after " + std::to_string(limit) + " s: " + args + "\n";
+    ADD_FAILURE() << "command killed after " << limit << " s: " << args << "\nits output:\n" << r.out << r.err;
+  }
   std::remove(out.c_str());
   std::remove(err.c_str());
   return r;

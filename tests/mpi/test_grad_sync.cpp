@@ -1,4 +1,5 @@
-// The bucketed gradient sync under mpirun -np 2 / 4, on the `small` model's parameter store:
+// The bucketed gradient sync under mpirun -np 2 / 4, on the `small` model's parameter store
+// (with 8 routed experts instead of 32: 3.5 M expert parameters, still many buckets per buffer):
 // bucket layout (tiles each buffer, capacity, backward order), and the reduced gradients against
 // the sum every rank can compute alone — all-reduce (ZeRO 0/1) and reduce-scatter into the own
 // shard (ZeRO 2), with buckets launched as the simulated backward pass reports layers final —
@@ -25,11 +26,13 @@ using dstrain::testing::world_size;
 // The gradient element i of rank r: small integers, so every sum is exact in float.
 float grad_value(int r, int64_t i, bool expert) { return float((i * 7 + r * 3 + (expert ? 1 : 0)) % 11 - 5); }
 
-// The small model's store on this rank of a DP (x EP) layout over the world, with the groups
+// The small model's store (8 routed experts) on this rank of a DP (x EP) layout over the world, with the groups
 // the plan gives it.
 struct Fixture {
   explicit Fixture(int zero, int ep = 1, std::vector<std::string> extra = {})
-      : cfg(config::load_config_file("configs/small.yaml", with(extra, {"train_batch_size=16", "parallel.expert=" + std::to_string(ep)}))),
+      : cfg(config::load_config_file("configs/small.yaml",
+                                     with(extra, {"train_batch_size=16", "model.n_routed_experts=8",
+                                                  "parallel.expert=" + std::to_string(ep)}))),
         plan(plan::make_plan(cfg, world_size())),
         coord(plan.grid.coord(world_rank())),
         groups(comm::create_groups(runtime::group_specs(plan.grid, world_rank()))),
