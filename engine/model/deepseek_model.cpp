@@ -158,7 +158,8 @@ void DecoderLayer::backward(float* dh, const float* h_in, int64_t B, int64_t S, 
 
 struct DeepSeekModel::Mtp {
   int64_t depth = 1, n = 0;  // module k, sequence length S - k
-  WeightRef enorm, hnorm, eh_proj, head_norm;
+  WeightRef enorm, hnorm, head_norm;
+  Linear eh_proj;  // [H, 2H], replicated
   std::unique_ptr<DecoderLayer> layer;
   std::vector<int32_t> ids_host, targets_host;
   kernels::DeviceArray<int32_t> ids, targets;
@@ -172,7 +173,7 @@ struct DeepSeekModel::Mtp {
     const std::string p = fmt::format("model.layers.{}.", index);
     enorm.bind(*env.params, p + "enorm.weight");
     hnorm.bind(*env.params, p + "hnorm.weight");
-    eh_proj.bind(*env.params, p + "eh_proj.weight");
+    eh_proj = Linear(*env.params, p + "eh_proj.weight");
     head_norm.bind(*env.params, p + "shared_head.norm.weight");
     layer = std::make_unique<DecoderLayer>(env, index, B, n, rope);
     kernels::Backend& be = *env.be;
@@ -230,7 +231,9 @@ DeepSeekModel::DeepSeekModel(const config::ModelConfig& cfg, kernels::Backend& b
   }
   if (has_head_) {
     norm_.bind(params, "model.norm.weight");
-    lm_head_.bind(params, "lm_head.weight");
+    lm_head_ = Linear(params, "lm_head.weight");
+    DS_CHECK(lm_head_.out() == Vl_ && lm_head_.in() == H_, "lm_head: [{}, {}] held, [{}, {}] expected", lm_head_.out(),
+             lm_head_.in(), Vl_, H_);
   }
   int64_t scratch = 0;
   const int64_t recomputed = stage.recompute_layers < 0 ? end_ - first_ : stage.recompute_layers;
@@ -372,7 +375,7 @@ double DeepSeekModel::head_loss(const float* z, const int32_t* targets, int64_t 
   for (int64_t r0 = 0; r0 < rows; r0 += chunk_) {
     const int64_t c = std::min(chunk_, rows - r0);
     const float* zc = z + r0 * H_;
-    linear_forward(env_, logits, zc, lm_head_, c, Vl_, H_);
+    lm_head_.forward(env_, logits, zc, c);
     if (keep) be_.copy_to_host(kept_logits_.data() + r0 * Vl_, logits, c * Vl_ * int64_t(sizeof(float)));
     if (tp_ == 1) {
       be_.cross_entropy(ws_->loss_rows.data() + r0, logits, targets + r0, c, V_, grad_scale);
@@ -384,7 +387,7 @@ double DeepSeekModel::head_loss(const float* z, const int32_t* targets, int64_t 
       be_.cross_entropy_finish(ws_->loss_rows.data() + r0, logits, ws_->row_max.data(), ws_->row_sums.data(), targets + r0, v0_,
                                c, Vl_, grad_scale);
     }
-    if (dz) linear_backward(env_, dz + r0 * H_, logits, zc, lm_head_, c, Vl_, H_);
+    if (dz) lm_head_.backward(env_, dz + r0 * H_, logits, zc, c);
     progress_.poll();
   }
   loss_host_.resize(size_t(rows));  // the loss is read on the host through the backend
@@ -462,7 +465,7 @@ void DeepSeekModel::mtp_forward(const int32_t* tokens, const LossScale& scale, L
     be_.rmsnorm_forward(m.hn.data(), m.rstd_h.data(), m.hprev.data(), m.hnorm.w, rows, H_, eps);
     be_.copy_strided(m.cat.data(), 2 * H_, m.en.data(), H_, rows, H_);  // [enorm(e) ; hnorm(h)]
     be_.copy_strided(m.cat.data() + H_, 2 * H_, m.hn.data(), H_, rows, H_);
-    linear_forward(env_, m.m.data(), m.cat.data(), m.eh_proj, rows, H_, 2 * H_);
+    m.eh_proj.forward(env_, m.m.data(), m.cat.data(), rows);
     m.layer->forward(m.h.data(), m.m.data(), B_, n, scale);
     be_.rmsnorm_forward(m.z.data(), m.rstd_z.data(), m.h.data(), m.head_norm.w, rows, H_, eps);
     const double grad_scale = lambda / (scale.sequences * double(n));
@@ -531,7 +534,7 @@ void DeepSeekModel::mtp_backward(float* dz) {
     m.layer->backward(m.dh.data(), m.m.data(), B_, n, ws_->tmp1.data(), ws_->tmp2.data());  // m.dh = dL/dm
     ws_->scratch.reset();
     float* dcat = ws_->scratch.take(rows * 2 * H_);
-    linear_backward(env_, dcat, m.dh.data(), m.cat.data(), m.eh_proj, rows, H_, 2 * H_);
+    m.eh_proj.backward(env_, dcat, m.dh.data(), m.cat.data(), rows);
     // Embedding half: enorm backward, then into this rank's rows of the shared embedding table.
     be_.copy_strided(ws_->tmp1.data(), H_, dcat, 2 * H_, rows, H_);
     be_.rmsnorm_backward(ws_->tmp2.data(), m.enorm.g, ws_->tmp1.data(), m.e.data(), m.enorm.w,

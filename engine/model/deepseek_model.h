@@ -203,7 +203,8 @@ class DeepSeekModel {
   int64_t rows_ = 0;      // token rows of the hidden states on this rank
   int64_t v0_ = 0, Vl_ = 0;  // this rank's vocabulary rows [v0, v0 + Vl)
   int64_t chunk_ = 0;        // token rows per chunk of the head (logits_ holds one chunk)
-  WeightRef embed_, norm_, lm_head_;
+  WeightRef embed_, norm_;
+  Linear lm_head_;  // this rank's vocabulary rows (vocabulary-parallel)
   kernels::ConstView embed_table_;  // what the lookup reads: the fp32 table or its compute copy
   std::vector<std::unique_ptr<DecoderLayer>> layers_;
   std::vector<std::unique_ptr<Mtp>> mtp_;

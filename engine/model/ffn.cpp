@@ -12,10 +12,12 @@ SwiGluMlp::SwiGluMlp(const LayerEnv& env, const std::string& prefix, int64_t wid
                      int64_t max_tokens)
     : env_(env), H_(env.cfg->hidden_size), w_(width) {
   ParamStore& p = *env.params;
-  gate_up_.bind(p, prefix + "gate_proj.weight");
-  down_.bind(p, prefix + "down_proj.weight");
-  DS_CHECK(p.grad(prefix + "up_proj.weight") == gate_up_.g + w_ * H_,
-           "{}gate_proj and up_proj must be adjacent in the flat buffer", prefix);
+  gate_up_ = Linear(p, prefix + "gate_proj.weight", {prefix + "up_proj.weight"});
+  down_ = Linear(p, prefix + "down_proj.weight");
+  // Column-parallel gate/up (this rank's part of the width), row-parallel down (a partial sum).
+  DS_CHECK(gate_up_.split() == plan::Shard::kColumn && down_.split() == plan::Shard::kRow &&
+               gate_up_.out() == 2 * w_ && down_.in() == w_,
+           "{}: the parameter table splits the MLP differently from its tensor parallelism", prefix);
   GU_ = env.acts->take(max_tokens * 2 * w_);
   M_ = env.acts->take(max_tokens * w_, true, gemm_input_dtype(env));  // read by down_proj's GEMMs only
 }
@@ -27,10 +29,10 @@ void SwiGluMlp::activate(int64_t N) { env_.be->swiglu_forward(M_.view(), GU_.dat
 void SwiGluMlp::recompute_selective(int64_t N) { activate(N); }
 
 void SwiGluMlp::forward(float* out, const float* u, int64_t N) {
-  linear_forward(env_, GU_.data(), u, gate_up_, N, 2 * w_, H_);
+  gate_up_.forward(env_, GU_.data(), u, N);
   activate(N);
   // row-parallel: this rank's part of the sum
-  linear_forward(env_, out, f32_input(M_), down_, N, H_, w_, 0.0f, lp_input(M_));
+  down_.forward(env_, out, GemmInput::saved(M_), N);
 }
 
 void SwiGluMlp::backward(float* du, const float* dout, const float* u, int64_t N, float beta) {
@@ -38,11 +40,11 @@ void SwiGluMlp::backward(float* du, const float* dout, const float* u, int64_t N
   Scratch& scratch = *env_.scratch;
   float* dM = scratch.take(N * w_);
   float* dGU = scratch.take(N * 2 * w_);
-  linear_backward(env_, dM, dout, f32_input(M_), down_, N, H_, w_, 0.0f, nullptr, lp_input(M_));
+  down_.backward(env_, dM, dout, GemmInput::saved(M_), N);
   env_.poll();
   be.swiglu_backward(dGU, dM, GU_.data(), N, w_);
   // Column-parallel gate/up: the input gradient is this rank's part (the caller sums over TP).
-  linear_backward(env_, du, dGU, u, gate_up_, N, 2 * w_, H_, beta);
+  gate_up_.backward(env_, du, dGU, u, N, beta);
 }
 
 MoeLayer::MoeLayer(const LayerEnv& env, const std::string& prefix, int64_t B, int64_t S) : env_(env), prefix_(prefix) {
@@ -61,16 +63,15 @@ MoeLayer::MoeLayer(const LayerEnv& env, const std::string& prefix, int64_t B, in
   rp_.v2_weights = m.model_type == config::ModelType::kDeepseekV2;
   ParamStore& p = *env.params;
   const std::string mlp = prefix + "mlp.";
-  gate_.bind(p, mlp + "gate.weight");  // router logits in fp32 (HF): ParamStore::reads_fp32
+  gate_ = Linear(p, mlp + "gate.weight");  // router logits in fp32 (HF): ParamStore::reads_fp32
   if (p.has(mlp + "gate.e_score_correction_bias")) bias_ = p.param(mlp + "gate.e_score_correction_bias");
   gate_up_.resize(E_);
   down_.resize(E_);
   for (int64_t e = 0; e < E_; ++e) {
     const std::string ex = fmt::format("{}experts.{}.", mlp, e);
     if (!p.has(ex + "gate_proj.weight")) continue;  // another expert-parallel rank's expert
-    gate_up_[e].bind(p, ex + "gate_proj.weight");
-    down_[e].bind(p, ex + "down_proj.weight");
-    DS_CHECK(p.grad(ex + "up_proj.weight") == gate_up_[e].g + I_ * H_, "{} not adjacent", ex);
+    gate_up_[e] = Linear(p, ex + "gate_proj.weight", {ex + "up_proj.weight"});
+    down_[e] = Linear(p, ex + "down_proj.weight");
   }
   int64_t N = B * S;
   if (m.num_shared() > 0)
@@ -154,7 +155,7 @@ int64_t MoeLayer::scratch_floats(int64_t N) const {
 void MoeLayer::route(const float* u, int64_t N) {
   kernels::Backend& be = *env_.be;
   float* logits = env_.scratch->take(N * E_);
-  linear_forward(env_, logits, u, gate_, N, E_, H_);
+  gate_.forward(env_, logits, u, N);
   be.router_forward(idx_dev_.data(), w_.data(), scores_.data(), logits, bias_, N, rp_);
   be.moe_plan(pos_dev_.data(), src_dev_.data(), counts_dev_.data(), idx_dev_.data(), N, k_, E_);
   be.copy_to_host(counts32_.data(), counts_dev_.data(), E_ * int64_t(sizeof(int32_t)));
@@ -331,9 +332,15 @@ struct Group {
   void add(float* c, int64_t a, int64_t b, int64_t m, int64_t n, int64_t k) {
     C.push_back(c), A.push_back(a), B.push_back(b), M.push_back(m), N.push_back(n), K.push_back(k);
   }
-  void add(float* c, int64_t a, const WeightRef& w, int64_t m, int64_t n, int64_t k) {
-    add(c, a, 0, m, n, k);
-    Bw.push_back(w.w), Blp.push_back(w.lp);
+  // C [m, out] = A W^T: the layer's forward on m rows of `a` from element a_off.
+  void add_forward(float* c, int64_t a_off, const Linear& w, int64_t m) { add_weight(c, a_off, w, m, w.out(), w.in()); }
+  // C [m, in] = A W: its input gradient from m rows of output gradient.
+  void add_input_grad(float* c, int64_t a_off, const Linear& w, int64_t m) {
+    add_weight(c, a_off, w, m, w.in(), w.out());
+  }
+  void add_weight(float* c, int64_t a_off, const Linear& w, int64_t m, int64_t n, int64_t k) {
+    add(c, a_off, 0, m, n, k);
+    Bw.push_back(w.weight().w), Blp.push_back(w.weight().lp);
   }
   // C = op(A) op(B) (+ beta C) with A from `a` [a_len elements] and B from `b` [b_len] or,
   // when b.data is null, the weights.
@@ -397,8 +404,8 @@ void MoeLayer::experts_forward(kernels::ConstView X, float* GU, kernels::View M,
   for (int64_t i = 0; i < ne; ++i) {
     const int64_t e = e_first + i, o = off[i], c = cnt[i];
     if (!gate_up_[size_t(e)] || c == 0) continue;
-    g1.add(GU + o * 2 * I_, o * H_, gate_up_[size_t(e)], c, 2 * I_, H_);
-    g2.add(Y + o * H_, o * I_, down_[size_t(e)], c, H_, I_);
+    g1.add_forward(GU + o * 2 * I_, o * H_, gate_up_[size_t(e)], c);
+    g2.add_forward(Y + o * H_, o * I_, down_[size_t(e)], c);
   }
   if (g1.C.empty()) return;
   g1.run(env_, X, rows * H_, {}, 0, false, true, 0.0f);
@@ -420,8 +427,8 @@ void MoeLayer::experts_backward(float* dX, const float* dY, kernels::ConstView X
   for (int64_t i = 0; i < ne; ++i) {
     const int64_t e = e_first + i, o = off[i], c = cnt[i];
     if (!gate_up_[size_t(e)] || c == 0) continue;
-    gdM.add(dM + o * I_, o * H_, down_[size_t(e)], c, I_, H_);  // dM = dY W_d
-    gdWd.add(down_[size_t(e)].g, o * H_, o * I_, H_, I_, c);    // dW_d += dY^T M
+    gdM.add_input_grad(dM + o * I_, o * H_, down_[size_t(e)], c);  // dM = dY W_d
+    gdWd.add(down_[size_t(e)].weight().g, o * H_, o * I_, H_, I_, c);  // dW_d += dY^T M
   }
   if (gdM.C.empty()) return;
   // dY and dGU each feed two grouped GEMMs (dX, dW): rounded once, in slot 0, which neither
@@ -449,8 +456,8 @@ void MoeLayer::experts_backward(float* dX, const float* dY, kernels::ConstView X
   for (int64_t i = 0; i < ne; ++i) {
     const int64_t e = e_first + i, o = off[i], c = cnt[i];
     if (!gate_up_[size_t(e)] || c == 0) continue;
-    gdX.add(dX + o * H_, o * 2 * I_, gate_up_[size_t(e)], c, H_, 2 * I_);  // dX = dGU W_gu
-    gdWgu.add(gate_up_[size_t(e)].g, o * 2 * I_, o * H_, 2 * I_, H_, c);    // dW_gu += dGU^T X
+    gdX.add_input_grad(dX + o * H_, o * 2 * I_, gate_up_[size_t(e)], c);       // dX = dGU W_gu
+    gdWgu.add(gate_up_[size_t(e)].weight().g, o * 2 * I_, o * H_, 2 * I_, H_, c);  // dW_gu += dGU^T X
   }
   gdX.run(env_, dGUc, rows * 2 * I_, {}, 0, false, false, 0.0f);
   env_.poll();
@@ -512,14 +519,14 @@ void MoeLayer::backward(float* du_full, const float* dout_full, const float* u_f
   float* dlogits = scratch.take(n * E_);
   be.router_backward(dlogits, dw, dscores_.data(), scores_.data(), idx_dev_.data(), n, rp_);
   if (env_.tp_size == 1) {
-    linear_backward(env_, du_part, dlogits, u_part, gate_, n, E_, H_, 1.0f);
+    gate_.backward(env_, du_part, dlogits, u_part, n, 1.0f);
   } else {  // the router is replicated: its gradient from this rank's tokens, summed over the ranks
     float* dgate = scratch.take(E_ * H_);
     be.fill(dgate, 0.0f, E_ * H_);
     const WeightGradDeferral::Scope now(nullptr);  // reduced at once: never deferred
-    linear_backward(env_, du_part, dlogits, u_part, gate_, n, E_, H_, 1.0f, dgate);
+    gate_.backward(env_, du_part, dlogits, u_part, n, 1.0f, dgate);
     env_.coll->tp_all_reduce(dgate, E_ * H_);
-    be.add(gate_.g, dgate, E_ * H_);
+    be.add(gate_.weight().g, dgate, E_ * H_);
   }
   env_.poll();
 }

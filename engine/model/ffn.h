@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "engine/model/layer_env.h"
+#include "engine/model/linear.h"
 
 namespace dstrain::model {
 
@@ -26,7 +27,7 @@ class SwiGluMlp {
   LayerEnv env_;
   int64_t H_, w_;
   void activate(int64_t N);  // M = swiglu(GU)
-  WeightRef gate_up_, down_;
+  Linear gate_up_, down_;  // gate_proj and up_proj as one [2w, H] weight; down_proj
   ActBuf GU_, M_;  // M: selective; in the compute type under bf16 / fp16
 };
 
@@ -112,9 +113,9 @@ class MoeLayer {
   LayerEnv env_;
   kernels::RouterParams rp_;
   int64_t H_, E_, k_, I_;
-  WeightRef gate_;
+  Linear gate_;  // the router: replicated, read in fp32
   float* bias_ = nullptr;
-  std::vector<WeightRef> gate_up_, down_;  // per expert
+  std::vector<Linear> gate_up_, down_;  // per expert (empty where another expert-parallel rank holds it)
   std::unique_ptr<SwiGluMlp> shared_;
   // Saved: router outputs, the dispatch plan and the experts' activations (rows sorted by expert);
   // the selective set: Xp (the dispatched rows) and Mp. Under bf16 / fp16 both are kept in the

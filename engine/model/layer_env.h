@@ -62,7 +62,7 @@ class BackwardObserver {
 
 // Zero-bubble pipeline schedules (docs/design.md §6.6) split a backward pass into B, the input
 // gradients, and W, the weight gradients, run later. While a deferral is active (Scope, on this
-// thread), linear_backward and the experts' grouped weight GEMMs queue their weight-gradient
+// thread), Linear::backward and the experts' grouped weight GEMMs queue their weight-gradient
 // GEMMs here, and the "gradients final" notices queue behind them; run() is W. Every
 // parameter's gradient still receives its micro-batches' terms in micro-batch order, as without
 // the split. A GEMM input inside one of the volatile ranges (the model instance's workspace,
@@ -302,89 +302,26 @@ struct WeightRef {
   explicit operator bool() const { return g != nullptr; }
 };
 
-// Whether a GEMM with weight W runs in the compute type.
-inline bool low_precision(const LayerEnv& env, const WeightRef& W) {
-  return W.lp && env.cast && env.cast->active();
-}
-
 // The dtype a saved activation that only GEMMs read is kept in (docs/design.md §6.10): the
 // compute type under bf16 / fp16 (the GEMMs read it as it is, backward included), else fp32.
 inline kernels::DType gemm_input_dtype(const LayerEnv& env) {
   return env.cast && env.cast->active() ? env.cast->dtype() : kernels::DType::kF32;
 }
-// A saved buffer as a linear helper's (x, xc) pair: fp32 through x, 16-bit through xc.
+// A saved buffer as GEMM inputs (GemmInput::saved, engine/model/linear.h): its fp32 values, or its 16-bit ones.
 inline const float* f32_input(const ActBuf& b) { return b.dtype() == kernels::DType::kF32 ? b.data() : nullptr; }
 inline kernels::ConstView lp_input(const ActBuf& b) {
   if (b.dtype() == kernels::DType::kF32) return {};
   return {b.raw(), b.dtype()};
 }
 
-// Linear layer helpers over [rows, in] x W[out, in]^T (HF layout), on the backend. `xc`, when
-// given, is x already in the compute type: an input several GEMMs read, converted once into
-// ComputeCast slot kPinned, or a saved activation kept in the compute type — then x is null
-// (the input exists in 16 bits only); otherwise each call converts x itself.
-inline constexpr int kPinned = 2;  // the ComputeCast slot of inputs converted once for several GEMMs
-// x in the compute type, converted into the pinned slot, when W's GEMMs run in low precision.
-inline kernels::ConstView pin_input(const LayerEnv& env, const WeightRef& W, const float* x, int64_t n) {
-  if (!low_precision(env, W)) return {};
-  return (*env.cast)(kPinned, x, n);
-}
+// The ComputeCast slot of inputs rounded once for several GEMMs (Linear::pin).
+inline constexpr int kPinned = 2;
 // n floats at x rounded to the compute type once, into ComputeCast slot `slot`, for several
 // 16-bit GEMMs that read them next (each GEMM then reads the view as it is); x itself where the
 // GEMMs are fp32.
 inline kernels::ConstView round_once(const LayerEnv& env, int slot, const float* x, int64_t n) {
   if (!env.cast || !env.cast->active()) return kernels::f32(x);
   return (*env.cast)(slot, x, n);
-}
-// Whether a producer may write W's GEMM input gradient dy in the GEMMs' own 16-bit type, into
-// ComputeCast slot 0 (slot_view), for linear_backward's `dyc`: W's GEMMs take 16-bit operands, and no WeightGradDeferral is active (a deferred weight GEMM keeps dy in fp32).
-inline bool dy_in_16bit(const LayerEnv& env, const WeightRef& W) {
-  return low_precision(env, W) && !WeightGradDeferral::active();
-}
-// y = x W^T (+ b); beta = 1 accumulates into y.
-inline void linear_forward(const LayerEnv& env, float* y, const float* x, const WeightRef& W, int64_t rows,
-                           int64_t out, int64_t in, float beta = 0.0f, kernels::ConstView xc = {}) {
-  if (!low_precision(env, W)) return env.be->gemm(y, x, W.w, rows, out, in, false, true, 1.0f, beta);
-  if (!xc.data) xc = (*env.cast)(0, x, rows * in);
-  env.be->gemm(y, xc, env.cast->weight(W.lp), rows, out, in, false, true, 1.0f, beta);
-}
-// dx (= or +=) dy W;  dW += dy^T x (deferred to W while a WeightGradDeferral is active; its
-// inputs are converted when it runs). dW is W.g unless given. `dyc`, when given, is dy already
-// in the GEMMs' 16-bit type, written by its producer into ComputeCast slot 0 (dy_in_16bit): then
-// dy is null.
-inline void linear_backward(const LayerEnv& env, float* dx, const float* dy, const float* x, const WeightRef& W,
-                            int64_t rows, int64_t out, int64_t in, float dx_beta = 0.0f, float* dW = nullptr,
-                            kernels::ConstView xc = {}, kernels::ConstView dyc = {}) {
-  kernels::Backend& be = *env.be;
-  if (!dW) dW = W.g;
-  const bool lp = low_precision(env, W);
-  DS_CHECK(x || (lp && xc.data), "linear_backward: a 16-bit-only input to an fp32 GEMM");
-  DS_CHECK(!dyc.data || (dy_in_16bit(env, W) && dyc.dtype == env.cast->dtype()),
-           "linear_backward: a 16-bit dy where the GEMMs do not take it");
-  ComputeCast* cast = env.cast;
-  if (!dyc.data) dyc = lp ? (*cast)(0, dy, rows * out) : kernels::f32(dy);
-  if (dx) {
-    if (lp) be.gemm(dx, dyc, cast->weight(W.lp), rows, in, out, false, false, 1.0f, dx_beta);
-    else be.gemm(dx, dy, W.w, rows, in, out, false, false, 1.0f, dx_beta);
-  }
-  if (WeightGradDeferral* d = WeightGradDeferral::active()) {
-    auto dyk = d->keep(dy, rows * out);
-    if (!x) {  // a saved 16-bit activation: read in place, or copied if recomputation overwrites it
-      auto xk = d->keep(xc, rows * in * kernels::dtype_size(xc.dtype));
-      d->push([&be, cast, dW, dyk, xk, rows, out, in] {
-        be.gemm(dW, (*cast)(0, dyk.data, rows * out), xk.view, out, in, rows, true, false, 1.0f, 1.0f);
-      });
-      return;
-    }
-    auto xk = d->keep(x, rows * in);
-    d->push([&be, lp, cast, dW, dyk, xk, rows, out, in] {
-      if (lp) be.gemm(dW, (*cast)(0, dyk.data, rows * out), (*cast)(1, xk.data, rows * in), out, in, rows, true, false, 1.0f, 1.0f);
-      else be.gemm(dW, dyk.data, xk.data, out, in, rows, true, false, 1.0f, 1.0f);
-    });
-    return;
-  }
-  if (!lp) return be.gemm(dW, dy, x, out, in, rows, true, false, 1.0f, 1.0f);
-  be.gemm(dW, dyc, xc.data ? xc : (*cast)(1, x, rows * in), out, in, rows, true, false, 1.0f, 1.0f);
 }
 // Bias: y[r] += b;  db += sum_r dy[r]  (as ones^T dy).
 inline void bias_forward(kernels::Backend& be, float* y, const float* b, int64_t rows, int64_t n) {

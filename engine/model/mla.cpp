@@ -59,16 +59,24 @@ MlaAttention::MlaAttention(const LayerEnv& env, const std::string& prefix, int64
   ParamStore& p = *env.params;
   const std::string a = prefix + "self_attn.";
   if (lora_) {
-    q_a_.bind(p, a + "q_a_proj.weight");
+    q_a_ = Linear(p, a + "q_a_proj.weight");
     q_a_norm_.bind(p, a + "q_a_layernorm.weight");
-    q_b_.bind(p, a + "q_b_proj.weight");
+    q_b_ = Linear(p, a + "q_b_proj.weight");
   } else {
-    q_.bind(p, a + "q_proj.weight");
+    q_ = Linear(p, a + "q_proj.weight");
   }
-  kv_a_.bind(p, a + "kv_a_proj_with_mqa.weight");
+  const Linear kv_a(p, a + "kv_a_proj_with_mqa.weight");
+  ckv_proj_ = kv_a.rows(0, rkv_), kpe_proj_ = kv_a.rows(rkv_, dr_);
   kv_a_norm_.bind(p, a + "kv_a_layernorm.weight");
-  kv_b_.bind(p, a + "kv_b_proj.weight");
-  o_.bind(p, a + "o_proj.weight");
+  kv_b_ = Linear(p, a + "kv_b_proj.weight");
+  o_ = Linear(p, a + "o_proj.weight");
+  // What the block assumes of each split (docs/model.md §10.1): the query and KV up-projections
+  // split by heads (column-parallel), o_proj's output a partial sum (row-parallel), the low-rank
+  // down-projections replicated.
+  DS_CHECK((lora_ ? q_b_ : q_).split() == plan::Shard::kColumn && kv_b_.split() == plan::Shard::kColumn &&
+               o_.split() == plan::Shard::kRow && kv_a.split() == plan::Shard::kReplicated &&
+               (!lora_ || q_a_.split() == plan::Shard::kReplicated),
+           "{}: the parameter table splits its projections differently from MLA's tensor parallelism", a);
   if (m.attention_bias) {
     if (lora_) q_a_bias_.bind(p, a + "q_a_proj.bias");
     kv_a_bias_.bind(p, a + "kv_a_proj_with_mqa.bias");
@@ -137,14 +145,14 @@ void MlaAttention::forward(float* out, const float* a, int64_t B, int64_t S) {
   scratch.reset();
   // Query: q = RMSNorm(a W_qa^T) W_qb^T (or a W_q^T), [N, nh*dqk], then Q = [q_nope ; rope(q_pe)].
   float* q = scratch.take(N * nh_ * dqk_);
-  const kernels::ConstView ac = pin_input(env_, kv_a_, a, N * H_);  // a feeds three GEMMs: converted once
+  const GemmInput ain = ckv_proj_.pin(env_, a, N);  // a feeds three GEMMs: rounded once
   if (lora_) {
-    linear_forward(env_, cq_.data(), a, q_a_, N, rq_, H_, 0.0f, ac);
+    q_a_.forward(env_, cq_.data(), ain, N);
     if (q_a_bias_) bias_forward(be, cq_.data(), q_a_bias_.w, N, rq_);
     norm_latent(cqn_, rstd_q_.data(), cq_.data(), q_a_norm_.w, N, rq_);
-    linear_forward(env_, q, f32_input(cqn_), q_b_, N, nh_ * dqk_, rq_, 0.0f, lp_input(cqn_));
+    q_b_.forward(env_, q, GemmInput::saved(cqn_), N);
   } else {
-    linear_forward(env_, q, a, q_, N, nh_ * dqk_, H_, 0.0f, ac);
+    q_.forward(env_, q, ain, N);
   }
   // Q, K, V are written straight into their saved buffers, in 16 bits under bf16 / fp16 (each
   // value rounded as a conversion of the fp32 one would: docs/design.md §6.10).
@@ -153,15 +161,15 @@ void MlaAttention::forward(float* out, const float* a, int64_t B, int64_t S) {
   be.rope_forward(kernels::offset_view(Qv, dn_), nh_ * dqk_, dqk_, q + dn_, nh_ * dqk_, dqk_, rope_->cos.data(),
                   rope_->sin.data(), N, S, nh_, dr_, env_.cfg->rope_interleave);
   // Compressed KV: c_kv = a W_kva[:r_kv]^T, k_pe = a W_kva[r_kv:]^T (two GEMMs on row blocks).
-  linear_forward(env_, ckv_.data(), a, kv_a_, N, rkv_, H_, 0.0f, ac);
-  linear_forward(env_, kpe_.data(), a, kv_a_.rows(rkv_, H_), N, dr_, H_, 0.0f, ac);
+  ckv_proj_.forward(env_, ckv_.data(), ain, N);
+  kpe_proj_.forward(env_, kpe_.data(), ain, N);
   if (kv_a_bias_) {
     bias_forward(be, ckv_.data(), kv_a_bias_.w, N, rkv_);
     bias_forward(be, kpe_.data(), kv_a_bias_.w + rkv_, N, dr_);
   }
   norm_latent(ckvn_, rstd_kv_.data(), ckv_.data(), kv_a_norm_.w, N, rkv_);
   float* kv = scratch.take(N * nh_ * kv_w);
-  linear_forward(env_, kv, f32_input(ckvn_), kv_b_, N, nh_ * kv_w, rkv_, 0.0f, lp_input(ckvn_));
+  kv_b_.forward(env_, kv, GemmInput::saved(ckvn_), N);
   const kernels::View Kv = K_.view();
   be.copy_strided(Kv, dqk_, kv, kv_w, N * nh_, dn_);
   be.copy_strided(V_.view(), dv_, kv + dn_, kv_w, N * nh_, dv_);
@@ -169,7 +177,7 @@ void MlaAttention::forward(float* out, const float* a, int64_t B, int64_t S) {
   be.rope_forward(kernels::offset_view(Kv, dn_), nh_ * dqk_, dqk_, kpe_.data(), dr_, 0, rope_->cos.data(),
                   rope_->sin.data(), N, S, nh_, dr_, env_.cfg->rope_interleave);
   attention_core(B, S);
-  linear_forward(env_, out, O_.data(), o_, N, H_, nh_ * dv_);  // row-parallel: this rank's heads' part
+  o_.forward(env_, out, O_.data(), N);  // row-parallel: this rank's heads' part
 }
 
 void MlaAttention::add_output_bias(float* x, int64_t rows) {
@@ -183,7 +191,7 @@ void MlaAttention::backward(float* da, const float* dout, const float* a, int64_
   scratch.reset();
   if (o_bias_) bias_backward(be, o_bias_.g, dout, env_.ones, N, H_);
   float* dO = scratch.take(N * nh_ * dv_);
-  linear_backward(env_, dO, dout, O_.data(), o_, N, H_, nh_ * dv_);
+  o_.backward(env_, dO, dout, O_.data(), N);
   float* dQ = scratch.take(N * nh_ * dqk_);
   float* dK = scratch.take(N * nh_ * dqk_);
   float* dV = scratch.take(N * nh_ * dv_);
@@ -197,7 +205,7 @@ void MlaAttention::backward(float* da, const float* dout, const float* a, int64_
   // KV branch: dkv = [dk_nope | dv] per head; dk_pe sums the rope-inverted keys over heads.
   // Where kv_b_proj's GEMMs take it in 16 bits, dkv is written in 16 bits into the GEMMs' input
   // slot (the same values a conversion of the fp32 array gives: docs/design.md §6.10); so is dq.
-  const bool dkv_lp = dy_in_16bit(env_, kv_b_);
+  const bool dkv_lp = kv_b_.dy_in_16bit(env_);
   float* dkv = dkv_lp ? nullptr : scratch.take(N * nh_ * kv_w);
   const kernels::View dkvv = dkv_lp ? env_.cast->slot_view(0, N * nh_ * kv_w) : kernels::View{dkv, kernels::DType::kF32};
   be.copy_strided(dkvv, kv_w, dK, dqk_, N * nh_, dn_);
@@ -212,25 +220,25 @@ void MlaAttention::backward(float* da, const float* dout, const float* a, int64_
   be.rope_backward(dkpe, dr_, 0, dK + dn_, nh_ * dqk_, dqk_, rope_->cos.data(), rope_->sin.data(),
                    N, S, nh_, dr_, env_.cfg->rope_interleave, true);
   env_.poll();
-  linear_backward(env_, dckvn, dkv, f32_input(ckvn_), kv_b_, N, nh_ * kv_w, rkv_, 0.0f, nullptr, lp_input(ckvn_),
-                  dkv_lp ? kernels::ConstView{dkvv.data, dkvv.dtype} : kernels::ConstView{});
-  const kernels::ConstView ac = pin_input(env_, kv_a_, a, N * H_);  // the weight GEMMs' common input
+  kv_b_.backward(env_, dckvn, dkv_lp ? GemmInput::rounded({dkvv.data, dkvv.dtype}) : GemmInput(dkv),
+                 GemmInput::saved(ckvn_), N);
+  const GemmInput ain = ckv_proj_.pin(env_, a, N);  // the weight GEMMs' common input
   // Query branch: dq = [dq_nope | rope^-1(dq_pe)] (slot 0 is free again: kv_b_proj's GEMMs ran),
   // consumed at once by its projection's backward, before another GEMM reuses the slot.
-  const WeightRef& Wq = lora_ ? q_b_ : q_;
-  const bool dq_lp = dy_in_16bit(env_, Wq);
+  const Linear& Wq = lora_ ? q_b_ : q_;
+  const bool dq_lp = Wq.dy_in_16bit(env_);
   float* dq = dq_lp ? nullptr : scratch.take(N * nh_ * dqk_);
   const kernels::View dqv = dq_lp ? env_.cast->slot_view(0, N * nh_ * dqk_) : kernels::View{dq, kernels::DType::kF32};
-  const kernels::ConstView dqc = dq_lp ? kernels::ConstView{dqv.data, dqv.dtype} : kernels::ConstView{};
+  const GemmInput dqin = dq_lp ? GemmInput::rounded({dqv.data, dqv.dtype}) : GemmInput(dq);
   be.copy_strided(dqv, dqk_, dQ, dqk_, N * nh_, dn_);
   be.rope_backward(kernels::offset_view(dqv, dn_), nh_ * dqk_, dqk_, dQ + dn_, nh_ * dqk_, dqk_, rope_->cos.data(),
                    rope_->sin.data(), N, S, nh_, dr_, env_.cfg->rope_interleave, false);
   float* daq = nullptr;  // column-parallel q_proj (no query LoRA): its partial input gradient
   if (lora_) {
-    linear_backward(env_, dcqn, dq, f32_input(cqn_), q_b_, N, nh_ * dqk_, rq_, 0.0f, nullptr, lp_input(cqn_), dqc);
+    q_b_.backward(env_, dcqn, dqin, GemmInput::saved(cqn_), N);
   } else {
     daq = scratch.take(N * H_);
-    linear_backward(env_, daq, dq, a, q_, N, nh_ * dqk_, H_, 0.0f, nullptr, ac, dqc);
+    q_.backward(env_, daq, dqin, ain, N);
   }
   // Head-sharded compute gave partial gradients of the replicated activations (docs/model.md §10.1).
   env_.coll->tp_all_reduce(dckvn, latent);
@@ -241,14 +249,14 @@ void MlaAttention::backward(float* da, const float* dout, const float* a, int64_
     bias_backward(be, kv_a_bias_.g + rkv_, dkpe, env_.ones, N, dr_);
   }
   env_.poll();
-  linear_backward(env_, da, dckv, a, kv_a_, N, rkv_, H_, 0.0f, nullptr, ac);
-  linear_backward(env_, da, dkpe, a, kv_a_.rows(rkv_, H_), N, dr_, H_, 1.0f, nullptr, ac);
+  ckv_proj_.backward(env_, da, dckv, ain, N);
+  kpe_proj_.backward(env_, da, dkpe, ain, N, 1.0f);
   env_.poll();
   if (lora_) {
     float* dcq = scratch.take(N * rq_);
     be.rmsnorm_backward(dcq, q_a_norm_.g, dcqn, cq_.data(), q_a_norm_.w, rstd_q_.data(), N, rq_);
     if (q_a_bias_) bias_backward(be, q_a_bias_.g, dcq, env_.ones, N, rq_);
-    linear_backward(env_, da, dcq, a, q_a_, N, rq_, H_, 1.0f, nullptr, ac);
+    q_a_.backward(env_, da, dcq, ain, N, 1.0f);
   } else {
     // q_proj's input gradient is partial over the tensor-parallel ranks: reduced alone, then added.
     env_.coll->tp_all_reduce(daq, N * H_);

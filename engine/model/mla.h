@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "engine/model/layer_env.h"
+#include "engine/model/linear.h"
 
 namespace dstrain::model {
 
@@ -44,7 +45,10 @@ class MlaAttention {
   const RopeTables* rope_;
   int64_t H_, nh_, dn_, dr_, dv_, dqk_, rq_, rkv_;
   bool lora_;
-  WeightRef q_a_, q_a_norm_, q_b_, q_, kv_a_, kv_a_norm_, kv_b_, o_;
+  // kv_a_proj_with_mqa [rkv + dr, H] as its two GEMMs read it: the latent rows (ckv_proj_) and
+  // the rope-key rows (kpe_proj_).
+  Linear q_a_, q_b_, q_, ckv_proj_, kpe_proj_, kv_b_, o_;
+  WeightRef q_a_norm_, kv_a_norm_;
   WeightRef q_a_bias_, kv_a_bias_, o_bias_;  // only with attention_bias
   // Saved for backward (per token): cq, rstd_q, cqn | ckv, kpe, rstd_kv, ckvn | Q, K, V, O | lse;
   // the selective set: cqn, ckvn, O, lse. cqn, ckvn, Q, K, V in the compute type under bf16 / fp16.
