@@ -338,6 +338,10 @@ struct Group {
   void add_input_grad(float* c, int64_t a_off, const Linear& w, int64_t m) {
     add_weight(c, a_off, w, m, w.in(), w.out());
   }
+  // dW [out, in] += dY^T X: its weight gradient from m rows of dY (from dy_off) and of X (x_off).
+  void add_weight_grad(const Linear& w, int64_t dy_off, int64_t x_off, int64_t m) {
+    add(w.weight().g, dy_off, x_off, w.out(), w.in(), m);
+  }
   void add_weight(float* c, int64_t a_off, const Linear& w, int64_t m, int64_t n, int64_t k) {
     add(c, a_off, 0, m, n, k);
     Bw.push_back(w.weight().w), Blp.push_back(w.weight().lp);
@@ -428,7 +432,7 @@ void MoeLayer::experts_backward(float* dX, const float* dY, kernels::ConstView X
     const int64_t e = e_first + i, o = off[i], c = cnt[i];
     if (!gate_up_[size_t(e)] || c == 0) continue;
     gdM.add_input_grad(dM + o * I_, o * H_, down_[size_t(e)], c);  // dM = dY W_d
-    gdWd.add(down_[size_t(e)].weight().g, o * H_, o * I_, H_, I_, c);  // dW_d += dY^T M
+    gdWd.add_weight_grad(down_[size_t(e)], o * H_, o * I_, c);      // dW_d += dY^T M
   }
   if (gdM.C.empty()) return;
   // dY and dGU each feed two grouped GEMMs (dX, dW): rounded once, in slot 0, which neither
@@ -457,7 +461,7 @@ void MoeLayer::experts_backward(float* dX, const float* dY, kernels::ConstView X
     const int64_t e = e_first + i, o = off[i], c = cnt[i];
     if (!gate_up_[size_t(e)] || c == 0) continue;
     gdX.add_input_grad(dX + o * H_, o * 2 * I_, gate_up_[size_t(e)], c);       // dX = dGU W_gu
-    gdWgu.add(gate_up_[size_t(e)].weight().g, o * 2 * I_, o * H_, 2 * I_, H_, c);  // dW_gu += dGU^T X
+    gdWgu.add_weight_grad(gate_up_[size_t(e)], o * 2 * I_, o * H_, c);         // dW_gu += dGU^T X
   }
   gdX.run(env_, dGUc, rows * 2 * I_, {}, 0, false, false, 0.0f);
   env_.poll();

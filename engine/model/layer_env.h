@@ -307,12 +307,6 @@ struct WeightRef {
 inline kernels::DType gemm_input_dtype(const LayerEnv& env) {
   return env.cast && env.cast->active() ? env.cast->dtype() : kernels::DType::kF32;
 }
-// A saved buffer as GEMM inputs (GemmInput::saved, engine/model/linear.h): its fp32 values, or its 16-bit ones.
-inline const float* f32_input(const ActBuf& b) { return b.dtype() == kernels::DType::kF32 ? b.data() : nullptr; }
-inline kernels::ConstView lp_input(const ActBuf& b) {
-  if (b.dtype() == kernels::DType::kF32) return {};
-  return {b.raw(), b.dtype()};
-}
 
 // The ComputeCast slot of inputs rounded once for several GEMMs (Linear::pin).
 inline constexpr int kPinned = 2;

@@ -22,7 +22,10 @@ struct GemmInput {
   GemmInput(const float* x) : f32(x) {}  // NOLINT(google-explicit-constructor): fp32 is the plain case
   GemmInput(const float* x, kernels::ConstView rounded) : f32(x), lp(rounded) {}
   // A saved activation as it is kept: fp32, or the compute type under bf16 / fp16.
-  static GemmInput saved(const ActBuf& b) { return {f32_input(b), lp_input(b)}; }
+  static GemmInput saved(const ActBuf& b) {
+    if (b.dtype() == kernels::DType::kF32) return b.data();
+    return rounded({b.raw(), b.dtype()});
+  }
   // Values that exist in 16 bits only.
   static GemmInput rounded(kernels::ConstView v) { return {nullptr, v}; }
 };
