@@ -56,10 +56,10 @@ void ActivationStore::finalize(kernels::Backend& be) {
   DS_CHECK(!final_, "activation store finalised twice");
   // Sizes are multiples of 64 bytes: zero-filled as floats (zero bits are zero in every dtype).
   kept_ = kernels::DeviceBuffer(be, kept_used_);
-  be.fill(kept_.as<float>(), 0.0f, kept_used_ / int64_t(sizeof(float)));
+  be.fill({kept_.as<float>(), {kept_used_ / int64_t(sizeof(float))}}, 0.0f);
   if (arena_->region.bytes() < shared_max_) {  // grows: what it held is gone
     arena_->region = kernels::DeviceBuffer(be, shared_max_);
-    be.fill(arena_->data(), 0.0f, shared_max_ / int64_t(sizeof(float)));
+    be.fill({arena_->data(), {shared_max_ / int64_t(sizeof(float))}}, 0.0f);
     arena_->holder = nullptr;
   }
   final_ = true;

@@ -75,11 +75,14 @@ void DecoderLayer::reduce_into(float* out, float* partial) const {
 void DecoderLayer::norm_backward(float* dx, const WeightRef& w, const float* dy, const float* x,
                                  const float* rstd) {
   kernels::Backend& be = *env_.be;
-  if (!env_.sp) return be.rmsnorm_backward(dx, w.g, dy, x, w.w, rstd, rows_, H_);
-  be.fill(dw_.data(), 0.0f, H_);
-  be.rmsnorm_backward(dx, dw_.data(), dy, x, w.w, rstd, rows_, H_);
+  if (!env_.sp)
+    return be.rmsnorm_backward({dx, {rows_, H_}}, {w.g, {H_}}, {dy, {rows_, H_}}, {x, {rows_, H_}}, {w.w, {H_}},
+                               {rstd, {rows_}});
+  be.fill({dw_.data(), {H_}}, 0.0f);
+  be.rmsnorm_backward({dx, {rows_, H_}}, {dw_.data(), {H_}}, {dy, {rows_, H_}}, {x, {rows_, H_}}, {w.w, {H_}},
+                      {rstd, {rows_}});
   env_.coll->tp_all_reduce(dw_.data(), H_);
-  be.add(w.g, dw_.data(), H_);
+  be.add({w.g, {H_}}, {dw_.data(), {H_}});
 }
 
 void DecoderLayer::forward(float* h_out, const float* h_in, int64_t B, int64_t S,
@@ -88,20 +91,20 @@ void DecoderLayer::forward(float* h_out, const float* h_in, int64_t B, int64_t S
   const int64_t n = rows_;
   scale_ = scale;
   if (recompute_ != Recompute::kNone) env_.acts->set_holder(this);
-  be.rmsnorm_forward(a_.data(), rstd1_.data(), h_in, in_norm_.w, n, H_, eps_);
+  be.rmsnorm_forward({a_.data(), {n, H_}}, {rstd1_.data(), {n}}, {h_in, {n, H_}}, {in_norm_.w, {H_}}, eps_);
   float* attn = env_.sp ? env_.full_at(1) : h_mid_.data();
   attn_.forward(attn, gathered(a_.data(), env_.full_at(0)), B, S);
   reduce_into(h_mid_.data(), attn);
   attn_.add_output_bias(h_mid_.data(), n);
-  be.add(h_mid_.data(), h_in, n * H_);
-  be.rmsnorm_forward(u_.data(), rstd2_.data(), h_mid_.data(), post_norm_.w, n, H_, eps_);
+  be.add({h_mid_.data(), {n * H_}}, {h_in, {n * H_}});
+  be.rmsnorm_forward({u_.data(), {n, H_}}, {rstd2_.data(), {n}}, {h_mid_.data(), {n, H_}}, {post_norm_.w, {H_}}, eps_);
   const float* u_full = gathered(u_.data(), env_.full_at(0));
   float* ffn = env_.sp ? env_.full_at(1) : h_out;
   env_.scratch->reset();  // the attention's temporaries are dead
   if (moe_) moe_->forward(ffn, u_full, env_.sp ? u_.data() : u_full + part_.first * H_, part_, B, S, scale);
   else mlp_->forward(ffn, u_full, N_);
   reduce_into(h_out, ffn);
-  be.add(h_out, h_mid_.data(), n * H_);
+  be.add({h_out, {n * H_}}, {h_mid_.data(), {n * H_}});
 }
 
 // Rewrites what the layer did not keep, with the forward's kernels on the forward's inputs, so
@@ -117,8 +120,9 @@ void DecoderLayer::recompute(float* h_out, const float* h_in, int64_t B, int64_t
     return;
   }
   env_.acts->set_holder(this);
-  be.rmsnorm_forward(a_.data(), rstd1_.data(), h_in, in_norm_.w, rows_, H_, eps_);
-  be.rmsnorm_forward(u_.data(), rstd2_.data(), h_mid_.data(), post_norm_.w, rows_, H_, eps_);
+  be.rmsnorm_forward({a_.data(), {rows_, H_}}, {rstd1_.data(), {rows_}}, {h_in, {rows_, H_}}, {in_norm_.w, {H_}}, eps_);
+  be.rmsnorm_forward({u_.data(), {rows_, H_}}, {rstd2_.data(), {rows_}}, {h_mid_.data(), {rows_, H_}},
+                     {post_norm_.w, {H_}}, eps_);
   attn_.recompute_selective(B, S);
   env_.scratch->reset();
   if (moe_) moe_->recompute_selective(u_.data() + (env_.sp ? 0 : part_.first * H_), N_);
@@ -143,7 +147,7 @@ void DecoderLayer::backward(float* dh, const float* h_in, int64_t B, int64_t S, 
   reduce_into(tmp1, du);
   env_.poll();
   norm_backward(tmp2, post_norm_, tmp1, h_mid_.data(), rstd2_.data());
-  be.add(dh, tmp2, n * H_);  // dL/dh_mid
+  be.add({dh, {n * H_}}, {tmp2, {n * H_}});  // dL/dh_mid
   // Attention: its input gradient comes out complete (the low-rank activations' gradients are
   // summed inside), so with sequence parallelism this rank just takes its rows.
   const float* dmid = gathered(dh, env_.full_at(2));
@@ -151,7 +155,7 @@ void DecoderLayer::backward(float* dh, const float* h_in, int64_t B, int64_t S, 
   attn_.backward(da, dmid, gathered(a_.data(), env_.full_at(0)), B, S);
   env_.poll();
   norm_backward(tmp2, in_norm_, env_.sp ? da + part_.first * H_ : da, h_in, rstd1_.data());
-  be.add(dh, tmp2, n * H_);  // dL/dh_in
+  be.add({dh, {n * H_}}, {tmp2, {n * H_}});  // dL/dh_in
 }
 
 // ---- multi-token prediction (docs/model.md §3.8) ---------------------------------------------
@@ -206,7 +210,7 @@ DeepSeekModel::DeepSeekModel(const config::ModelConfig& cfg, kernels::Backend& b
   part_ = token_part(N, tp_, coll.tp_rank());
   rows_ = sp_ ? part_.count : N;
   ones_.resize(be_, N);
-  be_.fill(ones_.data(), 1.0f, N);
+  be_.fill({ones_.data(), {N}}, 1.0f);
   ws_ = stage.workspace ? stage.workspace : std::make_shared<InstanceWorkspace>();
   if (!ws_->cast) ws_->cast = std::make_unique<ComputeCast>(be_, params.compute_dtype());
   DS_CHECK(ws_->cast->dtype() == params.compute_dtype(), "instances of two compute types share a workspace");
@@ -354,7 +358,7 @@ void DeepSeekModel::map_ids(int32_t* local, const int32_t* ids, int64_t n) const
 // out [n,H] = the embedding rows of all n tokens (the vocabulary-parallel lookup: each rank
 // contributes the rows it holds, the sum over the ranks is the lookup).
 void DeepSeekModel::embed(float* out, const int32_t* local_ids, int64_t n) {
-  be_.embedding_forward(out, embed_table_, local_ids, n, H_);
+  be_.embedding_forward({out, {n, H_}}, {embed_table_, {Vl_, H_}}, {local_ids, {n}});
   coll_.tp_all_reduce(out, n * H_);
 }
 
@@ -378,14 +382,15 @@ double DeepSeekModel::head_loss(const float* z, const int32_t* targets, int64_t 
     lm_head_.forward(env_, logits, zc, c);
     if (keep) be_.copy_to_host(kept_logits_.data() + r0 * Vl_, logits, c * Vl_ * int64_t(sizeof(float)));
     if (tp_ == 1) {
-      be_.cross_entropy(ws_->loss_rows.data() + r0, logits, targets + r0, c, V_, grad_scale);
+      be_.cross_entropy({ws_->loss_rows.data() + r0, {c}}, {logits, {c, V_}}, {targets + r0, {c}}, grad_scale);
     } else {
-      be_.cross_entropy_row_max(ws_->row_max.data(), logits, c, Vl_);
+      be_.cross_entropy_row_max({ws_->row_max.data(), {c}}, {logits, {c, Vl_}});
       coll_.tp_all_reduce_max(ws_->row_max.data(), c);
-      be_.cross_entropy_row_sums(ws_->row_sums.data(), logits, ws_->row_max.data(), targets + r0, v0_, c, Vl_);
+      be_.cross_entropy_row_sums({ws_->row_sums.data(), {c, 2}}, {logits, {c, Vl_}}, {ws_->row_max.data(), {c}},
+                                 {targets + r0, {c}}, v0_);
       coll_.tp_all_reduce(ws_->row_sums.data(), 2 * c);
-      be_.cross_entropy_finish(ws_->loss_rows.data() + r0, logits, ws_->row_max.data(), ws_->row_sums.data(), targets + r0, v0_,
-                               c, Vl_, grad_scale);
+      be_.cross_entropy_finish({ws_->loss_rows.data() + r0, {c}}, {logits, {c, Vl_}}, {ws_->row_max.data(), {c}},
+                               {ws_->row_sums.data(), {c, 2}}, {targets + r0, {c}}, v0_, grad_scale);
     }
     if (dz) lm_head_.backward(env_, dz + r0 * H_, logits, zc, c);
     progress_.poll();
@@ -411,9 +416,9 @@ Losses DeepSeekModel::forward_stage(const int32_t* tokens, const float* h_in, co
   const trace::Scope whole("model", "forward");
   if (!has_embed_) {
     DS_CHECK(h_in, "a pipeline stage after the first needs the previous stage's output");
-    be_.copy_strided(hidden_[0].data(), H_, h_in, H_, rows_, H_);
+    be_.copy_strided({hidden_[0].data(), {rows_, H_}}, {h_in, {rows_, H_}});
   } else if (sp_) {  // the lookup's sum over the ranks, scattered by token parts
-    be_.embedding_forward(ws_->tmp1.data(), embed_table_, local_ids_.data(), N, H_);
+    be_.embedding_forward({ws_->tmp1.data(), {N, H_}}, {embed_table_, {Vl_, H_}}, {local_ids_.data(), {N}});
     coll_.tp_reduce_scatter_rows(hidden_[0].data(), ws_->tmp1.data(), rows_, H_);
   } else {
     const trace::Scope t("model", "forward embedding");
@@ -426,8 +431,8 @@ Losses DeepSeekModel::forward_stage(const int32_t* tokens, const float* h_in, co
   Losses out;
   if (has_head_) {
     const trace::Scope t("model", "forward head");
-    be_.rmsnorm_forward(z_.data(), rstd_f_.data(), hidden_.back().data(), norm_.w, rows_, H_,
-                        float(cfg_.rms_norm_eps));
+    be_.rmsnorm_forward({z_.data(), {rows_, H_}}, {rstd_f_.data(), {rows_}}, {hidden_.back().data(), {rows_, H_}},
+                        {norm_.w, {H_}}, float(cfg_.rms_norm_eps));
     const float* z = z_.data();
     if (sp_) coll_.tp_all_gather_rows(z_full_.data(), z_.data(), rows_, H_), z = z_full_.data();
     out.ce = head_loss(z, targets_.data(), N, 1.0 / scale.tokens, scale.gradient, scale.backward ? dz_.data() : nullptr,
@@ -450,7 +455,7 @@ void DeepSeekModel::mtp_forward(const int32_t* tokens, const LossScale& scale, L
     const float* prev = k == 0 ? z : mtp_[k - 1]->h.data();
     const int64_t prev_len = n + 1;  // S for the first module, S - (k - 1) after
     for (int64_t b = 0; b < B_; ++b) {
-      be_.copy_strided(m.hprev.data() + b * n * H_, H_, prev + b * prev_len * H_, H_, n, H_);
+      be_.copy_strided({m.hprev.data() + b * n * H_, {n, H_}}, {prev + b * prev_len * H_, {n, H_}});
       for (int64_t i = 0; i < n; ++i) {
         m.ids_host[size_t(b * n + i)] = tokens[b * (S_ + 1) + i + depth];
         m.targets_host[size_t(b * n + i)] = tokens[b * (S_ + 1) + i + depth + 1];
@@ -461,13 +466,17 @@ void DeepSeekModel::mtp_forward(const int32_t* tokens, const LossScale& scale, L
     be_.copy_from_host(m.targets.data(), m.targets_host.data(), rows * int64_t(sizeof(int32_t)));
     const float eps = float(cfg_.rms_norm_eps);
     embed(m.e.data(), m.ids.data(), rows);
-    be_.rmsnorm_forward(m.en.data(), m.rstd_e.data(), m.e.data(), m.enorm.w, rows, H_, eps);
-    be_.rmsnorm_forward(m.hn.data(), m.rstd_h.data(), m.hprev.data(), m.hnorm.w, rows, H_, eps);
-    be_.copy_strided(m.cat.data(), 2 * H_, m.en.data(), H_, rows, H_);  // [enorm(e) ; hnorm(h)]
-    be_.copy_strided(m.cat.data() + H_, 2 * H_, m.hn.data(), H_, rows, H_);
+    be_.rmsnorm_forward({m.en.data(), {rows, H_}}, {m.rstd_e.data(), {rows}}, {m.e.data(), {rows, H_}},
+                        {m.enorm.w, {H_}}, eps);
+    be_.rmsnorm_forward({m.hn.data(), {rows, H_}}, {m.rstd_h.data(), {rows}}, {m.hprev.data(), {rows, H_}},
+                        {m.hnorm.w, {H_}}, eps);
+    be_.copy_strided({m.cat.data(), {rows, H_}, {2 * H_, 1}},
+                     {m.en.data(), {rows, H_}});  // [enorm(e) ; hnorm(h)]
+    be_.copy_strided({m.cat.data() + H_, {rows, H_}, {2 * H_, 1}}, {m.hn.data(), {rows, H_}});
     m.eh_proj.forward(env_, m.m.data(), m.cat.data(), rows);
     m.layer->forward(m.h.data(), m.m.data(), B_, n, scale);
-    be_.rmsnorm_forward(m.z.data(), m.rstd_z.data(), m.h.data(), m.head_norm.w, rows, H_, eps);
+    be_.rmsnorm_forward({m.z.data(), {rows, H_}}, {m.rstd_z.data(), {rows}}, {m.h.data(), {rows, H_}},
+                        {m.head_norm.w, {H_}}, eps);
     const double grad_scale = lambda / (scale.sequences * double(n));
     out.mtp += head_loss(m.z.data(), m.targets.data(), rows, grad_scale, scale.gradient,
                          scale.backward ? m.dz.data() : nullptr, false);
@@ -486,19 +495,21 @@ void DeepSeekModel::backward_stage(const float* dh_out) {
     if (!mtp_.empty()) mtp_backward(dz_.data());
     const float* dz = dz_.data() + (sp_ ? part_.first * H_ : 0);  // this rank's rows of the complete gradient
     if (sp_) {  // the final norm's weight gradient from this rank's tokens, summed over the ranks
-      be_.fill(ws_->norm_dw.data(), 0.0f, H_);
-      be_.rmsnorm_backward(dh_->data(), ws_->norm_dw.data(), dz, hidden_.back().data(), norm_.w, rstd_f_.data(), rows_, H_);
+      be_.fill({ws_->norm_dw.data(), {H_}}, 0.0f);
+      be_.rmsnorm_backward({dh_->data(), {rows_, H_}}, {ws_->norm_dw.data(), {H_}}, {dz, {rows_, H_}},
+                           {hidden_.back().data(), {rows_, H_}}, {norm_.w, {H_}}, {rstd_f_.data(), {rows_}});
       coll_.tp_all_reduce(ws_->norm_dw.data(), H_);
-      be_.add(norm_.g, ws_->norm_dw.data(), H_);
+      be_.add({norm_.g, {H_}}, {ws_->norm_dw.data(), {H_}});
     } else {
-      be_.rmsnorm_backward(dh_->data(), norm_.g, dz, hidden_.back().data(), norm_.w, rstd_f_.data(), rows_, H_);
+      be_.rmsnorm_backward({dh_->data(), {rows_, H_}}, {norm_.g, {H_}}, {dz, {rows_, H_}},
+                           {hidden_.back().data(), {rows_, H_}}, {norm_.w, {H_}}, {rstd_f_.data(), {rows_}});
     }
     // The head and the MTP modules (which share lm_head) are final together.
     const int64_t D = int64_t(mtp_.size());
     for (int64_t l = L_ + D; l >= L_; --l) progress_.grads_final(l);
   } else {
     DS_CHECK(dh_out, "a pipeline stage before the last needs the next stage's input gradient");
-    be_.copy_strided(dh_->data(), H_, dh_out, H_, rows_, H_);
+    be_.copy_strided({dh_->data(), {rows_, H_}}, {dh_out, {rows_, H_}});
   }
   for (int64_t j = int64_t(layers_.size()) - 1; j >= 0; --j) {
     const trace::Scope t("model", "backward layer", first_ + j);
@@ -509,7 +520,7 @@ void DeepSeekModel::backward_stage(const float* dh_out) {
   const trace::Scope t("model", "backward embedding");
   const float* dh0 = dh_->data();
   if (sp_) coll_.tp_all_gather_rows(ws_->tmp1.data(), dh_->data(), rows_, H_), dh0 = ws_->tmp1.data();
-  be_.embedding_backward(embed_.g, dh0, local_ids_.data(), N, H_, Vl_);
+  be_.embedding_backward({embed_.g, {Vl_, H_}}, {dh0, {N, H_}}, {local_ids_.data(), {N}});
   progress_.grads_final(-1);
 }
 
@@ -521,33 +532,33 @@ std::vector<int64_t> DeepSeekModel::backward_order(const config::ModelConfig& cf
 }
 
 void DeepSeekModel::mtp_backward(float* dz) {
-  for (auto& m : mtp_) be_.fill(m->dh.data(), 0.0f, m->dh.size());
+  for (auto& m : mtp_) be_.fill({m->dh.data(), {m->dh.size()}}, 0.0f);
   for (int64_t k = int64_t(mtp_.size()) - 1; k >= 0; --k) {
     Mtp& m = *mtp_[k];
     const int64_t n = m.n, rows = B_ * n;
     // Its own head (the gradient of its normed states its forward made, summed over the ranks),
     // then the gradient module k+1 left in m.dh.
     coll_.tp_all_reduce(m.dz.data(), rows * H_);
-    be_.rmsnorm_backward(ws_->tmp2.data(), m.head_norm.g, m.dz.data(), m.h.data(), m.head_norm.w,
-                         m.rstd_z.data(), rows, H_);
-    be_.add(m.dh.data(), ws_->tmp2.data(), rows * H_);
+    be_.rmsnorm_backward({ws_->tmp2.data(), {rows, H_}}, {m.head_norm.g, {H_}}, {m.dz.data(), {rows, H_}},
+                         {m.h.data(), {rows, H_}}, {m.head_norm.w, {H_}}, {m.rstd_z.data(), {rows}});
+    be_.add({m.dh.data(), {rows * H_}}, {ws_->tmp2.data(), {rows * H_}});
     m.layer->backward(m.dh.data(), m.m.data(), B_, n, ws_->tmp1.data(), ws_->tmp2.data());  // m.dh = dL/dm
     ws_->scratch.reset();
     float* dcat = ws_->scratch.take(rows * 2 * H_);
     m.eh_proj.backward(env_, dcat, m.dh.data(), m.cat.data(), rows);
     // Embedding half: enorm backward, then into this rank's rows of the shared embedding table.
-    be_.copy_strided(ws_->tmp1.data(), H_, dcat, 2 * H_, rows, H_);
-    be_.rmsnorm_backward(ws_->tmp2.data(), m.enorm.g, ws_->tmp1.data(), m.e.data(), m.enorm.w,
-                         m.rstd_e.data(), rows, H_);
-    be_.embedding_backward(embed_.g, ws_->tmp2.data(), m.ids.data(), rows, H_, Vl_);
+    be_.copy_strided({ws_->tmp1.data(), {rows, H_}}, {dcat, {rows, H_}, {2 * H_, 1}});
+    be_.rmsnorm_backward({ws_->tmp2.data(), {rows, H_}}, {m.enorm.g, {H_}}, {ws_->tmp1.data(), {rows, H_}},
+                         {m.e.data(), {rows, H_}}, {m.enorm.w, {H_}}, {m.rstd_e.data(), {rows}});
+    be_.embedding_backward({embed_.g, {Vl_, H_}}, {ws_->tmp2.data(), {rows, H_}}, {m.ids.data(), {rows}});
     // Hidden half: hnorm backward, then into the first n positions of the previous hidden state.
-    be_.copy_strided(ws_->tmp1.data(), H_, dcat + H_, 2 * H_, rows, H_);
-    be_.rmsnorm_backward(ws_->tmp2.data(), m.hnorm.g, ws_->tmp1.data(), m.hprev.data(), m.hnorm.w,
-                         m.rstd_h.data(), rows, H_);
+    be_.copy_strided({ws_->tmp1.data(), {rows, H_}}, {dcat + H_, {rows, H_}, {2 * H_, 1}});
+    be_.rmsnorm_backward({ws_->tmp2.data(), {rows, H_}}, {m.hnorm.g, {H_}}, {ws_->tmp1.data(), {rows, H_}},
+                         {m.hprev.data(), {rows, H_}}, {m.hnorm.w, {H_}}, {m.rstd_h.data(), {rows}});
     float* dprev = k == 0 ? dz : mtp_[k - 1]->dh.data();
     const int64_t prev_len = n + 1;
     for (int64_t b = 0; b < B_; ++b)
-      be_.add_strided(dprev + b * prev_len * H_, H_, ws_->tmp2.data() + b * n * H_, H_, n, H_);
+      be_.add_strided({dprev + b * prev_len * H_, {n, H_}}, {ws_->tmp2.data() + b * n * H_, {n, H_}});
   }
 }
 

@@ -24,7 +24,7 @@ SwiGluMlp::SwiGluMlp(const LayerEnv& env, const std::string& prefix, int64_t wid
 
 // M = swiglu(GU) on N rows into the saved M, in its type (a 16-bit M written rounded, as a
 // conversion of the fp32 values would round it, without an fp32 pass).
-void SwiGluMlp::activate(int64_t N) { env_.be->swiglu_forward(M_.view(), GU_.data(), N, w_); }
+void SwiGluMlp::activate(int64_t N) { env_.be->swiglu_forward({M_.view(), {N, w_}}, {GU_.data(), {N, 2 * w_}}); }
 
 void SwiGluMlp::recompute_selective(int64_t N) { activate(N); }
 
@@ -42,7 +42,7 @@ void SwiGluMlp::backward(float* du, const float* dout, const float* u, int64_t N
   float* dGU = scratch.take(N * 2 * w_);
   down_.backward(env_, dM, dout, GemmInput::saved(M_), N);
   env_.poll();
-  be.swiglu_backward(dGU, dM, GU_.data(), N, w_);
+  be.swiglu_backward({dGU, {N, 2 * w_}}, {dM, {N, w_}}, {GU_.data(), {N, 2 * w_}});
   // Column-parallel gate/up: the input gradient is this rank's part (the caller sums over TP).
   gate_up_.backward(env_, du, dGU, u, N, beta);
 }
@@ -93,7 +93,7 @@ MoeLayer::MoeLayer(const LayerEnv& env, const std::string& prefix, int64_t B, in
   idx_dev_.resize(*env.be, N * k_), pos_dev_.resize(*env.be, N * k_), src_dev_.resize(*env.be, N * k_);
   counts_dev_.resize(*env.be, E_), counts32_.assign(size_t(E_), 0);
   balance_stats_.resize(*env.be, 2 * B * E_), aux_dev_.resize(*env.be, 1);
-  env.be->fill(aux_dev_.data(), 0.0f, 1);
+  env.be->fill({aux_dev_.data(), {1}}, 0.0f);
   counts_.assign(E_, 0), offsets_.assign(E_ + 1, 0);
   stats_.loads.assign(E_, 0);
   DS_CHECK(E_ % ep_ == 0, "{} experts over {} expert-parallel ranks", E_, ep_);
@@ -117,14 +117,15 @@ MoeLayer::MoeLayer(const LayerEnv& env, const std::string& prefix, int64_t B, in
 // The routed rows and the experts' activations straight into their saved type (16-bit: rounded
 // by the producing op, as a conversion of the fp32 values would round them).
 void MoeLayer::dispatch_rows(const float* u_part, int64_t rows) {
-  if (ep_ == 1) return env_.be->gather_rows(Xp_.view(), u_part, src_dev_.data(), rows, H_);
+  if (ep_ == 1)
+    return env_.be->gather_rows({Xp_.view(), {rows, H_}}, {u_part, {rows / k_, H_}}, {src_dev_.data(), {rows}});
   kernels::DeviceArray<float>& xs = env_.ep_bwd->Xs;  // only sent
   xs.resize(*env_.be, rows * H_);
-  env_.be->gather_rows(xs.data(), u_part, src_dev_.data(), rows, H_);
+  env_.be->gather_rows({xs.data(), {rows, H_}}, {u_part, {rows / k_, H_}}, {src_dev_.data(), {rows}});
 }
 
 void MoeLayer::swiglu_into(kernels::View M, const float* GU, int64_t rows) {
-  env_.be->swiglu_forward(M, GU, rows, I_);
+  env_.be->swiglu_forward({M, {rows, I_}}, {GU, {rows, 2 * I_}});
 }
 
 void MoeLayer::recompute_selective(const float* u_part, int64_t N) {
@@ -137,8 +138,9 @@ void MoeLayer::recompute_selective(const float* u_part, int64_t N) {
     swiglu_into(Mp_.view(), GUp_.data(), rows);
   } else {  // the shared vectors hold another layer's rows: sized for this one's again
     Xe_->resize(be, recv_total_ * H_), Me_->resize(be, recv_total_ * I_);
-    be.gather_rows(Xe_->data(), Xr_->data(), to_source_dev_.data(), recv_total_, H_);
-    be.swiglu_forward(Me_->data(), GUe_->data(), recv_total_, I_);
+    be.gather_rows({Xe_->data(), {recv_total_, H_}}, {Xr_->data(), {recv_total_, H_}},
+                   {to_source_dev_.data(), {recv_total_}});
+    be.swiglu_forward({Me_->data(), {recv_total_, I_}}, {GUe_->data(), {recv_total_, 2 * I_}});
   }
 }
 
@@ -156,8 +158,11 @@ void MoeLayer::route(const float* u, int64_t N) {
   kernels::Backend& be = *env_.be;
   float* logits = env_.scratch->take(N * E_);
   gate_.forward(env_, logits, u, N);
-  be.router_forward(idx_dev_.data(), w_.data(), scores_.data(), logits, bias_, N, rp_);
-  be.moe_plan(pos_dev_.data(), src_dev_.data(), counts_dev_.data(), idx_dev_.data(), N, k_, E_);
+  be.router_forward({idx_dev_.data(), {N, rp_.top_k}}, {w_.data(), {N, rp_.top_k}},
+                    {scores_.data(), {N, rp_.num_experts}}, {logits, {N, rp_.num_experts}}, {bias_, {rp_.num_experts}},
+                    rp_);
+  be.moe_plan({pos_dev_.data(), {N, k_}}, {src_dev_.data(), {N * k_}}, {counts_dev_.data(), {E_}},
+              {idx_dev_.data(), {N, k_}});
   be.copy_to_host(counts32_.data(), counts_dev_.data(), E_ * int64_t(sizeof(int32_t)));
   routed_ = N;
   for (int64_t e = 0; e < E_; ++e) {
@@ -174,7 +179,7 @@ std::vector<int32_t> MoeLayer::selection() const {
   return idx;
 }
 
-void MoeLayer::clear_aux() { env_.be->fill(aux_dev_.data(), 0.0f, 1); }
+void MoeLayer::clear_aux() { env_.be->fill({aux_dev_.data(), {1}}, 0.0f); }
 
 double MoeLayer::fetch_aux() {
   float v = 0;
@@ -192,7 +197,7 @@ void MoeLayer::balance_loss(TokenPart part, int64_t B, int64_t S, const LossScal
   const double alpha = env_.cfg->aux_loss_alpha;
   const int64_t n = part.count;
   if (alpha <= 0.0) {
-    env_.be->fill(dscores_.data(), 0.0f, n * E_);
+    env_.be->fill({dscores_.data(), {n * E_}}, 0.0f);
     return;
   }
   const bool per_seq = env_.cfg->seq_aux;
@@ -204,9 +209,11 @@ void MoeLayer::balance_loss(TokenPart part, int64_t B, int64_t S, const LossScal
   shape.groups = groups, shape.T = per_seq ? S : B * S;
   DS_CHECK(2 * groups * E_ <= balance_stats_.size(), "balance statistics for {} groups", groups);
   float* stats = balance_stats_.data();
-  env_.be->moe_balance_stats(stats, idx_dev_.data(), scores_.data(), shape);
+  env_.be->moe_balance_stats({stats, {2, shape.groups, shape.E}}, {idx_dev_.data(), {shape.n, shape.k}},
+                             {scores_.data(), {shape.n, shape.E}}, shape);
   if (env_.tp_size > 1) env_.coll->tp_all_reduce(stats, 2 * groups * E_);  // every rank's tokens of each group
-  env_.be->moe_balance_grad(dscores_.data(), recomputing_ ? nullptr : aux_dev_.data(), stats, scores_.data(), shape,
+  env_.be->moe_balance_grad({dscores_.data(), {shape.n, shape.E}}, {recomputing_ ? nullptr : aux_dev_.data(), {1}},
+                            {stats, {2, shape.groups, shape.E}}, {scores_.data(), {shape.n, shape.E}}, shape,
                             alpha * group_weight, scale.gradient);
 }
 
@@ -222,8 +229,10 @@ void MoeLayer::forward(float* out_full, const float* u_full, const float* u_part
     experts_forward({Xp_.raw(), Xp_.dtype()}, GUp_.data(), Mp_.view(), Yp_.data(), counts_.data(), offsets_.data(), 0,
                     E_, rows);
     if (shared_) shared_->forward(out_full, u_full, N);
-    else be.fill(out_full, 0.0f, N * H_);
-    be.moe_combine(out_full + part.first * H_, Yp_.data(), w_.data(), pos_dev_.data(), n, k_, H_);
+    else
+      be.fill({out_full, {N * H_}}, 0.0f);
+    be.moe_combine({out_full + part.first * H_, {n, H_}}, {Yp_.data(), {n * k_, H_}}, {w_.data(), {n, k_}},
+                   {pos_dev_.data(), {n, k_}});
     return;
   }
   // Expert parallelism: the rows go to the ranks that own their experts (the rows sorted by
@@ -250,15 +259,17 @@ void MoeLayer::forward(float* out_full, const float* u_full, const float* u_part
   auto dispatch =
       env_.coll->ep_all_to_all_v(Xr_->data(), scaled(recv_rows_, H_), env_.ep_bwd->Xs.data(), scaled(send_rows_, H_));
   if (shared_) shared_->forward(out_full, u_full, N);  // while the rows travel
-  else be.fill(out_full, 0.0f, N * H_);
+  else
+    be.fill({out_full, {N * H_}}, 0.0f);
   if (dispatch) dispatch->wait();
-  be.gather_rows(Xe_->data(), Xr_->data(), to_source_dev_.data(), recv, H_);
+  be.gather_rows({Xe_->data(), {recv, H_}}, {Xr_->data(), {recv, H_}}, {to_source_dev_.data(), {recv}});
   experts_forward(kernels::f32(Xe_->data()), GUe_->data(), {Me_->data(), kernels::DType::kF32}, Ye_->data(),
                   ecounts_.data(), eoffsets_.data(), e0_, El_, recv);
-  be.gather_rows(Yr_->data(), Ye_->data(), to_expert_dev_.data(), recv, H_);
+  be.gather_rows({Yr_->data(), {recv, H_}}, {Ye_->data(), {recv, H_}}, {to_expert_dev_.data(), {recv}});
   auto combine = env_.coll->ep_all_to_all_v(Yp_.data(), scaled(send_rows_, H_), Yr_->data(), scaled(recv_rows_, H_));
   if (combine) combine->wait();
-  be.moe_combine(out_full + part.first * H_, Yp_.data(), w_.data(), pos_dev_.data(), n, k_, H_);
+  be.moe_combine({out_full + part.first * H_, {n, H_}}, {Yp_.data(), {n * k_, H_}}, {w_.data(), {n, k_}},
+                 {pos_dev_.data(), {n, k_}});
 }
 
 std::vector<int64_t> MoeLayer::scaled(const std::vector<int64_t>& rows, int64_t width) {
@@ -365,13 +376,14 @@ struct Group {
     };
     const char* ab = typed(a, 0, a_len);
     const char* bb = b.data ? typed(b, 1, b_len) : nullptr;
-    std::vector<const void*> pa(C.size()), pb(C.size());
+    std::vector<kernels::Backend::GemmProblem> problems(C.size());
     for (size_t i = 0; i < C.size(); ++i) {
-      pa[i] = ab + A[i] * es;
-      pb[i] = bb ? static_cast<const void*>(bb + B[i] * es) : lp ? static_cast<const void*>(Blp[i]) : Bw[i];
+      const void* pb = bb ? static_cast<const void*>(bb + B[i] * es) : lp ? static_cast<const void*>(Blp[i]) : Bw[i];
+      problems[i] = {{C[i], {M[i], N[i]}},
+                     {ab + A[i] * es, t, ta ? kernels::Dims{K[i], M[i]} : kernels::Dims{M[i], K[i]}},
+                     {pb, t, tb ? kernels::Dims{N[i], K[i]} : kernels::Dims{K[i], N[i]}}};
     }
-    env.be->gemm_grouped(C.data(), pa.data(), pb.data(), t, M.data(), N.data(), K.data(), int64_t(C.size()), ta, tb,
-                         1.0f, beta);
+    env.be->gemm_grouped(problems, ta, tb, 1.0f, beta);
   }
 };
 
@@ -450,10 +462,10 @@ void MoeLayer::experts_backward(float* dX, const float* dY, kernels::ConstView X
   kernels::ConstView dGUc;
   if (dgu_lp) {
     const kernels::View v = env_.cast->slot_view(0, rows * 2 * I_);
-    be.swiglu_backward(v, dM, GU, rows, I_);
+    be.swiglu_backward({v, {rows, 2 * I_}}, {dM, {rows, I_}}, {GU, {rows, 2 * I_}});
     dGUc = {v.data, v.dtype};
   } else {
-    be.swiglu_backward(dGU, dM, GU, rows, I_);
+    be.swiglu_backward({dGU, {rows, 2 * I_}}, {dM, {rows, I_}}, {GU, {rows, 2 * I_}});
     dGUc = round_once(env_, 0, dGU, rows * 2 * I_);
   }
   Group gdX, gdWgu;
@@ -483,10 +495,12 @@ void MoeLayer::backward(float* du_full, const float* dout_full, const float* u_f
   kernels::ConstView dY16;
   if (dy_lp) {
     const kernels::View v = env_.cast->slot_view(0, rows * H_);
-    be.moe_combine_backward(v, dw, dout_full + part.first * H_, Yp_.data(), w_.data(), pos_dev_.data(), n, k_, H_);
+    be.moe_combine_backward({v, {n * k_, H_}}, {dw, {n, k_}}, {dout_full + part.first * H_, {n, H_}},
+                            {Yp_.data(), {n * k_, H_}}, {w_.data(), {n, k_}}, {pos_dev_.data(), {n, k_}});
     dY16 = {v.data, v.dtype};
   } else {
-    be.moe_combine_backward(dYp, dw, dout_full + part.first * H_, Yp_.data(), w_.data(), pos_dev_.data(), n, k_, H_);
+    be.moe_combine_backward({dYp, {n * k_, H_}}, {dw, {n, k_}}, {dout_full + part.first * H_, {n, H_}},
+                            {Yp_.data(), {n * k_, H_}}, {w_.data(), {n, k_}}, {pos_dev_.data(), {n, k_}});
   }
   float* dXp = dYp;  // dYp is dead once the experts' dM exists; same size [rows, H]
   if (ep_ == 1) {
@@ -496,7 +510,8 @@ void MoeLayer::backward(float* du_full, const float* dout_full, const float* u_f
       experts_backward(dXp, dy_lp ? nullptr : dYp, {Xp_.raw(), Xp_.dtype()}, GUp_.data(), {Mp_.raw(), Mp_.dtype()},
                        dMp, dGUp, counts_.data(), offsets_.data(), 0, E_, rows, dY16);
     if (shared_) shared_->backward(du_full, dout_full, u_full, N, 0.0f);
-    else be.fill(du_full, 0.0f, N * H_);
+    else
+      be.fill({du_full, {N * H_}}, 0.0f);
   } else {
     // The output gradients go to the experts' owners (the forward's exchange in reverse), the
     // input gradients come back. The received-side buffers are the instance's, shared by its
@@ -507,30 +522,32 @@ void MoeLayer::backward(float* du_full, const float* dout_full, const float* u_f
     b.dMe.resize(be, recv * I_), b.dGUe.resize(be, recv * 2 * I_);
     auto out = env_.coll->ep_all_to_all_v(b.dYr.data(), scaled(recv_rows_, H_), dYp, scaled(send_rows_, H_));
     if (shared_) shared_->backward(du_full, dout_full, u_full, N, 0.0f);  // while the gradients travel
-    else be.fill(du_full, 0.0f, N * H_);
+    else
+      be.fill({du_full, {N * H_}}, 0.0f);
     if (out) out->wait();
-    be.gather_rows(b.dYe.data(), b.dYr.data(), to_source_dev_.data(), recv, H_);
+    be.gather_rows({b.dYe.data(), {recv, H_}}, {b.dYr.data(), {recv, H_}}, {to_source_dev_.data(), {recv}});
     float* dXe = b.dYr.data();  // dYr is read: its space takes the experts' input gradients
     experts_backward(dXe, b.dYe.data(), kernels::f32(Xe_->data()), GUe_->data(), kernels::f32(Me_->data()),
                      b.dMe.data(), b.dGUe.data(), ecounts_.data(), eoffsets_.data(), e0_, El_, recv);
     float* dXr = b.dYe.data();  // and dYe's (read by the experts' backward; a W queue copied what it keeps)
-    be.gather_rows(dXr, dXe, to_expert_dev_.data(), recv, H_);
+    be.gather_rows({dXr, {recv, H_}}, {dXe, {recv, H_}}, {to_expert_dev_.data(), {recv}});
     auto back = env_.coll->ep_all_to_all_v(dXp, scaled(send_rows_, H_), dXr, scaled(recv_rows_, H_));
     if (back) back->wait();
   }
   float* du_part = du_full + part.first * H_;
-  be.moe_dispatch_backward(du_part, dXp, pos_dev_.data(), n, k_, H_);
+  be.moe_dispatch_backward({du_part, {n, H_}}, {dXp, {n * k_, H_}}, {pos_dev_.data(), {n, k_}});
   float* dlogits = scratch.take(n * E_);
-  be.router_backward(dlogits, dw, dscores_.data(), scores_.data(), idx_dev_.data(), n, rp_);
+  be.router_backward({dlogits, {n, rp_.num_experts}}, {dw, {n, rp_.top_k}}, {dscores_.data(), {n, rp_.num_experts}},
+                     {scores_.data(), {n, rp_.num_experts}}, {idx_dev_.data(), {n, rp_.top_k}}, rp_);
   if (env_.tp_size == 1) {
     gate_.backward(env_, du_part, dlogits, u_part, n, 1.0f);
   } else {  // the router is replicated: its gradient from this rank's tokens, summed over the ranks
     float* dgate = scratch.take(E_ * H_);
-    be.fill(dgate, 0.0f, E_ * H_);
+    be.fill({dgate, {E_ * H_}}, 0.0f);
     const WeightGradDeferral::Scope now(nullptr);  // reduced at once: never deferred
     gate_.backward(env_, du_part, dlogits, u_part, n, 1.0f, dgate);
     env_.coll->tp_all_reduce(dgate, E_ * H_);
-    be.add(gate_.weight().g, dgate, E_ * H_);
+    be.add({gate_.weight().g, {E_ * H_}}, {dgate, {E_ * H_}});
   }
   env_.poll();
 }

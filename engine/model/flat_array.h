@@ -36,7 +36,7 @@ class FlatArray {
   void assign(int64_t n) {
     if (dev_be_) {
       dev_ = n > 0 ? kernels::DeviceBuffer(*dev_be_, padded_bytes(n)) : kernels::DeviceBuffer();
-      if (n > 0) dev_be_->fill(dev_.as<float>(), 0.0f, padded_bytes(n) / 4);
+      if (n > 0) dev_be_->fill({dev_.as<float>(), {padded_bytes(n) / 4}}, 0.0f);
     } else {
       host_.assign(size_t(n), T(0));
     }
@@ -51,7 +51,7 @@ class FlatArray {
     }
     if (n == n_) return;
     kernels::DeviceBuffer fresh(*dev_be_, padded_bytes(std::max<int64_t>(n, 1)));
-    dev_be_->fill(fresh.as<float>(), 0.0f, padded_bytes(std::max<int64_t>(n, 1)) / 4);
+    dev_be_->fill({fresh.as<float>(), {padded_bytes(std::max<int64_t>(n, 1)) / 4}}, 0.0f);
     if (std::min(n, n_) > 0) dev_be_->copy(fresh.data(), dev_.data(), std::min(n, n_) * int64_t(sizeof(T)));
     dev_ = std::move(fresh);
     n_ = n;
@@ -64,13 +64,15 @@ class FlatArray {
   }
   void fill_zero() {
     if (n_ == 0) return;
-    if (dev_be_) dev_be_->fill(dev_.as<float>(), 0.0f, padded_bytes(n_) / 4);
+    if (dev_be_)
+      dev_be_->fill({dev_.as<float>(), {padded_bytes(n_) / 4}}, 0.0f);
     else std::fill(host_.begin(), host_.end(), T(0));
   }
   // Elements [offset, offset + n) set to zero (written: the memory stays held).
   void fill_range_zero(int64_t offset, int64_t n) {
     if (n <= 0) return;
-    if (dev_be_) dev_be_->fill(reinterpret_cast<float*>(data() + offset), 0.0f, n * int64_t(sizeof(T)) / 4);
+    if (dev_be_)
+      dev_be_->fill({reinterpret_cast<float*>(data() + offset), {n * int64_t(sizeof(T)) / 4}}, 0.0f);
     else std::fill(host_.begin() + offset, host_.begin() + offset + n, T(0));
   }
   // Elements [offset, offset + n) become zero. In host memory their whole pages go back to the
@@ -78,7 +80,8 @@ class FlatArray {
   // held. (Float elements on a device.)
   void zero_range(int64_t offset, int64_t n) {
     if (n <= 0) return;
-    if (dev_be_) dev_be_->fill(reinterpret_cast<float*>(data() + offset), 0.0f, n * int64_t(sizeof(T)) / 4);
+    if (dev_be_)
+      dev_be_->fill({reinterpret_cast<float*>(data() + offset), {n * int64_t(sizeof(T)) / 4}}, 0.0f);
     else release_to_zero(host_.data() + offset, size_t(n) * sizeof(T));
   }
   // Bytes of the array that hold memory now: its resident pages in host memory, all of it on a

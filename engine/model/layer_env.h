@@ -26,7 +26,7 @@ class Scratch {
   void reserve(kernels::Backend& be, int64_t floats) {
     if (floats <= capacity()) return;
     buf_ = kernels::DeviceBuffer(be, floats * int64_t(sizeof(float)));
-    be.fill(buf_.as<float>(), 0.0f, floats);
+    be.fill({buf_.as<float>(), {floats}}, 0.0f);
   }
   void reset() { used_ = 0; }
   float* take(int64_t n) {
@@ -205,7 +205,7 @@ class ComputeCast {
   // n floats at x rounded to the compute type, in workspace `slot` (valid until the slot's next use).
   kernels::ConstView operator()(int slot, const float* x, int64_t n) {
     char* b = grow(slot, n);
-    be_.convert({b, dtype_}, kernels::f32(x), n);
+    be_.convert({b, dtype_, {n}}, {kernels::f32(x), {n}});
     return {b, dtype_};
   }
   // Where a producer writes n GEMM inputs in the GEMMs' own 16-bit type (workspace `slot`, valid
@@ -319,11 +319,11 @@ inline kernels::ConstView round_once(const LayerEnv& env, int slot, const float*
 }
 // Bias: y[r] += b;  db += sum_r dy[r]  (as ones^T dy).
 inline void bias_forward(kernels::Backend& be, float* y, const float* b, int64_t rows, int64_t n) {
-  be.add_strided(y, n, b, 0, rows, n);
+  be.add_strided({y, {rows, n}}, {b, {rows, n}, {0, 1}});
 }
 inline void bias_backward(kernels::Backend& be, float* db, const float* dy, const float* ones,
                           int64_t rows, int64_t n) {
-  be.gemm(db, ones, dy, 1, n, rows, false, false, 1.0f, 1.0f);
+  be.gemm({db, {1, n}}, {ones, {1, rows}}, {dy, {rows, n}}, false, false, 1.0f, 1.0f);
 }
 
 }  // namespace dstrain::model

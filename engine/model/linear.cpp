@@ -36,10 +36,10 @@ GemmInput Linear::pin(const LayerEnv& env, const float* x, int64_t rows) const {
 void Linear::forward(const LayerEnv& env, float* y, GemmInput x, int64_t rows, float beta) const {
   if (!low_precision(env)) {
     DS_CHECK(x.f32, "Linear::forward: a 16-bit-only input to an fp32 GEMM");
-    return env.be->gemm(y, x.f32, w_.w, rows, out_, in_, false, true, 1.0f, beta);
+    return env.be->gemm({y, {rows, out_}}, {x.f32, {rows, in_}}, {w_.w, {out_, in_}}, false, true, 1.0f, beta);
   }
   const kernels::ConstView xc = x.lp.data ? x.lp : (*env.cast)(0, x.f32, rows * in_);
-  env.be->gemm(y, xc, env.cast->weight(w_.lp), rows, out_, in_, false, true, 1.0f, beta);
+  env.be->gemm({y, {rows, out_}}, {xc, {rows, in_}}, {env.cast->weight(w_.lp), {out_, in_}}, false, true, 1.0f, beta);
 }
 
 void Linear::backward(const LayerEnv& env, float* dx, GemmInput dy, GemmInput x, int64_t rows, float dx_beta,
@@ -53,8 +53,10 @@ void Linear::backward(const LayerEnv& env, float* dx, GemmInput dy, GemmInput x,
   ComputeCast* cast = env.cast;
   const kernels::ConstView dyc = dy.lp.data ? dy.lp : lp ? (*cast)(0, dy.f32, rows * out_) : kernels::f32(dy.f32);
   if (dx) {
-    if (lp) be.gemm(dx, dyc, cast->weight(w_.lp), rows, in_, out_, false, false, 1.0f, dx_beta);
-    else be.gemm(dx, dy.f32, w_.w, rows, in_, out_, false, false, 1.0f, dx_beta);
+    if (lp)
+      be.gemm({dx, {rows, in_}}, {dyc, {rows, out_}}, {cast->weight(w_.lp), {out_, in_}}, false, false, 1.0f, dx_beta);
+    else
+      be.gemm({dx, {rows, in_}}, {dy.f32, {rows, out_}}, {w_.w, {out_, in_}}, false, false, 1.0f, dx_beta);
   }
   const int64_t out = out_, in = in_;
   if (WeightGradDeferral* d = WeightGradDeferral::active()) {
@@ -62,22 +64,24 @@ void Linear::backward(const LayerEnv& env, float* dx, GemmInput dy, GemmInput x,
     if (!x.f32) {  // a saved 16-bit activation: read in place, or copied if recomputation overwrites it
       auto xk = d->keep(x.lp, rows * in * kernels::dtype_size(x.lp.dtype));
       d->push([&be, cast, dW, dyk, xk, rows, out, in] {
-        be.gemm(dW, (*cast)(0, dyk.data, rows * out), xk.view, out, in, rows, true, false, 1.0f, 1.0f);
+        be.gemm({dW, {out, in}}, {(*cast)(0, dyk.data, rows * out), {rows, out}}, {xk.view, {rows, in}}, true, false,
+                1.0f, 1.0f);
       });
       return;
     }
     auto xk = d->keep(x.f32, rows * in);
     d->push([&be, lp, cast, dW, dyk, xk, rows, out, in] {
       if (lp)
-        be.gemm(dW, (*cast)(0, dyk.data, rows * out), (*cast)(1, xk.data, rows * in), out, in, rows, true, false, 1.0f,
-                1.0f);
+        be.gemm({dW, {out, in}}, {(*cast)(0, dyk.data, rows * out), {rows, out}},
+                {(*cast)(1, xk.data, rows * in), {rows, in}}, true, false, 1.0f, 1.0f);
       else
-        be.gemm(dW, dyk.data, xk.data, out, in, rows, true, false, 1.0f, 1.0f);
+        be.gemm({dW, {out, in}}, {dyk.data, {rows, out}}, {xk.data, {rows, in}}, true, false, 1.0f, 1.0f);
     });
     return;
   }
-  if (!lp) return be.gemm(dW, dy.f32, x.f32, out, in, rows, true, false, 1.0f, 1.0f);
-  be.gemm(dW, dyc, x.lp.data ? x.lp : (*cast)(1, x.f32, rows * in), out, in, rows, true, false, 1.0f, 1.0f);
+  if (!lp) return be.gemm({dW, {out, in}}, {dy.f32, {rows, out}}, {x.f32, {rows, in}}, true, false, 1.0f, 1.0f);
+  be.gemm({dW, {out, in}}, {dyc, {rows, out}}, {x.lp.data ? x.lp : (*cast)(1, x.f32, rows * in), {rows, in}}, true,
+          false, 1.0f, 1.0f);
 }
 
 }  // namespace dstrain::model

@@ -95,7 +95,7 @@ MlaAttention::MlaAttention(const LayerEnv& env, const std::string& prefix, int64
 
 // A normed latent (cqn or ckvn) into its saved buffer, in its type (16-bit: rounded by the op).
 void MlaAttention::norm_latent(const ActBuf& out, float* rstd, const float* x, const float* w, int64_t N, int64_t d) {
-  env_.be->rmsnorm_forward(out.view(), rstd, x, w, N, d, 1e-6f);
+  env_.be->rmsnorm_forward({out.view(), {N, d}}, {rstd, {N}}, {x, {N, d}}, {w, {d}}, 1e-6f);
 }
 
 void MlaAttention::recompute_selective(int64_t B, int64_t S) {
@@ -117,7 +117,7 @@ std::array<kernels::ConstView, 3> MlaAttention::qkv_for_attention() {
     out[size_t(i)] = {b[i]->raw(), b[i]->dtype()};
     if (!widen) continue;
     float* w = env_.scratch->take(b[i]->size());
-    env_.be->convert({w, kernels::DType::kF32}, out[size_t(i)], b[i]->size());
+    env_.be->convert({w, kernels::DType::kF32, {b[i]->size()}}, {out[size_t(i)], {b[i]->size()}});
     out[size_t(i)] = kernels::f32(w);
   }
   return out;
@@ -125,7 +125,9 @@ std::array<kernels::ConstView, 3> MlaAttention::qkv_for_attention() {
 
 void MlaAttention::attention_core(int64_t B, int64_t S) {
   const auto [q, k, v] = qkv_for_attention();
-  env_.be->attention_forward(O_.data(), lse_.data(), q, k, v, B, S, nh_, dqk_, dv_, rope_->attention_scale);
+  const kernels::Dims qk{B, S, nh_, dqk_}, vo{B, S, nh_, dv_};
+  env_.be->attention_forward({O_.data(), vo}, {lse_.data(), {B, nh_, S}}, {q, qk}, {k, qk}, {v, vo},
+                             rope_->attention_scale);
 }
 
 int64_t MlaAttention::scratch_floats(int64_t N) const {
@@ -156,10 +158,13 @@ void MlaAttention::forward(float* out, const float* a, int64_t B, int64_t S) {
   }
   // Q, K, V are written straight into their saved buffers, in 16 bits under bf16 / fp16 (each
   // value rounded as a conversion of the fp32 one would: docs/design.md §6.10).
+  // A head's row is [nope (dn) | rope (dr)]: the rope parts are [N, nh, dr], heads dqk apart.
   const kernels::View Qv = Q_.view();
-  be.copy_strided(Qv, dqk_, q, dqk_, N * nh_, dn_);
-  be.rope_forward(kernels::offset_view(Qv, dn_), nh_ * dqk_, dqk_, q + dn_, nh_ * dqk_, dqk_, rope_->cos.data(),
-                  rope_->sin.data(), N, S, nh_, dr_, env_.cfg->rope_interleave);
+  const kernels::Dims nope{N * nh_, dn_}, rope{N, nh_, dr_}, heads{nh_ * dqk_, dqk_, 1};
+  const kernels::ConstTensor rcos{rope_->cos.data(), {S, dr_ / 2}}, rsin{rope_->sin.data(), {S, dr_ / 2}};
+  const bool interleave = env_.cfg->rope_interleave;
+  be.copy_strided({Qv, nope, {dqk_, 1}}, {q, nope, {dqk_, 1}});
+  be.rope_forward({kernels::offset_view(Qv, dn_), rope, heads}, {q + dn_, rope, heads}, rcos, rsin, interleave);
   // Compressed KV: c_kv = a W_kva[:r_kv]^T, k_pe = a W_kva[r_kv:]^T (two GEMMs on row blocks).
   ckv_proj_.forward(env_, ckv_.data(), ain, N);
   kpe_proj_.forward(env_, kpe_.data(), ain, N);
@@ -171,11 +176,11 @@ void MlaAttention::forward(float* out, const float* a, int64_t B, int64_t S) {
   float* kv = scratch.take(N * nh_ * kv_w);
   kv_b_.forward(env_, kv, GemmInput::saved(ckvn_), N);
   const kernels::View Kv = K_.view();
-  be.copy_strided(Kv, dqk_, kv, kv_w, N * nh_, dn_);
-  be.copy_strided(V_.view(), dv_, kv + dn_, kv_w, N * nh_, dv_);
+  be.copy_strided({Kv, nope, {dqk_, 1}}, {kv, nope, {kv_w, 1}});
+  be.copy_strided({V_.view(), {N * nh_, dv_}}, {kv + dn_, {N * nh_, dv_}, {kv_w, 1}});
   // One rope key for all heads: head stride 0 on the input broadcasts it.
-  be.rope_forward(kernels::offset_view(Kv, dn_), nh_ * dqk_, dqk_, kpe_.data(), dr_, 0, rope_->cos.data(),
-                  rope_->sin.data(), N, S, nh_, dr_, env_.cfg->rope_interleave);
+  be.rope_forward({kernels::offset_view(Kv, dn_), rope, heads}, {kpe_.data(), rope, {dr_, 0, 1}}, rcos, rsin,
+                  interleave);
   attention_core(B, S);
   o_.forward(env_, out, O_.data(), N);  // row-parallel: this rank's heads' part
 }
@@ -199,8 +204,9 @@ void MlaAttention::backward(float* da, const float* dout, const float* a, int64_
   {
     const auto [q, k, v] = qkv_for_attention();
     const kernels::ConstView dOc = q.dtype == kernels::DType::kF32 ? kernels::f32(dO) : (*env_.cast)(kPinned, dO, N * nh_ * dv_);
-    be.attention_backward(dQ, dK, dV, dO, dOc, q, k, v, O_.data(), lse_.data(), B, S, nh_, dqk_, dv_,
-                          rope_->attention_scale);
+    const kernels::Dims qk{B, S, nh_, dqk_}, vo{B, S, nh_, dv_};
+    be.attention_backward({dQ, qk}, {dK, qk}, {dV, vo}, {dO, vo}, {dOc, vo}, {q, qk}, {k, qk}, {v, vo}, {O_.data(), vo},
+                          {lse_.data(), {B, nh_, S}}, rope_->attention_scale);
   }
   // KV branch: dkv = [dk_nope | dv] per head; dk_pe sums the rope-inverted keys over heads.
   // Where kv_b_proj's GEMMs take it in 16 bits, dkv is written in 16 bits into the GEMMs' input
@@ -208,17 +214,19 @@ void MlaAttention::backward(float* da, const float* dout, const float* a, int64_
   const bool dkv_lp = kv_b_.dy_in_16bit(env_);
   float* dkv = dkv_lp ? nullptr : scratch.take(N * nh_ * kv_w);
   const kernels::View dkvv = dkv_lp ? env_.cast->slot_view(0, N * nh_ * kv_w) : kernels::View{dkv, kernels::DType::kF32};
-  be.copy_strided(dkvv, kv_w, dK, dqk_, N * nh_, dn_);
-  be.copy_strided(kernels::offset_view(dkvv, dn_), kv_w, dV, dv_, N * nh_, dv_);
+  const kernels::Dims nope{N * nh_, dn_}, rope{N, nh_, dr_}, heads{nh_ * dqk_, dqk_, 1};
+  const kernels::ConstTensor rcos{rope_->cos.data(), {S, dr_ / 2}}, rsin{rope_->sin.data(), {S, dr_ / 2}};
+  const bool interleave = env_.cfg->rope_interleave;
+  be.copy_strided({dkvv, nope, {kv_w, 1}}, {dK, nope, {dqk_, 1}});
+  be.copy_strided({kernels::offset_view(dkvv, dn_), {N * nh_, dv_}, {kv_w, 1}}, {dV, {N * nh_, dv_}});
   // The gradients of the replicated low-rank activations, adjacent so that one all-reduce sums
   // them over the tensor-parallel ranks: [dckvn | dkpe | dcqn].
   const int64_t latent = N * (rkv_ + dr_ + (lora_ ? rq_ : 0));
   float* dckvn = scratch.take(latent);
   float* dkpe = dckvn + N * rkv_;
   float* dcqn = lora_ ? dkpe + N * dr_ : nullptr;
-  be.fill(dkpe, 0.0f, N * dr_);
-  be.rope_backward(dkpe, dr_, 0, dK + dn_, nh_ * dqk_, dqk_, rope_->cos.data(), rope_->sin.data(),
-                   N, S, nh_, dr_, env_.cfg->rope_interleave, true);
+  be.fill({dkpe, {N * dr_}}, 0.0f);
+  be.rope_backward({dkpe, rope, {dr_, 0, 1}}, {dK + dn_, rope, heads}, rcos, rsin, interleave, true);
   env_.poll();
   kv_b_.backward(env_, dckvn, dkv_lp ? GemmInput::rounded({dkvv.data, dkvv.dtype}) : GemmInput(dkv),
                  GemmInput::saved(ckvn_), N);
@@ -230,9 +238,9 @@ void MlaAttention::backward(float* da, const float* dout, const float* a, int64_
   float* dq = dq_lp ? nullptr : scratch.take(N * nh_ * dqk_);
   const kernels::View dqv = dq_lp ? env_.cast->slot_view(0, N * nh_ * dqk_) : kernels::View{dq, kernels::DType::kF32};
   const GemmInput dqin = dq_lp ? GemmInput::rounded({dqv.data, dqv.dtype}) : GemmInput(dq);
-  be.copy_strided(dqv, dqk_, dQ, dqk_, N * nh_, dn_);
-  be.rope_backward(kernels::offset_view(dqv, dn_), nh_ * dqk_, dqk_, dQ + dn_, nh_ * dqk_, dqk_, rope_->cos.data(),
-                   rope_->sin.data(), N, S, nh_, dr_, env_.cfg->rope_interleave, false);
+  be.copy_strided({dqv, nope, {dqk_, 1}}, {dQ, nope, {dqk_, 1}});
+  be.rope_backward({kernels::offset_view(dqv, dn_), rope, heads}, {dQ + dn_, rope, heads}, rcos, rsin, interleave,
+                   false);
   float* daq = nullptr;  // column-parallel q_proj (no query LoRA): its partial input gradient
   if (lora_) {
     q_b_.backward(env_, dcqn, dqin, GemmInput::saved(cqn_), N);
@@ -243,7 +251,8 @@ void MlaAttention::backward(float* da, const float* dout, const float* a, int64_
   // Head-sharded compute gave partial gradients of the replicated activations (docs/model.md §10.1).
   env_.coll->tp_all_reduce(dckvn, latent);
   float* dckv = scratch.take(N * rkv_);
-  be.rmsnorm_backward(dckv, kv_a_norm_.g, dckvn, ckv_.data(), kv_a_norm_.w, rstd_kv_.data(), N, rkv_);
+  be.rmsnorm_backward({dckv, {N, rkv_}}, {kv_a_norm_.g, {rkv_}}, {dckvn, {N, rkv_}}, {ckv_.data(), {N, rkv_}},
+                      {kv_a_norm_.w, {rkv_}}, {rstd_kv_.data(), {N}});
   if (kv_a_bias_) {
     bias_backward(be, kv_a_bias_.g, dckv, env_.ones, N, rkv_);
     bias_backward(be, kv_a_bias_.g + rkv_, dkpe, env_.ones, N, dr_);
@@ -254,13 +263,14 @@ void MlaAttention::backward(float* da, const float* dout, const float* a, int64_
   env_.poll();
   if (lora_) {
     float* dcq = scratch.take(N * rq_);
-    be.rmsnorm_backward(dcq, q_a_norm_.g, dcqn, cq_.data(), q_a_norm_.w, rstd_q_.data(), N, rq_);
+    be.rmsnorm_backward({dcq, {N, rq_}}, {q_a_norm_.g, {rq_}}, {dcqn, {N, rq_}}, {cq_.data(), {N, rq_}},
+                        {q_a_norm_.w, {rq_}}, {rstd_q_.data(), {N}});
     if (q_a_bias_) bias_backward(be, q_a_bias_.g, dcq, env_.ones, N, rq_);
     q_a_.backward(env_, da, dcq, ain, N, 1.0f);
   } else {
     // q_proj's input gradient is partial over the tensor-parallel ranks: reduced alone, then added.
     env_.coll->tp_all_reduce(daq, N * H_);
-    be.add(da, daq, N * H_);
+    be.add({da, {N * H_}}, {daq, {N * H_}});
   }
 }
 

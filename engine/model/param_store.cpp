@@ -196,7 +196,7 @@ void ParamStore::round_to_compute(kernels::Backend& be, bool expert, int64_t beg
   if (!has_compute_copy() || end <= begin) return;
   DS_CHECK(src || !fp32_released_, "round_to_compute: the fp32 buffers were released; pass the values");
   const float* f = src ? src : params(expert).data() + begin;
-  be.convert({compute_copy(expert).data() + begin, compute_dtype_}, kernels::f32(f), end - begin);
+  be.convert({compute_copy(expert).data() + begin, compute_dtype_, {end - begin}}, {kernels::f32(f), {end - begin}});
   widen_compute(be, expert, begin, end);
 }
 
@@ -207,8 +207,8 @@ void ParamStore::widen_compute(kernels::Backend& be, bool expert, int64_t begin,
     if (v.expert != expert) continue;
     const int64_t lo = std::max(begin, v.offset), hi = std::min(end, v.offset + v.numel);
     if (hi <= lo) continue;
-    be.convert({side_.data() + at + (lo - v.offset), kernels::DType::kF32},
-               {compute_copy(expert).data() + lo, compute_dtype_}, hi - lo);
+    be.convert({side_.data() + at + (lo - v.offset), kernels::DType::kF32, {hi - lo}},
+               {compute_copy(expert).data() + lo, compute_dtype_, {hi - lo}});
   }
 }
 
@@ -227,7 +227,7 @@ std::vector<float> ParamStore::widened_values(const ParamView& v) const {
   DS_CHECK(be_, "a parameter store without a backend has no compute copies");
   kernels::DeviceArray<float> tmp(*be_, std::max<int64_t>(v.numel, 1));
   const uint16_t* lp = (v.expert ? lp_expert_ : lp_dense_).data() + v.offset;
-  be_->convert({tmp.data(), kernels::DType::kF32}, {lp, compute_dtype_}, v.numel);
+  be_->convert({tmp.data(), kernels::DType::kF32, {v.numel}}, {lp, compute_dtype_, {v.numel}});
   std::vector<float> out(size_t(v.numel));
   be_->copy_to_host(out.data(), tmp.data(), v.numel * int64_t(sizeof(float)));
   return out;
@@ -237,7 +237,8 @@ void ParamStore::write_rounded(const ParamView& v, const float* host) {
   DS_CHECK(be_, "a parameter store without a backend has no compute copies");
   kernels::DeviceArray<float> tmp(*be_, std::max<int64_t>(v.numel, 1));
   be_->copy_from_host(tmp.data(), host, v.numel * int64_t(sizeof(float)));
-  be_->convert({compute_copy(v.expert).data() + v.offset, compute_dtype_}, kernels::f32(tmp.data()), v.numel);
+  be_->convert({compute_copy(v.expert).data() + v.offset, compute_dtype_, {v.numel}},
+               {kernels::f32(tmp.data()), {v.numel}});
   widen_compute(*be_, v.expert, v.offset, v.offset + v.numel);
 }
 

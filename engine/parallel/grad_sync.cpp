@@ -218,7 +218,7 @@ void GradSync::launch(size_t i) {
     while (wire_busy_[size_t(f.wire_slot)]) land();
     wire_busy_[size_t(f.wire_slot)] = true;
     uint16_t* wire = wire_.data() + f.wire_slot * wire_stride_;
-    options_.backend->convert({wire, options_.comm_dtype}, kernels::f32(grads), b.range.size());
+    options_.backend->convert({wire, options_.comm_dtype, {b.range.size()}}, {kernels::f32(grads), {b.range.size()}});
     const comm::Half half = options_.comm_dtype == kernels::DType::kBF16 ? comm::Half::kBf16 : comm::Half::kFp16;
     if (zero_.shards_gradients())
       f.work = g.reduce_scatter_v(wire, zero_.partition(b.expert).counts_in(b.range), half, comm::ReduceOp::kSum);
@@ -246,8 +246,8 @@ void GradSync::land() {
     own.end = own.begin + counts[size_t(r)];
   }
   const uint16_t* wire = wire_.data() + f.wire_slot * wire_stride_;
-  options_.backend->convert({grads_of(b) + own.begin, kernels::DType::kF32}, {wire + own.begin, options_.comm_dtype},
-                            own.size());
+  options_.backend->convert({grads_of(b) + own.begin, kernels::DType::kF32, {own.size()}},
+                            {wire + own.begin, options_.comm_dtype, {own.size()}});
   wire_busy_[size_t(f.wire_slot)] = false;
   if (shard_) release(b);
 }

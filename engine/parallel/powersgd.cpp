@@ -71,7 +71,8 @@ void PowerSgd::reduce(comm::Communicator& group, float* g, int64_t step, double 
   int64_t at = 0;
   for (const auto& w : l.whole) std::copy(g + w.begin, g + w.end, whole + at), at += w.size();
   for (const PowerSgdMatrix& x : l.matrices)
-    be_.gemm(P + x.p_offset, g + x.offset, q_.data() + x.q_offset, x.rows, x.rank, x.cols, false, false, 1.0f, 0.0f);
+    be_.gemm({P + x.p_offset, {x.rows, x.rank}}, {g + x.offset, {x.rows, x.cols}},
+             {q_.data() + x.q_offset, {x.cols, x.rank}}, false, false, 1.0f, 0.0f);
   group.all_reduce(stage_.data(), int64_t(stage_.size()), comm::ReduceOp::kSum)->wait();
   at = 0;
   for (const auto& w : l.whole) std::copy(whole + at, whole + at + w.size(), g + w.begin), at += w.size();
@@ -80,11 +81,13 @@ void PowerSgd::reduce(comm::Communicator& group, float* g, int64_t step, double 
   // Q = M^T P (P orthogonal), summed; M = P Q^T.
   for (const PowerSgdMatrix& x : l.matrices) {
     orthogonalize_columns(P + x.p_offset, x.rows, x.rank);
-    be_.gemm(q_.data() + x.q_offset, g + x.offset, P + x.p_offset, x.cols, x.rank, x.rows, true, false, 1.0f, 0.0f);
+    be_.gemm({q_.data() + x.q_offset, {x.cols, x.rank}}, {g + x.offset, {x.rows, x.cols}},
+             {P + x.p_offset, {x.rows, x.rank}}, true, false, 1.0f, 0.0f);
   }
   if (l.q_elems > 0) group.all_reduce(q_.data(), l.q_elems, comm::ReduceOp::kSum)->wait();
   for (const PowerSgdMatrix& x : l.matrices)
-    be_.gemm(g + x.offset, P + x.p_offset, q_.data() + x.q_offset, x.rows, x.cols, x.rank, false, true, 1.0f, 0.0f);
+    be_.gemm({g + x.offset, {x.rows, x.cols}}, {P + x.p_offset, {x.rows, x.rank}},
+             {q_.data() + x.q_offset, {x.cols, x.rank}}, false, true, 1.0f, 0.0f);
   // (the result is the same on every rank, and so is this check)
   for (int64_t i = 0; i < n && finite; ++i) finite = std::isfinite(g[i]);
   if (!finite) {  // an overflow: the step is skipped; nothing of it is carried into the next

@@ -59,8 +59,8 @@ void AdamW::take_master() {
   for (const bool expert : {false, true}) {
     const Range r = shard(expert);
     master(expert).assign(r.size());
-    be_.convert({master(expert).data(), kernels::DType::kF32},
-                {params_.compute_copy(expert).data() + r.begin, params_.compute_dtype()}, r.size());
+    be_.convert({master(expert).data(), kernels::DType::kF32, {r.size()}},
+                {params_.compute_copy(expert).data() + r.begin, params_.compute_dtype(), {r.size()}});
   }
 }
 
@@ -100,13 +100,14 @@ void AdamW::step(double lr, int64_t step, double grad_scale) {
     float* m = moment(1, r.expert).data() + (r.offset - base);
     float* v = moment(2, r.expert).data() + (r.offset - base);
     if (!master_) {
-      be_.adamw(w, g, m, v, r.numel, a);
+      be_.adamw({w, {r.numel}}, {g, {r.numel}}, {m, {r.numel}}, {v, {r.numel}}, a);
       continue;
     }
     // Mixed precision: the updated master weights straight into the compute copy, in one pass
     // (the caller gathers the shards and widens the side copies).
     uint16_t* h = params_.compute_copy(r.expert).data() + r.offset;
-    be_.adamw_round(w, g, m, v, r.numel, a, {h, params_.compute_dtype()}, nullptr);
+    be_.adamw_round({w, {r.numel}}, {g, {r.numel}}, {m, {r.numel}}, {v, {r.numel}}, a,
+                    {h, params_.compute_dtype(), {r.numel}}, {});
   }
   if (!master_) return;
   // What no run covers (buffers) is rounded from its master value as before: the shards' gaps.
@@ -128,16 +129,16 @@ void AdamW::step(double lr, int64_t step, double grad_scale) {
 double gradient_square_sum(kernels::Backend& be, model::ParamStore& params, Range dense, Range expert,
                            bool replicated) {
   const kernels::DeviceArray<double> sum(be, 1);
-  be.sum_squares(sum.data(), params.expert_grads().data() + expert.begin, expert.size(), false);
+  be.sum_squares({sum.data(), {1}}, {params.expert_grads().data() + expert.begin, {expert.size()}}, false);
   const float* g = params.dense_grads().data();
   if (replicated) {
-    be.sum_squares(sum.data(), g + dense.begin, dense.size(), true);
+    be.sum_squares({sum.data(), {1}}, {g + dense.begin, {dense.size()}}, true);
   } else {
     for (const std::string& name : params.names()) {  // the tensor-parallel shards only
       const model::ParamView& v = params.view(name);
       if (v.buffer || v.expert || v.info->shard == plan::Shard::kReplicated) continue;
       const Range r = parallel::intersect({v.offset, v.offset + v.numel}, dense);
-      be.sum_squares(sum.data(), g + r.begin, r.size(), true);
+      be.sum_squares({sum.data(), {1}}, {g + r.begin, {r.size()}}, true);
     }
   }
   double host = 0;

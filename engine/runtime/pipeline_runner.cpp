@@ -175,7 +175,7 @@ void PipelineRunner::grads_final(int64_t layer) {
   if (!armed_ && !(observer_ && observer_->every_micro_batch())) return;
   if (armed_ && layer == -1 && mirror_source_) {  // the mirror's gradient first (the last stage's MTP modules)
     embed_->recv(mirror_in_.data(), mirror_len_, p_ - 1)->wait();
-    be_.add(params_.grad("model.embed_tokens.weight"), mirror_in_.data(), mirror_len_);
+    be_.add({params_.grad("model.embed_tokens.weight"), {mirror_len_}}, {mirror_in_.data(), {mirror_len_}});
   }
   if (observer_) observer_->grads_final(layer);
 }
@@ -266,7 +266,7 @@ PipelineStepResult PipelineRunner::run(const Fetch& fetch, const model::LossScal
     mirror_work_ = embed_->send(mirror_weights(), mirror_words_, p_ - 1);
   if (mirror_holder_) {
     embed_->recv(mirror_w_.data(), mirror_words_, 0)->wait();
-    be_.fill(mirror_g_.data(), 0.0f, mirror_len_);
+    be_.fill({mirror_g_.data(), {mirror_len_}}, 0.0f);
   }
   const auto& list = schedule_.ranks[size_t(r_)];
   post_receives(0);  // those before the first compute op

@@ -192,10 +192,10 @@ double Trainer::measure_peak_flops() {
   const kernels::DType dt = compute_dtype(cfg_.precision());
   const int64_t n = 1536, bytes = n * n * kernels::dtype_size(dt);
   kernels::DeviceBuffer a(be, bytes), b(be, bytes), c(be, n * n * 4);
-  be.fill(c.as<float>(), 0.5f, n * n);
-  be.convert({a.data(), dt}, kernels::f32(c.as<float>()), n * n);
-  be.fill(c.as<float>(), 0.25f, n * n);
-  be.convert({b.data(), dt}, kernels::f32(c.as<float>()), n * n);
+  be.fill({c.as<float>(), {n * n}}, 0.5f);
+  be.convert({a.data(), dt, {n * n}}, {kernels::f32(c.as<float>()), {n * n}});
+  be.fill({c.as<float>(), {n * n}}, 0.25f);
+  be.convert({b.data(), dt, {n * n}}, {kernels::f32(c.as<float>()), {n * n}});
   // Ten timed runs after a warm-up, and more until 0.4 s have passed: a 16-bit GEMM takes a few
   // milliseconds, and ten of them fit inside one disturbance from a neighbour on a shared host.
   double best = 0;
@@ -203,8 +203,8 @@ double Trainer::measure_peak_flops() {
   for (int i = 0; i < 11 || (seconds_since(start) < 0.4 && i < 200); ++i) {
     be.synchronize();
     const auto t = Clock::now();
-    be.gemm(c.as<float>(), kernels::ConstView{a.data(), dt}, kernels::ConstView{b.data(), dt}, n, n, n, false, false,
-            1.0f, 0.0f);
+    be.gemm({c.as<float>(), {n, n}}, {kernels::ConstView{a.data(), dt}, {n, n}},
+            {kernels::ConstView{b.data(), dt}, {n, n}}, false, false, 1.0f, 0.0f);
     be.synchronize();
     if (i > 0) best = std::max(best, 2.0 * n * n * n / seconds_since(t));
   }

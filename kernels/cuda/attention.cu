@@ -111,6 +111,8 @@ void CudaBackend::attention_forward_impl(float* O, float* lse, ConstView Q, Cons
     case DType::kF16:
       attention_forward_kernel<2><<<grid, 32 * kAttnWarps, 0, stream_>>>(O, lse, h(Q.data), h(K.data), h(V.data), a);
       break;
+    default:  // the wrappers pass only fp32 / bf16 / fp16
+      break;
   }
   DS_LAUNCHED();
 }
@@ -155,6 +157,8 @@ void CudaBackend::attention_backward_impl(float* dQ, float* dK, float* dV, const
                                                                      h(V.data), lse, D, a);
       attention_backward_dkv_kernel<2><<<grid, threads, 0, stream_>>>(dK, dV, h(dO_lp.data), h(Q.data), h(K.data),
                                                                       h(V.data), lse, D, a);
+      break;
+    default:  // the wrappers pass only fp32 / bf16 / fp16
       break;
   }
   DS_LAUNCHED();

@@ -89,6 +89,8 @@ void with_storage(View v, F&& f) {
     case DType::kF32: return f(std::integral_constant<int, 0>{}, static_cast<float*>(v.data));
     case DType::kBF16: return f(std::integral_constant<int, 1>{}, static_cast<uint16_t*>(v.data));
     case DType::kF16: return f(std::integral_constant<int, 2>{}, static_cast<uint16_t*>(v.data));
+    default:
+      return;  // the wrappers pass only fp32 / bf16 / fp16
   }
 }
 

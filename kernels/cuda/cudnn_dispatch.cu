@@ -159,7 +159,7 @@ void CudaBackend::cudnn_attention_forward(float* O, float* lse, ConstView Q, Con
   b.lse = lse_aligned ? lse : static_cast<float*>(blocks.take(nl * 4));
   cudnn_run(cudnn_problem(Q.dtype, B, S, nh, dqk, dv, scale, false), b, blocks);
   if (!lse_aligned) copy(lse, b.lse, nl * 4);
-  convert(View{O, DType::kF32}, ConstView{b.O, Q.dtype}, nv);
+  convert({View{O, DType::kF32}, {nv}}, {ConstView{b.O, Q.dtype}, {nv}});
 }
 void CudaBackend::cudnn_attention_backward(float* dQ, float* dK, float* dV, ConstView dO, ConstView Q, ConstView K,
                                            ConstView V, const float* O, const float* lse, int64_t B, int64_t S,
@@ -171,13 +171,13 @@ void CudaBackend::cudnn_attention_backward(float* dQ, float* dK, float* dV, Cons
   b.dO = blocks.aligned(dO.data, nv * 2);
   b.lse_in = static_cast<const float*>(blocks.aligned(lse, nl * 4));
   void* o16 = blocks.take(nv * 2);
-  convert(View{o16, Q.dtype}, f32(O), nv);  // the forward's 16-bit O again (fp32 holds it exactly)
+  convert({View{o16, Q.dtype}, {nv}}, {f32(O), {nv}});  // the forward's 16-bit O again (fp32 holds it exactly)
   b.O_in = o16;
   b.dQ = blocks.take(nq * 2), b.dK = blocks.take(nq * 2), b.dV = blocks.take(nv * 2);
   cudnn_run(cudnn_problem(Q.dtype, B, S, nh, dqk, dv, scale, true), b, blocks);
-  convert(View{dQ, DType::kF32}, ConstView{b.dQ, Q.dtype}, nq);
-  convert(View{dK, DType::kF32}, ConstView{b.dK, Q.dtype}, nq);
-  convert(View{dV, DType::kF32}, ConstView{b.dV, Q.dtype}, nv);
+  convert({View{dQ, DType::kF32}, {nq}}, {ConstView{b.dQ, Q.dtype}, {nq}});
+  convert({View{dK, DType::kF32}, {nq}}, {ConstView{b.dK, Q.dtype}, {nq}});
+  convert({View{dV, DType::kF32}, {nv}}, {ConstView{b.dV, Q.dtype}, {nv}});
 }
 
 }  // namespace cuda_impl

@@ -27,6 +27,8 @@ cudaDataType_t cuda_type(DType t) {
     case DType::kF32: return CUDA_R_32F;
     case DType::kBF16: return CUDA_R_16BF;
     case DType::kF16: return CUDA_R_16F;
+    default:
+      break;  // the wrappers pass only fp32 / bf16 / fp16
   }
   return CUDA_R_32F;
 }
@@ -48,7 +50,8 @@ void CudaBackend::gemm_grouped_impl(float* const* C, const void* const* A, const
   const EventOpTimes::Scope op_scope(times_, "gemm_grouped");
   if (grouped_call(C, A, B, dtype, M, N, K, count, ta, tb, alpha, beta)) return;
   for (int64_t i = 0; i < count; ++i)
-    gemm(C[i], ConstView{A[i], dtype}, ConstView{B[i], dtype}, M[i], N[i], K[i], ta, tb, alpha, beta);
+    gemm({C[i], {M[i], N[i]}}, {ConstView{A[i], dtype}, ta ? Dims{K[i], M[i]} : Dims{M[i], K[i]}},
+         {ConstView{B[i], dtype}, tb ? Dims{N[i], K[i]} : Dims{K[i], N[i]}}, ta, tb, alpha, beta);
 }
 // The experts' GEMMs as one cublasGemmGroupedBatchedEx call (one group per problem, fp32
 // output and accumulation): no per-shape cuBLASLt plan for row counts that change every step.

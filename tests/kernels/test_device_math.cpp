@@ -71,7 +71,8 @@ TEST(DeviceMath, RopeSwigluAndAdamwElementsMatchTheCpuBackend) {
   const FVec in = randn(size_t(N * in_ts), 1), cs = randn(size_t(S * dr / 2), 2), sn = randn(size_t(S * dr / 2), 3);
   for (bool interleave : {false, true}) {
     FVec want(size_t(N * out_ts)), got(want.size());
-    be->rope_forward(want.data(), out_ts, dr, in.data(), in_ts, dr, cs.data(), sn.data(), N, S, heads, dr, interleave);
+    be->rope_forward({want.data(), {N, heads, dr}, {out_ts, dr, 1}}, {in.data(), {N, heads, dr}, {in_ts, dr, 1}},
+                     {cs.data(), {S, dr / 2}}, {sn.data(), {S, dr / 2}}, interleave);
     for (int64_t t = 0; t < N; ++t)
       for (int64_t h = 0; h < heads; ++h)
         for (int64_t j = 0; j < dr / 2; ++j) {
@@ -83,8 +84,8 @@ TEST(DeviceMath, RopeSwigluAndAdamwElementsMatchTheCpuBackend) {
         }
     EXPECT_LT(max_rel_err(got, want), 1e-6) << "rope forward, interleave " << interleave;
     FVec dwant = randn(size_t(N * in_ts), 4), dgot = dwant;
-    be->rope_backward(dwant.data(), in_ts, dr, want.data(), out_ts, dr, cs.data(), sn.data(), N, S, heads, dr,
-                      interleave, true);
+    be->rope_backward({dwant.data(), {N, heads, dr}, {in_ts, dr, 1}}, {want.data(), {N, heads, dr}, {out_ts, dr, 1}},
+                      {cs.data(), {S, dr / 2}}, {sn.data(), {S, dr / 2}}, interleave, true);
     for (int64_t t = 0; t < N; ++t)
       for (int64_t h = 0; h < heads; ++h)
         for (int64_t j = 0; j < dr / 2; ++j) {
@@ -102,8 +103,8 @@ TEST(DeviceMath, RopeSwigluAndAdamwElementsMatchTheCpuBackend) {
   const int64_t T = 7, I = 9;
   const FVec GU = randn(size_t(T * 2 * I), 5, 3.0f), dM = randn(size_t(T * I), 6);
   FVec M(size_t(T * I)), dGU(size_t(T * 2 * I)), M2(M.size()), dGU2(dGU.size());
-  be->swiglu_forward(M.data(), GU.data(), T, I);
-  be->swiglu_backward(dGU.data(), dM.data(), GU.data(), T, I);
+  be->swiglu_forward({M.data(), {T, I}}, {GU.data(), {T, 2 * I}});
+  be->swiglu_backward({dGU.data(), {T, 2 * I}}, {dM.data(), {T, I}}, {GU.data(), {T, 2 * I}});
   for (int64_t t = 0; t < T; ++t)
     for (int64_t i = 0; i < I; ++i) {
       const float g = GU[size_t(t * 2 * I + i)], u = GU[size_t(t * 2 * I + I + i)];
@@ -120,7 +121,7 @@ TEST(DeviceMath, RopeSwigluAndAdamwElementsMatchTheCpuBackend) {
     AdamWParams a;
     a.lr = 0.01f, a.step = 7, a.grad_scale = 0.5f;
     (l2 ? a.l2 : a.weight_decay) = 0.1f;
-    be->adamw(p.data(), g.data(), m.data(), v.data(), 50, a);
+    be->adamw({p.data(), {50}}, {g.data(), {50}}, {m.data(), {50}}, {v.data(), {50}}, a);
     const dev::AdamWConsts k = dev::adamw_consts(a);
     for (size_t i = 0; i < 50; ++i) dev::adamw_element(&p2[i], g[i], &m2[i], &v2[i], k);
     EXPECT_LT(max_rel_err(p2, p), 1e-6);
@@ -153,8 +154,10 @@ TEST(DeviceMath, RouterRowsSelectAndDifferentiateAsTheCpuBackend) {
     const float* b = p.method == TopkMethod::kNoauxTc ? bias.data() : nullptr;
     std::vector<int32_t> idx(size_t(N * k)), idx2(idx.size());
     FVec w(size_t(N * k)), s(size_t(N * E)), w2(w.size()), s2(s.size()), dl(s.size()), dl2(s.size());
-    be->router_forward(idx.data(), w.data(), s.data(), logits.data(), b, N, p);
-    be->router_backward(dl.data(), dw.data(), extra.data(), s.data(), idx.data(), N, p);
+    be->router_forward({idx.data(), {N, p.top_k}}, {w.data(), {N, p.top_k}}, {s.data(), {N, p.num_experts}},
+                       {logits.data(), {N, p.num_experts}}, {b, {p.num_experts}}, p);
+    be->router_backward({dl.data(), {N, p.num_experts}}, {dw.data(), {N, p.top_k}}, {extra.data(), {N, p.num_experts}},
+                        {s.data(), {N, p.num_experts}}, {idx.data(), {N, p.top_k}}, p);
     for (int64_t t = 0; t < N; ++t) {
       dev::router_forward_row<1024, 1024>(idx2.data() + t * k, w2.data() + t * k, s2.data() + t * E, logits.data() + t * E,
                                     b, p);
@@ -215,7 +218,7 @@ TEST(DeviceMath, BalanceCellsAndRowsMatchTheCpuBackend) {
     for (int64_t i = 0; i < c.n; ++i)
       for (int64_t j = 0; j < k; ++j) idx[size_t(i * k + j)] = int32_t((i + 2 * j + int64_t(rng() % 2)) % E);
     FVec want(size_t(2 * c.groups * E)), got(want.size());
-    be->moe_balance_stats(want.data(), idx.data(), scores.data(), b);
+    be->moe_balance_stats({want.data(), {2, b.groups, b.E}}, {idx.data(), {b.n, b.k}}, {scores.data(), {b.n, b.E}}, b);
     std::vector<double> rowsum(size_t(c.n));
     for (int64_t i = 0; i < c.n; ++i) rowsum[size_t(i)] = dev::balance_row_sum(scores.data() + i * E, E);
     for (int64_t g = 0; g < c.groups; ++g) {
@@ -233,7 +236,8 @@ TEST(DeviceMath, BalanceCellsAndRowsMatchTheCpuBackend) {
     const double weight = 0.29, grad_scale = 4.0;
     FVec dwant(size_t(c.n * E)), dgot(dwant.size());
     float aux = 0.5f;
-    be->moe_balance_grad(dwant.data(), &aux, want.data(), scores.data(), b, weight, grad_scale);
+    be->moe_balance_grad({dwant.data(), {b.n, b.E}}, {&aux, {1}}, {want.data(), {2, b.groups, b.E}},
+                         {scores.data(), {b.n, b.E}}, b, weight, grad_scale);
     for (int64_t i = 0; i < c.n; ++i)
       dev::balance_grad_row(dgot.data() + i * E, want.data() + dev::balance_group_of(b, i) * E,
                             scores.data() + i * E, b, weight, grad_scale);
@@ -252,9 +256,14 @@ TEST(DeviceMath, AttentionRowsMatchTheCpuBackendInEveryType) {
   // fp32 rows against the fp32 kernels.
   {
     FVec O(nv), lse(nl), dQ(nq), dK(nq), dV(nv), O2(nv), lse2(nl), dQ2(nq), dK2(nq), dV2(nv);
-    be->attention_forward(O.data(), lse.data(), Q.data(), K.data(), V.data(), a.B, a.S, a.nh, a.dqk, a.dv, a.scale);
-    be->attention_backward(dQ.data(), dK.data(), dV.data(), dO.data(), Q.data(), K.data(), V.data(), O.data(),
-                           lse.data(), a.B, a.S, a.nh, a.dqk, a.dv, a.scale);
+    be->attention_forward({O.data(), {a.B, a.S, a.nh, a.dv}}, {lse.data(), {a.B, a.nh, a.S}},
+                          {Q.data(), {a.B, a.S, a.nh, a.dqk}}, {K.data(), {a.B, a.S, a.nh, a.dqk}},
+                          {V.data(), {a.B, a.S, a.nh, a.dv}}, a.scale);
+    be->attention_backward({dQ.data(), {a.B, a.S, a.nh, a.dqk}}, {dK.data(), {a.B, a.S, a.nh, a.dqk}},
+                           {dV.data(), {a.B, a.S, a.nh, a.dv}}, {dO.data(), {a.B, a.S, a.nh, a.dv}}, {},
+                           {Q.data(), {a.B, a.S, a.nh, a.dqk}}, {K.data(), {a.B, a.S, a.nh, a.dqk}},
+                           {V.data(), {a.B, a.S, a.nh, a.dv}}, {O.data(), {a.B, a.S, a.nh, a.dv}},
+                           {lse.data(), {a.B, a.nh, a.S}}, a.scale);
     attention_rows<0>(O2, lse2, dQ2, dK2, dV2, Q, K, V, dO, dO, a);
     EXPECT_LT(max_rel_err(O2, O), 1e-5);
     EXPECT_LT(max_rel_err(lse2, lse), 1e-5);
@@ -278,9 +287,14 @@ TEST(DeviceMath, AttentionRowsMatchTheCpuBackendInEveryType) {
     const FVec Qr = round(Q, q16), Kr = round(K, k16), Vr = round(V, v16);
     round(dO, do16);
     FVec O(nv), lse(nl), dQ(nq), dK(nq), dV(nv), O2(nv), lse2(nl), dQ2(nq), dK2(nq), dV2(nv);
-    be->attention_forward(O.data(), lse.data(), Qr.data(), Kr.data(), Vr.data(), a.B, a.S, a.nh, a.dqk, a.dv, a.scale);
-    be->attention_backward(dQ.data(), dK.data(), dV.data(), dO.data(), Qr.data(), Kr.data(), Vr.data(), O.data(),
-                           lse.data(), a.B, a.S, a.nh, a.dqk, a.dv, a.scale);
+    be->attention_forward({O.data(), {a.B, a.S, a.nh, a.dv}}, {lse.data(), {a.B, a.nh, a.S}},
+                          {Qr.data(), {a.B, a.S, a.nh, a.dqk}}, {Kr.data(), {a.B, a.S, a.nh, a.dqk}},
+                          {Vr.data(), {a.B, a.S, a.nh, a.dv}}, a.scale);
+    be->attention_backward({dQ.data(), {a.B, a.S, a.nh, a.dqk}}, {dK.data(), {a.B, a.S, a.nh, a.dqk}},
+                           {dV.data(), {a.B, a.S, a.nh, a.dv}}, {dO.data(), {a.B, a.S, a.nh, a.dv}}, {},
+                           {Qr.data(), {a.B, a.S, a.nh, a.dqk}}, {Kr.data(), {a.B, a.S, a.nh, a.dqk}},
+                           {Vr.data(), {a.B, a.S, a.nh, a.dv}}, {O.data(), {a.B, a.S, a.nh, a.dv}},
+                           {lse.data(), {a.B, a.nh, a.S}}, a.scale);
     if (kind == 1) attention_rows<1>(O2, lse2, dQ2, dK2, dV2, q16, k16, v16, dO, do16, a);
     else attention_rows<2>(O2, lse2, dQ2, dK2, dV2, q16, k16, v16, dO, do16, a);
     const double tol = kind == 1 ? 2e-2 : 3e-3;
@@ -510,19 +524,19 @@ TEST(DeviceCheck, ItsMemoryIsNotHostMemoryAndItsOpsRefuseHostPointers) {
   EXPECT_NE(reinterpret_cast<uintptr_t>(a.data()) & (uintptr_t(1) << 62), 0u);
   FVec x = randn(16, 40), y(16), host(16);
   be->copy_from_host(a.data(), x.data(), 16 * 4);
-  be->fill(b.as<float>(), 0.5f, 16);
-  be->add(b.as<float>(), a.as<float>(), 16);
+  be->fill({b.as<float>(), {16}}, 0.5f);
+  be->add({b.as<float>(), {16}}, {a.as<float>(), {16}});
   be->copy_to_host(y.data(), b.data(), 16 * 4);
   for (size_t i = 0; i < 16; ++i) EXPECT_EQ(y[i], x[i] + 0.5f);
   DeviceArray<double> s(*be, 1);
-  be->sum_squares(s.data(), a.as<float>(), 16, false);
+  be->sum_squares({s.data(), {1}}, {a.as<float>(), {16}}, false);
   double got = 0, want = 0;
   be->copy_to_host(&got, s.data(), 8);
   for (float v : x) want += double(v) * v;
   EXPECT_NEAR(got, want, 1e-12 * want);
   // A host pointer where device memory belongs is refused, naming the op.
   try {
-    be->add(host.data(), a.as<float>(), 16);
+    be->add({host.data(), {16}}, {a.as<float>(), {16}});
     ADD_FAILURE() << "a host pointer was accepted";
   } catch (const std::invalid_argument& e) {
     EXPECT_NE(std::string(e.what()).find("add: a host pointer"), std::string::npos) << e.what();
@@ -549,7 +563,7 @@ TEST(DeviceCheck, EveryBlockHandedOutIsPoisonedFreshOrReused) {
     float f = 0;
     be->copy_to_host(&f, a.data(), 4);
     EXPECT_TRUE(std::isnan(f));
-    be->fill(a.as<float>(), 2.0f, n);  // written, then freed
+    be->fill({a.as<float>(), {n}}, 2.0f);  // written, then freed
   }
   DeviceBuffer b(*be, n * 4 - 100);  // the same size class: the cached block again
   EXPECT_EQ(b.data(), first);

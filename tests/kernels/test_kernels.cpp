@@ -93,7 +93,8 @@ TEST_P(Kernels, GemmAllTransposesOddShapes) {
           want[i * N + j] = 1.5 * s + 0.5 * C0[i * N + j];
         }
       FVec C = to_f(C0);
-      be->gemm(C.data(), to_f(A).data(), to_f(B).data(), M, N, K, ta, tb, 1.5f, 0.5f);
+      be->gemm({C.data(), {M, N}}, {to_f(A).data(), ta ? dstrain::kernels::Dims{K, M} : dstrain::kernels::Dims{M, K}},
+               {to_f(B).data(), tb ? dstrain::kernels::Dims{N, K} : dstrain::kernels::Dims{K, N}}, ta, tb, 1.5f, 0.5f);
       EXPECT_LT(max_rel_err(C, want), 1e-6) << "ta " << ta << " tb " << tb;
     }
   }
@@ -109,13 +110,13 @@ TEST_P(Kernels, GroupedGemmEqualsSeparateGemms) {
     B.push_back(to_f(randn(N * K, 20 + i)));
     C.push_back(FVec(M.back() * N, 1.0f));
     Cref.push_back(C.back());
-    be->gemm(Cref.back().data(), A.back().data(), B.back().data(), M.back(), N, K, false, true, 1.0f, 1.0f);
+    be->gemm({Cref.back().data(), {M.back(), N}}, {A.back().data(), {M.back(), K}}, {B.back().data(), {N, K}}, false,
+             true, 1.0f, 1.0f);
   }
   std::vector<float*> c;
   std::vector<const float*> a, b;
   for (int64_t i = 0; i < count; ++i) c.push_back(C[i].data()), a.push_back(A[i].data()), b.push_back(B[i].data());
-  be->gemm_grouped(c.data(), a.data(), b.data(), M.data(), Ns.data(), Ks.data(), count, false, true,
-                   1.0f, 1.0f);
+  be->gemm_grouped(gemm_problems(c.data(), reinterpret_cast<const void* const*>(a.data()), reinterpret_cast<const void* const*>(b.data()), DType::kF32, M.data(), Ns.data(), Ks.data(), count, false, true), false, true, 1.0f, 1.0f);
   for (int64_t i = 0; i < count; ++i) EXPECT_EQ(C[i], Cref[i]);
 }
 
@@ -129,7 +130,8 @@ TEST_P(Kernels, RmsNormForward) {
     for (int64_t c = 0; c < C; ++c) want[r * C + c] = w[c] * x[r * C + c] / std::sqrt(ms + 1e-6);
   }
   FVec y(rows * C), rstd(rows);
-  be->rmsnorm_forward(y.data(), rstd.data(), to_f(x).data(), to_f(w).data(), rows, C, 1e-6f);
+  be->rmsnorm_forward({y.data(), {rows, C}}, {rstd.data(), {rows}}, {to_f(x).data(), {rows, C}}, {to_f(w).data(), {C}},
+                      1e-6f);
   EXPECT_LT(max_rel_err(y, want), 1e-6);
 }
 
@@ -170,7 +172,8 @@ TEST_P(Kernels, RopeWorkedExample) {
   const auto [c, s] = rope_tables(3, 4, 10000.0);
   const FVec x = {1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3, 4};  // positions 0, 1, 2
   FVec out(12);
-  be->rope_forward(out.data(), 4, 0, x.data(), 4, 0, to_f(c).data(), to_f(s).data(), 3, 3, 1, 4, true);
+  be->rope_forward({out.data(), {3, 1, 4}, {4, 0, 1}}, {x.data(), {3, 1, 4}, {4, 0, 1}}, {to_f(c).data(), {3, 4 / 2}},
+                   {to_f(s).data(), {3, 4 / 2}}, true);
   const float want[12] = {1, 3, 2, 4, -1.1426397f, 2.9598507f, 1.9220756f, 4.0297995f,
                           -2.2347417f, 2.9194054f, 0.0770038f, 4.0591960f};
   for (int i = 0; i < 12; ++i) EXPECT_NEAR(out[i], want[i], 2e-6) << i;
@@ -184,11 +187,12 @@ TEST_P(Kernels, RopeBackwardSharedRowAndRefusedStrides) {
   const FVec cf = to_f(c), sf = to_f(s);
   const FVec dout = to_f(randn(N * heads * dr, 31)), base = to_f(randn(N * dr, 32));
   FVec per_head(N * heads * dr, 0.0f);
-  be->rope_backward(per_head.data(), heads * dr, dr, dout.data(), heads * dr, dr, cf.data(), sf.data(), N, S,
-                    heads, dr, true, false);
+  be->rope_backward({per_head.data(), {N, heads, dr}, {heads * dr, dr, 1}},
+                    {dout.data(), {N, heads, dr}, {heads * dr, dr, 1}}, {cf.data(), {S, dr / 2}},
+                    {sf.data(), {S, dr / 2}}, true, false);
   FVec shared = base;
-  be->rope_backward(shared.data(), dr, 0, dout.data(), heads * dr, dr, cf.data(), sf.data(), N, S, heads, dr,
-                    true, true);
+  be->rope_backward({shared.data(), {N, heads, dr}, {dr, 0, 1}}, {dout.data(), {N, heads, dr}, {heads * dr, dr, 1}},
+                    {cf.data(), {S, dr / 2}}, {sf.data(), {S, dr / 2}}, true, true);
   for (int64_t t = 0; t < N; ++t)
     for (int64_t j = 0; j < dr; ++j) {
       float want = base[size_t(t * dr + j)];
@@ -196,11 +200,13 @@ TEST_P(Kernels, RopeBackwardSharedRowAndRefusedStrides) {
       EXPECT_FLOAT_EQ(shared[size_t(t * dr + j)], want) << t << " " << j;
     }
   FVec untouched = base;
-  EXPECT_THROW(be->rope_backward(untouched.data(), dr, 0, dout.data(), heads * dr, dr, cf.data(), sf.data(), N,
-                                 S, heads, dr, true, false),
+  EXPECT_THROW(be->rope_backward({untouched.data(), {N, heads, dr}, {dr, 0, 1}},
+                                 {dout.data(), {N, heads, dr}, {heads * dr, dr, 1}}, {cf.data(), {S, dr / 2}},
+                                 {sf.data(), {S, dr / 2}}, true, false),
                std::invalid_argument);
-  EXPECT_THROW(be->rope_backward(untouched.data(), dr, dr / 2, dout.data(), heads * dr, dr, cf.data(), sf.data(),
-                                 N, S, heads, dr, true, true),
+  EXPECT_THROW(be->rope_backward({untouched.data(), {N, heads, dr}, {dr, dr / 2, 1}},
+                                 {dout.data(), {N, heads, dr}, {heads * dr, dr, 1}}, {cf.data(), {S, dr / 2}},
+                                 {sf.data(), {S, dr / 2}}, true, true),
                std::invalid_argument);
   EXPECT_EQ(untouched, base);
 }
@@ -254,7 +260,8 @@ Vec naive_attention(const Vec& Q, const Vec& K, const Vec& V, int64_t B, int64_t
 TEST_P(Kernels, AttentionNeedsItsWorkspaceReserved) {
   const int64_t S = 4096, B = 1, nh = 1, d = 2;
   FVec q(B * S * nh * d, 0.1f), o(q.size()), lse(B * nh * S);
-  EXPECT_THROW(be->attention_forward(o.data(), lse.data(), q.data(), q.data(), q.data(), B, S, nh, d, d, 1.0f),
+  EXPECT_THROW(be->attention_forward({o.data(), {B, S, nh, d}}, {lse.data(), {B, nh, S}}, {q.data(), {B, S, nh, d}},
+                                     {q.data(), {B, S, nh, d}}, {q.data(), {B, S, nh, d}}, 1.0f),
                std::invalid_argument);
 }
 
@@ -265,8 +272,8 @@ TEST_P(Kernels, AttentionForward) {
   const double scale = 1.0 / std::sqrt(double(dqk));
   FVec O(B * S * nh * dv), lse(B * nh * S);
   be->reserve_attention(S);
-  be->attention_forward(O.data(), lse.data(), to_f(Q).data(), to_f(K).data(), to_f(V).data(), B,
-                        S, nh, dqk, dv, float(scale));
+  be->attention_forward({O.data(), {B, S, nh, dv}}, {lse.data(), {B, nh, S}}, {to_f(Q).data(), {B, S, nh, dqk}},
+                        {to_f(K).data(), {B, S, nh, dqk}}, {to_f(V).data(), {B, S, nh, dv}}, float(scale));
   EXPECT_LT(max_rel_err(O, naive_attention(Q, K, V, B, S, nh, dqk, dv, scale)), 1e-5) << "S " << S;
   }
 }
@@ -358,8 +365,9 @@ TEST_P(Kernels, RouterSelectionAndWeights) {
     const Vec logits = randn(N * E, 20), bias = randn(E, 21, cs.bias ? 0.3 : 0.0);
     std::vector<int32_t> idx(N * k);
     FVec w(N * k), scores(N * E);
-    be->router_forward(idx.data(), w.data(), scores.data(), to_f(logits).data(),
-                       cs.bias ? to_f(bias).data() : nullptr, N, p);
+    be->router_forward({idx.data(), {N, p.top_k}}, {w.data(), {N, p.top_k}}, {scores.data(), {N, p.num_experts}},
+                       {to_f(logits).data(), {N, p.num_experts}},
+                       {cs.bias ? to_f(bias).data() : nullptr, {p.num_experts}}, p);
     for (int64_t t = 0; t < N; ++t) {
       Vec s(E);
       for (int64_t e = 0; e < E; ++e) s[e] = scores[t * E + e];
@@ -441,7 +449,7 @@ TEST(MoePlan, SortsRowsByExpertThenTokenThenSlot) {
   for (int64_t t = 0; t < N; ++t)
     for (int64_t j = 0; j < k; ++j) idx[size_t(t * k + j)] = int32_t(rng() % (E - 2));  // experts 9, 10 empty
   std::vector<int32_t> pos(idx.size(), -1), src(idx.size(), -1), counts(size_t(E), -1);
-  be->moe_plan(pos.data(), src.data(), counts.data(), idx.data(), N, k, E);
+  be->moe_plan({pos.data(), {N, k}}, {src.data(), {N * k}}, {counts.data(), {E}}, {idx.data(), {N, k}});
   std::vector<int32_t> order(idx.size());
   std::iota(order.begin(), order.end(), 0);
   std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return idx[size_t(a)] < idx[size_t(b)]; });
@@ -454,7 +462,7 @@ TEST(MoePlan, SortsRowsByExpertThenTokenThenSlot) {
   EXPECT_EQ(counts[9], 0);
   idx[7] = int32_t(E);  // out of range: refused, by name
   try {
-    be->moe_plan(pos.data(), src.data(), counts.data(), idx.data(), N, k, E);
+    be->moe_plan({pos.data(), {N, k}}, {src.data(), {N * k}}, {counts.data(), {E}}, {idx.data(), {N, k}});
     ADD_FAILURE() << "an expert id of " << E << " was accepted";
   } catch (const std::invalid_argument& e) {
     EXPECT_NE(std::string(e.what()).find("expert 11 of 11"), std::string::npos) << e.what();
@@ -505,10 +513,12 @@ TEST(KernelGradients, BalanceLossStatisticsLossAndScoreGradient) {
     shape.groups = c.groups, shape.T = c.T;
     const FVec sf = to_f(s0);
     FVec stats(size_t(2 * c.groups * E)), dscores(size_t(n * E));
-    be->moe_balance_stats(stats.data(), idx.data(), sf.data(), shape);
+    be->moe_balance_stats({stats.data(), {2, shape.groups, shape.E}}, {idx.data(), {shape.n, shape.k}},
+                          {sf.data(), {shape.n, shape.E}}, shape);
     EXPECT_LT(max_rel_err(stats, stats_of(Vec(sf.begin(), sf.end()))), 1e-6) << "first " << c.first;
     float aux = 0.25f;  // accumulated into
-    be->moe_balance_grad(dscores.data(), &aux, stats.data(), sf.data(), shape, weight, grad_scale);
+    be->moe_balance_grad({dscores.data(), {shape.n, shape.E}}, {&aux, {1}}, {stats.data(), {2, shape.groups, shape.E}},
+                         {sf.data(), {shape.n, shape.E}}, shape, weight, grad_scale);
     const double want = aux_of(Vec(sf.begin(), sf.end()));
     EXPECT_NEAR(aux, 0.25 + want, 1e-6 * want + 1e-7) << "first " << c.first;
     Vec fd(size_t(n * E));
@@ -521,7 +531,8 @@ TEST(KernelGradients, BalanceLossStatisticsLossAndScoreGradient) {
     }
     EXPECT_LT(max_rel_err(dscores, fd), 1e-4) << "first " << c.first;
     FVec again(dscores.size());
-    be->moe_balance_grad(again.data(), nullptr, stats.data(), sf.data(), shape, weight, grad_scale);  // no aux
+    be->moe_balance_grad({again.data(), {shape.n, shape.E}}, {}, {stats.data(), {2, shape.groups, shape.E}},
+                         {sf.data(), {shape.n, shape.E}}, shape, weight, grad_scale);  // no aux
     EXPECT_EQ(again, dscores);
   }
 }
@@ -530,7 +541,7 @@ TEST_P(Kernels, SwiGluForward) {
   const int64_t N = 3, I = 21;
   const Vec GU = randn(N * 2 * I, 40);
   FVec M(N * I);
-  be->swiglu_forward(M.data(), to_f(GU).data(), N, I);
+  be->swiglu_forward({M.data(), {N, I}}, {to_f(GU).data(), {N, 2 * I}});
   Vec want(N * I);
   for (int64_t t = 0; t < N; ++t)
     for (int64_t i = 0; i < I; ++i) {
@@ -552,42 +563,44 @@ TEST_P(Kernels, RmsNormSwiGluAndGatherIntoSixteenBitsEqualTheFp32OpThenConvert) 
   std::vector<int32_t> src(static_cast<size_t>(rows));
   for (int64_t r = 0; r < rows; ++r) src[size_t(r)] = int32_t((r * 7 + 3) % N);
   FVec M(size_t(N * I)), Xp(size_t(rows * H)), M32(M.size()), Xp32(Xp.size());
-  be->swiglu_forward(M.data(), GU.data(), N, I);
-  be->gather_rows(Xp.data(), X.data(), src.data(), rows, H);
-  be->swiglu_forward(View{M32.data(), DType::kF32}, GU.data(), N, I);
-  be->gather_rows(View{Xp32.data(), DType::kF32}, X.data(), src.data(), rows, H);
+  be->swiglu_forward({M.data(), {N, I}}, {GU.data(), {N, 2 * I}});
+  be->gather_rows({Xp.data(), {rows, H}}, {X.data(), {N, H}}, {src.data(), {rows}});
+  be->swiglu_forward({View{M32.data(), DType::kF32}, {N, I}}, {GU.data(), {N, 2 * I}});
+  be->gather_rows({View{Xp32.data(), DType::kF32}, {rows, H}}, {X.data(), {N, H}}, {src.data(), {rows}});
   EXPECT_EQ(M32, M);
   EXPECT_EQ(Xp32, Xp);
   const FVec w = to_f(randn(size_t(H), 47, 2.0));
   FVec Y(size_t(N * H)), rstd(static_cast<size_t>(N)), Y32(Y.size()), rstd32(rstd.size()), rstd16(rstd.size());
-  be->rmsnorm_forward(Y.data(), rstd.data(), X.data(), w.data(), N, H, 1e-6f);
-  be->rmsnorm_forward(View{Y32.data(), DType::kF32}, rstd32.data(), X.data(), w.data(), N, H, 1e-6f);
+  be->rmsnorm_forward({Y.data(), {N, H}}, {rstd.data(), {N}}, {X.data(), {N, H}}, {w.data(), {H}}, 1e-6f);
+  be->rmsnorm_forward({View{Y32.data(), DType::kF32}, {N, H}}, {rstd32.data(), {N}}, {X.data(), {N, H}},
+                      {w.data(), {H}}, 1e-6f);
   EXPECT_EQ(Y32, Y);
   EXPECT_EQ(rstd32, rstd);
   for (DType dt : {DType::kBF16, DType::kF16}) {
     std::vector<uint16_t> want(M.size()), got(M.size()), wantx(Xp.size()), gotx(Xp.size());
-    be->convert(View{want.data(), dt}, f32(M.data()), N * I);
-    be->swiglu_forward(View{got.data(), dt}, GU.data(), N, I);
+    be->convert({View{want.data(), dt}, {N * I}}, {f32(M.data()), {N * I}});
+    be->swiglu_forward({View{got.data(), dt}, {N, I}}, {GU.data(), {N, 2 * I}});
     EXPECT_EQ(got, want) << to_string(dt);
-    be->convert(View{wantx.data(), dt}, f32(Xp.data()), rows * H);
-    be->gather_rows(View{gotx.data(), dt}, X.data(), src.data(), rows, H);
+    be->convert({View{wantx.data(), dt}, {rows * H}}, {f32(Xp.data()), {rows * H}});
+    be->gather_rows({View{gotx.data(), dt}, {rows, H}}, {X.data(), {N, H}}, {src.data(), {rows}});
     EXPECT_EQ(gotx, wantx) << to_string(dt);
     std::vector<uint16_t> wanty(Y.size()), goty(Y.size());
-    be->convert(View{wanty.data(), dt}, f32(Y.data()), N * H);
-    be->rmsnorm_forward(View{goty.data(), dt}, rstd16.data(), X.data(), w.data(), N, H, 1e-6f);
+    be->convert({View{wanty.data(), dt}, {N * H}}, {f32(Y.data()), {N * H}});
+    be->rmsnorm_forward({View{goty.data(), dt}, {N, H}}, {rstd16.data(), {N}}, {X.data(), {N, H}}, {w.data(), {H}},
+                        1e-6f);
     EXPECT_EQ(goty, wanty) << to_string(dt);
     EXPECT_EQ(rstd16, rstd) << to_string(dt);
   }
   // SwiGLU's backward into 16 bits (the experts' dGU): the fp32 op's values, rounded.
   const FVec dM = to_f(randn(size_t(N * I), 48, 5.0));
   FVec dGU(GU.size()), dGU32(GU.size());
-  be->swiglu_backward(dGU.data(), dM.data(), GU.data(), N, I);
-  be->swiglu_backward(View{dGU32.data(), DType::kF32}, dM.data(), GU.data(), N, I);
+  be->swiglu_backward({dGU.data(), {N, 2 * I}}, {dM.data(), {N, I}}, {GU.data(), {N, 2 * I}});
+  be->swiglu_backward({View{dGU32.data(), DType::kF32}, {N, 2 * I}}, {dM.data(), {N, I}}, {GU.data(), {N, 2 * I}});
   EXPECT_EQ(dGU32, dGU);
   for (DType dt : {DType::kBF16, DType::kF16}) {
     std::vector<uint16_t> want(dGU.size()), got(dGU.size(), 0xffff);
-    be->convert(View{want.data(), dt}, f32(dGU.data()), N * 2 * I);
-    be->swiglu_backward(View{got.data(), dt}, dM.data(), GU.data(), N, I);
+    be->convert({View{want.data(), dt}, {N * 2 * I}}, {f32(dGU.data()), {N * 2 * I}});
+    be->swiglu_backward({View{got.data(), dt}, {N, 2 * I}}, {dM.data(), {N, I}}, {GU.data(), {N, 2 * I}});
     EXPECT_EQ(got, want) << "swiglu backward into " << to_string(dt);
   }
   // The combine's backward into 16 bits (the experts' dY), dw unchanged. pos: a permutation of
@@ -598,16 +611,17 @@ TEST_P(Kernels, RmsNormSwiGluAndGatherIntoSixteenBitsEqualTheFp32OpThenConvert) 
   const FVec dout = to_f(randn(size_t(N * H), 49, 2.0)), Yc = to_f(randn(size_t(N * k * H), 50)),
              wk = to_f(randn(size_t(N * k), 51));
   FVec dY(size_t(N * k * H)), dw(size_t(N * k)), dY32(dY.size()), dw32(dw.size()), dw16(dw.size());
-  be->moe_combine_backward(dY.data(), dw.data(), dout.data(), Yc.data(), wk.data(), pos.data(), N, k, H);
-  be->moe_combine_backward(View{dY32.data(), DType::kF32}, dw32.data(), dout.data(), Yc.data(), wk.data(), pos.data(),
-                           N, k, H);
+  be->moe_combine_backward({dY.data(), {N * k, H}}, {dw.data(), {N, k}}, {dout.data(), {N, H}}, {Yc.data(), {N * k, H}},
+                           {wk.data(), {N, k}}, {pos.data(), {N, k}});
+  be->moe_combine_backward({View{dY32.data(), DType::kF32}, {N * k, H}}, {dw32.data(), {N, k}}, {dout.data(), {N, H}},
+                           {Yc.data(), {N * k, H}}, {wk.data(), {N, k}}, {pos.data(), {N, k}});
   EXPECT_EQ(dY32, dY);
   EXPECT_EQ(dw32, dw);
   for (DType dt : {DType::kBF16, DType::kF16}) {
     std::vector<uint16_t> want(dY.size()), got(dY.size(), 0xffff);
-    be->convert(View{want.data(), dt}, f32(dY.data()), N * k * H);
-    be->moe_combine_backward(View{got.data(), dt}, dw16.data(), dout.data(), Yc.data(), wk.data(), pos.data(), N, k,
-                             H);
+    be->convert({View{want.data(), dt}, {N * k * H}}, {f32(dY.data()), {N * k * H}});
+    be->moe_combine_backward({View{got.data(), dt}, {N * k, H}}, {dw16.data(), {N, k}}, {dout.data(), {N, H}},
+                             {Yc.data(), {N * k, H}}, {wk.data(), {N, k}}, {pos.data(), {N, k}});
     EXPECT_EQ(got, want) << "moe combine backward into " << to_string(dt);
     EXPECT_EQ(dw16, dw) << to_string(dt);
   }
@@ -631,25 +645,31 @@ TEST_P(Kernels, CopyStridedAndRopeIntoSixteenBitsEqualTheFp32OpThenConvert) {
     const std::string tag = il ? " interleaved" : "";
     // forward: dst[t, h] = [src nope | rope(src rope part)]; backward: [src nope | rope^-1(src)]
     const auto run = [&](View dst, bool backward) {
-      be->copy_strided(dst, hs, src.data(), in_hs, N * heads, dn);  // one row per (token, head)
+      be->copy_strided({dst, {N * heads, dn}, {hs, 1}},
+                       {src.data(), {N * heads, dn}, {in_hs, 1}});  // one row per (token, head)
       const View r = offset_view(dst, dn);
       if (backward)
-        be->rope_backward(r, ts, hs, src.data() + dn, in_ts, in_hs, cf.data(), sf.data(), N, S, heads, dr, il, false);
+        be->rope_backward({r, {N, heads, dr}, {ts, hs, 1}}, {src.data() + dn, {N, heads, dr}, {in_ts, in_hs, 1}},
+                          {cf.data(), {S, dr / 2}}, {sf.data(), {S, dr / 2}}, il, false);
       else
-        be->rope_forward(r, ts, hs, src.data() + dn, in_ts, in_hs, cf.data(), sf.data(), N, S, heads, dr, il);
+        be->rope_forward({r, {N, heads, dr}, {ts, hs, 1}}, {src.data() + dn, {N, heads, dr}, {in_ts, in_hs, 1}},
+                         {cf.data(), {S, dr / 2}}, {sf.data(), {S, dr / 2}}, il);
     };
     for (bool backward : {false, true}) {
       const std::string what = std::string(backward ? "rope backward" : "rope forward") + tag;
       // The fp32 reference from the float* ops, row by row of (token, head) for the copy.
       FVec want = base;
       for (int64_t t = 0; t < N; ++t)
-        be->copy_strided(want.data() + t * ts, hs, src.data() + t * in_ts, in_hs, heads, dn);
+        be->copy_strided({want.data() + t * ts, {heads, dn}, {hs, 1}},
+                         {src.data() + t * in_ts, {heads, dn}, {in_hs, 1}});
       if (backward)
-        be->rope_backward(want.data() + dn, ts, hs, src.data() + dn, in_ts, in_hs, cf.data(), sf.data(), N, S, heads,
-                          dr, il, false);
+        be->rope_backward({want.data() + dn, {N, heads, dr}, {ts, hs, 1}},
+                          {src.data() + dn, {N, heads, dr}, {in_ts, in_hs, 1}}, {cf.data(), {S, dr / 2}},
+                          {sf.data(), {S, dr / 2}}, il, false);
       else
-        be->rope_forward(want.data() + dn, ts, hs, src.data() + dn, in_ts, in_hs, cf.data(), sf.data(), N, S, heads,
-                         dr, il);
+        be->rope_forward({want.data() + dn, {N, heads, dr}, {ts, hs, 1}},
+                         {src.data() + dn, {N, heads, dr}, {in_ts, in_hs, 1}}, {cf.data(), {S, dr / 2}},
+                         {sf.data(), {S, dr / 2}}, il);
       for (int64_t t = 0; t < N; ++t)
         for (int64_t h = 0; h < heads; ++h)
           for (int64_t j = 0; j < dn; ++j)
@@ -659,15 +679,16 @@ TEST_P(Kernels, CopyStridedAndRopeIntoSixteenBitsEqualTheFp32OpThenConvert) {
       EXPECT_EQ(got, want) << what << " into fp32";
       for (DType dt : {DType::kBF16, DType::kF16}) {
         std::vector<uint16_t> want16(want.size()), got16(want.size());
-        be->convert(View{want16.data(), dt}, f32(want.data()), N * ts);
-        be->convert(View{got16.data(), dt}, f32(base.data()), N * ts);
+        be->convert({View{want16.data(), dt}, {N * ts}}, {f32(want.data()), {N * ts}});
+        be->convert({View{got16.data(), dt}, {N * ts}}, {f32(base.data()), {N * ts}});
         run(View{got16.data(), dt}, backward);
         EXPECT_EQ(got16, want16) << what << " into " << to_string(dt);
       }
     }
     std::vector<uint16_t> untouched(size_t(N * ts), 0x1234);
-    EXPECT_THROW(be->rope_backward(View{untouched.data(), DType::kBF16}, ts, hs, src.data() + dn, in_ts, in_hs,
-                                   cf.data(), sf.data(), N, S, heads, dr, il, true),
+    EXPECT_THROW(be->rope_backward({View{untouched.data(), DType::kBF16}, {N, heads, dr}, {ts, hs, 1}},
+                                   {src.data() + dn, {N, heads, dr}, {in_ts, in_hs, 1}}, {cf.data(), {S, dr / 2}},
+                                   {sf.data(), {S, dr / 2}}, il, true),
                  std::invalid_argument);
     EXPECT_EQ(untouched, std::vector<uint16_t>(size_t(N * ts), 0x1234));
   }
@@ -681,8 +702,8 @@ TEST_P(Kernels, MoeGatherAndCombineForward) {
   std::vector<int> used(N, 0);
   for (int32_t row = 0; row < N * k; ++row) pos[src[row] * k + used[src[row]]++] = row;
   FVec Xp(N * k * H), out = to_f(base);
-  be->gather_rows(Xp.data(), to_f(X).data(), src.data(), N * k, H);
-  be->moe_combine(out.data(), to_f(Y).data(), to_f(w).data(), pos.data(), N, k, H);
+  be->gather_rows({Xp.data(), {N * k, H}}, {to_f(X).data(), {N, H}}, {src.data(), {N * k}});
+  be->moe_combine({out.data(), {N, H}}, {to_f(Y).data(), {N * k, H}}, {to_f(w).data(), {N, k}}, {pos.data(), {N, k}});
   for (int64_t r = 0; r < N * k; ++r)
     for (int64_t c = 0; c < H; ++c) EXPECT_EQ(Xp[r * H + c], float(X[src[r] * H + c]));
   Vec want = base;
@@ -697,7 +718,7 @@ TEST_P(Kernels, CrossEntropyValueGradientAndIgnoredRows) {
   const Vec logits = randn(rows * V, 30, 3.0);
   const std::vector<int32_t> target = {3, -100, 10, 0};
   FVec l = to_f(logits), loss(rows);
-  be->cross_entropy(loss.data(), l.data(), target.data(), rows, V, 0.5f);
+  be->cross_entropy({loss.data(), {rows}}, {l.data(), {rows, V}}, {target.data(), {rows}}, 0.5f);
   for (int64_t r = 0; r < rows; ++r) {
     if (target[r] < 0) {
       EXPECT_EQ(loss[r], 0.0f);
@@ -719,8 +740,8 @@ TEST_P(Kernels, EmbeddingRepeatedIdsAccumulate) {
   const std::vector<int32_t> ids = {2, 4, 2, 0, 2, 4};
   const FVec table = to_f(randn(V * H, 31)), dout = to_f(randn(N * H, 32));
   FVec out(N * H), dtable(V * H, 0.0f);
-  be->embedding_forward(out.data(), kernels::f32(table.data()), ids.data(), N, H);
-  be->embedding_backward(dtable.data(), dout.data(), ids.data(), N, H, V);
+  be->embedding_forward({out.data(), {N, H}}, {kernels::f32(table.data()), {V, H}}, {ids.data(), {N}});
+  be->embedding_backward({dtable.data(), {V, H}}, {dout.data(), {N, H}}, {ids.data(), {N}});
   for (int64_t t = 0; t < N; ++t)
     for (int64_t c = 0; c < H; ++c) EXPECT_EQ(out[t * H + c], table[ids[t] * H + c]);
   for (int64_t v = 0; v < V; ++v)
@@ -741,10 +762,10 @@ TEST_P(Kernels, EmbeddingReadsA16BitTable) {
   for (const DType t : {DType::kBF16, DType::kF16}) {
     std::vector<uint16_t> lp(size_t(V * H));
     FVec wide(size_t(V * H)), want(size_t(N * H), -1.0f), got(size_t(N * H), -1.0f);
-    be->convert({lp.data(), t}, f32(table.data()), V * H);
-    be->convert({wide.data(), DType::kF32}, ConstView{lp.data(), t}, V * H);
-    be->embedding_forward(want.data(), f32(wide.data()), ids.data(), N, H);
-    be->embedding_forward(got.data(), ConstView{lp.data(), t}, ids.data(), N, H);
+    be->convert({lp.data(), t, {V * H}}, {f32(table.data()), {V * H}});
+    be->convert({wide.data(), DType::kF32, {V * H}}, {ConstView{lp.data(), t}, {V * H}});
+    be->embedding_forward({want.data(), {N, H}}, {f32(wide.data()), {V, H}}, {ids.data(), {N}});
+    be->embedding_forward({got.data(), {N, H}}, {ConstView{lp.data(), t}, {V, H}}, {ids.data(), {N}});
     EXPECT_EQ(std::memcmp(want.data(), got.data(), want.size() * 4), 0) << to_string(t);
     EXPECT_EQ(got[1 * H + 5], 0.0f);
     EXPECT_EQ(got[2 * H + 17], wide[2 * H + 17]);
@@ -759,7 +780,7 @@ TEST_P(Kernels, VocabParallelCrossEntropyEqualsWholeRow) {
   const Vec logits = randn(rows * V, 33, 4.0);
   const std::vector<int32_t> target = {3, -100, 10, 0, 7};
   FVec whole = to_f(logits), want_loss(rows);
-  be->cross_entropy(want_loss.data(), whole.data(), target.data(), rows, V, 0.25f);
+  be->cross_entropy({want_loss.data(), {rows}}, {whole.data(), {rows, V}}, {target.data(), {rows}}, 0.25f);
   for (const std::vector<int64_t>& bounds : {std::vector<int64_t>{0, 4, 8, 11},
                                              std::vector<int64_t>{0, 6, 11, 11}}) {
     const size_t shards = bounds.size() - 1;
@@ -771,19 +792,20 @@ TEST_P(Kernels, VocabParallelCrossEntropyEqualsWholeRow) {
       for (int64_t r = 0; r < rows; ++r)
         for (int64_t v = 0; v < Vl; ++v) part[s][r * Vl + v] = float(logits[r * V + v0 + v]);
       FVec m(rows);
-      be->cross_entropy_row_max(m.data(), part[s].data(), rows, Vl);
+      be->cross_entropy_row_max({m.data(), {rows}}, {part[s].data(), {rows, Vl}});
       for (int64_t r = 0; r < rows; ++r) mx[r] = std::max(mx[r], m[r]);
     }
     for (size_t s = 0; s < shards; ++s) {
       const int64_t v0 = bounds[s], Vl = bounds[s + 1] - v0;
       FVec su(2 * rows);
-      be->cross_entropy_row_sums(su.data(), part[s].data(), mx.data(), target.data(), v0, rows, Vl);
+      be->cross_entropy_row_sums({su.data(), {rows, 2}}, {part[s].data(), {rows, Vl}}, {mx.data(), {rows}},
+                                 {target.data(), {rows}}, v0);
       for (int64_t i = 0; i < 2 * rows; ++i) sums[i] += su[i];
     }
     for (size_t s = 0; s < shards; ++s) {
       const int64_t v0 = bounds[s], Vl = bounds[s + 1] - v0;
-      be->cross_entropy_finish(loss.data(), part[s].data(), mx.data(), sums.data(), target.data(), v0, rows, Vl,
-                               0.25f);
+      be->cross_entropy_finish({loss.data(), {rows}}, {part[s].data(), {rows, Vl}}, {mx.data(), {rows}},
+                               {sums.data(), {rows, 2}}, {target.data(), {rows}}, v0, 0.25f);
       for (int64_t r = 0; r < rows; ++r) {
         EXPECT_NEAR(loss[r], want_loss[r], 1e-5) << "row " << r;
         for (int64_t v = 0; v < Vl; ++v)
@@ -798,8 +820,8 @@ TEST_P(Kernels, EmbeddingSkipsIdsOfOtherShards) {
   const std::vector<int32_t> ids = {1, -1, 2, -1};
   const FVec table = to_f(randn(V * H, 34)), dout = to_f(randn(N * H, 35));
   FVec out(N * H, 7.0f), dtable(V * H, 0.0f);
-  be->embedding_forward(out.data(), kernels::f32(table.data()), ids.data(), N, H);
-  be->embedding_backward(dtable.data(), dout.data(), ids.data(), N, H, V);
+  be->embedding_forward({out.data(), {N, H}}, {kernels::f32(table.data()), {V, H}}, {ids.data(), {N}});
+  be->embedding_backward({dtable.data(), {V, H}}, {dout.data(), {N, H}}, {ids.data(), {N}});
   for (int64_t t = 0; t < N; ++t)
     for (int64_t c = 0; c < H; ++c) EXPECT_EQ(out[t * H + c], ids[t] < 0 ? 0.0f : table[ids[t] * H + c]);
   for (int64_t c = 0; c < H; ++c) {
@@ -814,7 +836,7 @@ TEST_P(Kernels, AdamWMatchesAHandComputedStep) {
   FVec p = {1.0f, -2.0f}, g = {0.5f, 0.25f}, m = {0.1f, 0.0f}, v = {0.01f, 0.0f};
   AdamWParams a;
   a.lr = 0.1f, a.beta1 = 0.9f, a.beta2 = 0.99f, a.eps = 1e-8f, a.weight_decay = 0.01f, a.step = 3;
-  be->adamw(p.data(), g.data(), m.data(), v.data(), 2, a);
+  be->adamw({p.data(), {2}}, {g.data(), {2}}, {m.data(), {2}}, {v.data(), {2}}, a);
   const double m0 = 0.9 * 0.1 + 0.1 * 0.5, v0 = 0.99 * 0.01 + 0.01 * 0.25;
   const double bc1 = 1 - std::pow(0.9, 3), bc2 = 1 - std::pow(0.99, 3);
   const double p0 = 1.0 * (1 - 0.1 * 0.01) - 0.1 * (m0 / bc1) / (std::sqrt(v0 / bc2) + 1e-8);
@@ -833,9 +855,9 @@ TEST_P(Kernels, AdamWGradScaleEqualsScaledGradient) {
   AdamWParams a;
   a.lr = 0.05f, a.weight_decay = 0.1f, a.step = 2;
   for (float& x : g2) x *= 0.375f;
-  be->adamw(p2.data(), g2.data(), m2.data(), v2.data(), 3, a);
+  be->adamw({p2.data(), {3}}, {g2.data(), {3}}, {m2.data(), {3}}, {v2.data(), {3}}, a);
   a.grad_scale = 0.375f;
-  be->adamw(p1.data(), g.data(), m1.data(), v1.data(), 3, a);
+  be->adamw({p1.data(), {3}}, {g.data(), {3}}, {m1.data(), {3}}, {v1.data(), {3}}, a);
   for (int i = 0; i < 3; ++i) {
     EXPECT_FLOAT_EQ(p1[i], p2[i]);
     EXPECT_FLOAT_EQ(m1[i], m2[i]);
@@ -857,10 +879,11 @@ TEST_P(Kernels, AdamWRoundEqualsAdamWThenConvert) {
       std::vector<uint16_t> h1(n, 0xffff), h2(n, 0xffff);
       AdamWParams a;
       a.lr = 0.02f, a.step = 5, a.weight_decay = 0.1f, a.grad_scale = 0.75f;
-      be->adamw(p1.data(), g.data(), m1.data(), v1.data(), n, a);
-      be->convert({h1.data(), t}, f32(p1.data()), n);
-      if (widen) be->convert({w1.data(), DType::kF32}, ConstView{h1.data(), t}, n);
-      be->adamw_round(p2.data(), g.data(), m2.data(), v2.data(), n, a, {h2.data(), t}, widen ? w2.data() : nullptr);
+      be->adamw({p1.data(), {n}}, {g.data(), {n}}, {m1.data(), {n}}, {v1.data(), {n}}, a);
+      be->convert({h1.data(), t, {n}}, {f32(p1.data()), {n}});
+      if (widen) be->convert({w1.data(), DType::kF32, {n}}, {ConstView{h1.data(), t}, {n}});
+      be->adamw_round({p2.data(), {n}}, {g.data(), {n}}, {m2.data(), {n}}, {v2.data(), {n}}, a, {h2.data(), t, {n}},
+                      {widen ? w2.data() : nullptr, {n}});
       int64_t differ = 0;
       for (int64_t i = 0; i < n; ++i)
         differ += std::memcmp(&p1[i], &p2[i], 4) != 0 || std::memcmp(&m1[i], &m2[i], 4) != 0 ||
@@ -873,7 +896,8 @@ TEST_P(Kernels, AdamWRoundEqualsAdamWThenConvert) {
     }
   }
   FVec p(4), m(4), v(4), w(4);
-  EXPECT_THROW(be->adamw_round(p.data(), g.data(), m.data(), v.data(), 4, AdamWParams{}, {w.data(), DType::kF32}, nullptr),
+  EXPECT_THROW(be->adamw_round({p.data(), {4}}, {g.data(), {4}}, {m.data(), {4}}, {v.data(), {4}}, AdamWParams{},
+                               {w.data(), DType::kF32, {4}}, {}),
                std::invalid_argument);
 }
 

@@ -317,27 +317,28 @@ TEST(BackendTyped, ConvertGemmAndGroupedGemmMatchTheBuildingBlocks) {
     std::vector<float> x(10007), back(x.size());
     for (auto& v : x) v = d(rng) * 100.0f;
     std::vector<uint16_t> h(x.size());
-    be->convert({h.data(), t}, f32(x.data()), int64_t(x.size()));
-    be->convert({back.data(), DType::kF32}, {h.data(), t}, int64_t(x.size()));
+    be->convert({h.data(), t, {int64_t(x.size())}}, {f32(x.data()), {int64_t(x.size())}});
+    be->convert({back.data(), DType::kF32, {int64_t(x.size())}}, {h.data(), t, {int64_t(x.size())}});
     for (size_t i = 0; i < x.size(); ++i) {
       const uint16_t want = p == LowPrecision::kBf16 ? to_bf16(x[i]) : to_fp16(x[i]);
       ASSERT_EQ(h[i], want) << i;
       ASSERT_EQ(back[i], p == LowPrecision::kBf16 ? from_bf16(want) : from_fp16(want)) << i;
     }
-    EXPECT_THROW(be->convert({h.data(), DType::kBF16}, {h.data(), DType::kF16}, 4), std::invalid_argument);
+    EXPECT_THROW(be->convert({h.data(), DType::kBF16, {4}}, {h.data(), DType::kF16, {4}}), std::invalid_argument);
     // A typed GEMM equals the fp32 GEMM of the widened inputs to fp32 accumulation.
     const int64_t M = 33, N = 70, K = 129;
     std::vector<float> a(M * K), b(N * K), c(M * N), ref(M * N);
     for (auto& v : a) v = d(rng);
     for (auto& v : b) v = d(rng);
     std::vector<uint16_t> ah(a.size()), bh(b.size());
-    be->convert({ah.data(), t}, f32(a.data()), int64_t(a.size()));
-    be->convert({bh.data(), t}, f32(b.data()), int64_t(b.size()));
+    be->convert({ah.data(), t, {int64_t(a.size())}}, {f32(a.data()), {int64_t(a.size())}});
+    be->convert({bh.data(), t, {int64_t(b.size())}}, {f32(b.data()), {int64_t(b.size())}});
     std::vector<float> aw(a.size()), bw(b.size());
-    be->convert({aw.data(), DType::kF32}, {ah.data(), t}, int64_t(a.size()));
-    be->convert({bw.data(), DType::kF32}, {bh.data(), t}, int64_t(b.size()));
-    be->gemm(c.data(), ConstView{ah.data(), t}, ConstView{bh.data(), t}, M, N, K, false, true, 1.0f, 0.0f);
-    be->gemm(ref.data(), aw.data(), bw.data(), M, N, K, false, true, 1.0f, 0.0f);
+    be->convert({aw.data(), DType::kF32, {int64_t(a.size())}}, {ah.data(), t, {int64_t(a.size())}});
+    be->convert({bw.data(), DType::kF32, {int64_t(b.size())}}, {bh.data(), t, {int64_t(b.size())}});
+    be->gemm({c.data(), {M, N}}, {ConstView{ah.data(), t}, {M, K}}, {ConstView{bh.data(), t}, {N, K}}, false, true,
+             1.0f, 0.0f);
+    be->gemm({ref.data(), {M, N}}, {aw.data(), {M, K}}, {bw.data(), {N, K}}, false, true, 1.0f, 0.0f);
     for (int64_t i = 0; i < M * N; ++i) {
       double mag = 0;
       for (int64_t k = 0; k < K; ++k) mag += std::fabs(double(aw[i / N * K + k]) * bw[i % N * K + k]);
@@ -345,9 +346,10 @@ TEST(BackendTyped, ConvertGemmAndGroupedGemmMatchTheBuildingBlocks) {
     }
     // fp32 views take the fp32 path: bitwise the plain GEMM.
     std::vector<float> c32(M * N);
-    be->gemm(c32.data(), f32(aw.data()), f32(bw.data()), M, N, K, false, true, 1.0f, 0.0f);
+    be->gemm({c32.data(), {M, N}}, {f32(aw.data()), {M, K}}, {f32(bw.data()), {N, K}}, false, true, 1.0f, 0.0f);
     EXPECT_EQ(c32, ref);
-    EXPECT_THROW(be->gemm(c.data(), f32(a.data()), ConstView{bh.data(), t}, M, N, K, false, true, 1.0f, 0.0f),
+    EXPECT_THROW(be->gemm({c.data(), {M, N}}, {f32(a.data()), {M, K}}, {ConstView{bh.data(), t}, {N, K}}, false, true,
+                          1.0f, 0.0f),
                  std::invalid_argument);
     // Grouped, with row counts that change from call to call (run-time shapes), beta 1
     // accumulating: each problem equals its own typed GEMM.
@@ -357,10 +359,11 @@ TEST(BackendTyped, ConvertGemmAndGroupedGemmMatchTheBuildingBlocks) {
       std::vector<float*> C = {g.data(), g.data(), g.data() + rows[0] * N};
       std::vector<const void*> A = {ah.data(), ah.data(), ah.data() + rows[0] * K}, B = {bh.data(), bh.data(), bh.data()};
       const int64_t Ms[3] = {rows[0], rows[1], rows[2]}, Ns[3] = {N, N, N}, Ks[3] = {K, K, K};
-      be->gemm_grouped(C.data(), A.data(), B.data(), t, Ms, Ns, Ks, 3, false, true, 1.0f, 1.0f);
-      be->gemm(single.data(), ConstView{ah.data(), t}, ConstView{bh.data(), t}, rows[0], N, K, false, true, 1.0f, 1.0f);
-      be->gemm(single.data() + rows[0] * N, ConstView{ah.data() + rows[0] * K, t}, ConstView{bh.data(), t}, rows[2], N,
-               K, false, true, 1.0f, 1.0f);
+      be->gemm_grouped(gemm_problems(C.data(), A.data(), B.data(), t, Ms, Ns, Ks, 3, false, true), false, true, 1.0f, 1.0f);
+      be->gemm({single.data(), {rows[0], N}}, {ConstView{ah.data(), t}, {rows[0], K}},
+               {ConstView{bh.data(), t}, {N, K}}, false, true, 1.0f, 1.0f);
+      be->gemm({single.data() + rows[0] * N, {rows[2], N}}, {ConstView{ah.data() + rows[0] * K, t}, {rows[2], K}},
+               {ConstView{bh.data(), t}, {N, K}}, false, true, 1.0f, 1.0f);
       for (size_t i = 0; i < g.size(); ++i) ASSERT_NEAR(g[i], single[i], 1e-4 * (1 + std::fabs(single[i]))) << i;
     }
     // Many problems (at least twice the threads: one problem per thread at a time where the
@@ -384,10 +387,14 @@ TEST(BackendTyped, ConvertGemmAndGroupedGemmMatchTheBuildingBlocks) {
         C[i] = Cs[i].data(), A[i] = As[i].data(), B[i] = Bs[i].data();
       }
       const bool ta = weight_grad, tb = !weight_grad;
-      be->gemm_grouped(C.data(), A.data(), B.data(), t, Ms.data(), Ns.data(), Ks.data(), count, ta, tb, 0.5f, 1.0f);
+      be->gemm_grouped(gemm_problems(C.data(), A.data(), B.data(), t, Ms.data(), Ns.data(), Ks.data(), count, ta, tb), ta, tb, 0.5f, 1.0f);
       for (int64_t i = 0; i < count; ++i) {
-        be->gemm(Ref[i].data(), ConstView{As[i].data(), t}, ConstView{Bs[i].data(), t}, Ms[i], Ns[i], Ks[i], ta, tb,
-                 0.5f, 1.0f);
+        be->gemm({Ref[i].data(), {Ms[i], Ns[i]}},
+                 {ConstView{As[i].data(), t},
+                  ta ? dstrain::kernels::Dims{Ks[i], Ms[i]} : dstrain::kernels::Dims{Ms[i], Ks[i]}},
+                 {ConstView{Bs[i].data(), t},
+                  tb ? dstrain::kernels::Dims{Ns[i], Ks[i]} : dstrain::kernels::Dims{Ks[i], Ns[i]}},
+                 ta, tb, 0.5f, 1.0f);
         for (size_t j = 0; j < Ref[i].size(); ++j)
           ASSERT_NEAR(Cs[i][j], Ref[i][j], 1e-4 * (1 + std::fabs(Ref[i][j]))) << to_string(t) << " " << i << " " << j;
       }
@@ -445,8 +452,8 @@ void check_attention_against_fp32(Backend& backend, int64_t S) {
     std::vector<float> x(static_cast<size_t>(n));
     for (auto& v : x) v = 2.0f * d(rng);
     h.resize(x.size());
-    be->convert({h.data(), DType::kBF16}, f32(x.data()), n);
-    be->convert({x.data(), DType::kF32}, {h.data(), DType::kBF16}, n);
+    be->convert({h.data(), DType::kBF16, {n}}, {f32(x.data()), {n}});
+    be->convert({x.data(), DType::kF32, {n}}, {h.data(), DType::kBF16, {n}});
     return x;
   };
   std::vector<uint16_t> q16, k16, v16, do16;
@@ -454,8 +461,10 @@ void check_attention_against_fp32(Backend& backend, int64_t S) {
   const auto dO = rounded(N * nh * dv, do16);
   std::vector<float> O(size_t(N * nh * dv)), lse(size_t(N * nh)), O32 = O, lse32 = lse;
   const ConstView q{q16.data(), DType::kBF16}, k{k16.data(), DType::kBF16}, v{v16.data(), DType::kBF16};
-  be->attention_forward(O.data(), lse.data(), q, k, v, B, S, nh, dqk, dv, scale);
-  be->attention_forward(O32.data(), lse32.data(), Q.data(), K.data(), V.data(), B, S, nh, dqk, dv, scale);
+  be->attention_forward({O.data(), {B, S, nh, dv}}, {lse.data(), {B, nh, S}}, {q, {B, S, nh, dqk}},
+                        {k, {B, S, nh, dqk}}, {v, {B, S, nh, dv}}, scale);
+  be->attention_forward({O32.data(), {B, S, nh, dv}}, {lse32.data(), {B, nh, S}}, {Q.data(), {B, S, nh, dqk}},
+                        {K.data(), {B, S, nh, dqk}}, {V.data(), {B, S, nh, dv}}, scale);
   const auto close = [](const std::vector<float>& got, const std::vector<float>& want, double rel, const char* what) {
     double scale = 0;
     for (float w : want) scale = std::max(scale, double(std::fabs(w)));
@@ -464,16 +473,19 @@ void check_attention_against_fp32(Backend& backend, int64_t S) {
   close(lse, lse32, 1e-5, "lse");
   close(O, O32, std::ldexp(1.0, -7), "O");  // P rounded to bf16 (8 significant bits) before P V
   std::vector<float> dQ(Q.size()), dK(K.size()), dV(V.size()), dQ32 = dQ, dK32 = dK, dV32 = dV;
-  be->attention_backward(dQ.data(), dK.data(), dV.data(), dO.data(), {do16.data(), DType::kBF16}, q, k, v, O32.data(),
-                         lse32.data(), B, S, nh, dqk, dv, scale);
-  be->attention_backward(dQ32.data(), dK32.data(), dV32.data(), dO.data(), Q.data(), K.data(), V.data(), O32.data(),
-                         lse32.data(), B, S, nh, dqk, dv, scale);
+  be->attention_backward({dQ.data(), {B, S, nh, dqk}}, {dK.data(), {B, S, nh, dqk}}, {dV.data(), {B, S, nh, dv}},
+                         {dO.data(), {B, S, nh, dv}}, {do16.data(), DType::kBF16, {B, S, nh, dv}}, {q, {B, S, nh, dqk}},
+                         {k, {B, S, nh, dqk}}, {v, {B, S, nh, dv}}, {O32.data(), {B, S, nh, dv}},
+                         {lse32.data(), {B, nh, S}}, scale);
+  be->attention_backward({dQ32.data(), {B, S, nh, dqk}}, {dK32.data(), {B, S, nh, dqk}}, {dV32.data(), {B, S, nh, dv}},
+                         {dO.data(), {B, S, nh, dv}}, {}, {Q.data(), {B, S, nh, dqk}}, {K.data(), {B, S, nh, dqk}},
+                         {V.data(), {B, S, nh, dv}}, {O32.data(), {B, S, nh, dv}}, {lse32.data(), {B, nh, S}}, scale);
   close(dV, dV32, std::ldexp(1.0, -7), "dV");
   close(dQ, dQ32, std::ldexp(1.0, -6), "dQ");  // dS rounded too: a difference of two terms
   close(dK, dK32, std::ldexp(1.0, -6), "dK");
   // Mixed view types are refused.
-  EXPECT_THROW(be->attention_forward(O.data(), lse.data(), q, k, ConstView{v16.data(), DType::kF16}, B, S, nh, dqk, dv,
-                                     scale),
+  EXPECT_THROW(be->attention_forward({O.data(), {B, S, nh, dv}}, {lse.data(), {B, nh, S}}, {q, {B, S, nh, dqk}},
+                                     {k, {B, S, nh, dqk}}, {ConstView{v16.data(), DType::kF16}, {B, S, nh, dv}}, scale),
                std::invalid_argument);
 }
 
@@ -595,8 +607,7 @@ TEST(Amx, GroupedGemmMatchesOneDnn) {
       std::vector<float*> C(count);
       std::vector<const void*> A(count), B(count);
       for (int64_t i = 0; i < count; ++i) C[i] = Cs[i].data(), A[i] = As[i].data(), B[i] = Bs[i].data();
-      be->gemm_grouped(C.data(), A.data(), B.data(), DType::kBF16, Ms.data(), Ns.data(), Ks.data(), count, kind.ta,
-                       kind.tb, 1.0f, kind.beta);
+      be->gemm_grouped(gemm_problems(C.data(), A.data(), B.data(), DType::kBF16, Ms.data(), Ns.data(), Ks.data(), count, kind.ta, kind.tb), kind.ta, kind.tb, 1.0f, kind.beta);
       return Cs;
     };
     const auto amx = run("amx"), onednn = run("onednn");
@@ -637,8 +648,12 @@ TEST(Amx, DenseGemmMatchesOneDnn) {
     const auto run = [&](const char* engine) {
       const WithOptions use(*be, [&](KernelOptions& o) { o.cpu_dense_gemm = engine; });
       std::vector<float> C = C0;
-      be->gemm(C.data(), ConstView{A.data(), DType::kBF16}, ConstView{B.data(), DType::kBF16}, c.M, c.N, c.K, c.ta,
-               c.tb, 1.0f, c.beta);
+      be->gemm({C.data(), {c.M, c.N}},
+               {ConstView{A.data(), DType::kBF16},
+                c.ta ? dstrain::kernels::Dims{c.K, c.M} : dstrain::kernels::Dims{c.M, c.K}},
+               {ConstView{B.data(), DType::kBF16},
+                c.tb ? dstrain::kernels::Dims{c.N, c.K} : dstrain::kernels::Dims{c.K, c.N}},
+               c.ta, c.tb, 1.0f, c.beta);
       return C;
     };
     const auto amx = run("amx"), onednn = run("onednn");
@@ -685,9 +700,12 @@ TEST(Amx, AttentionMatchesTheOneDnnTiles) {
     const WithOptions choice(*be, [&](KernelOptions& o) { o.cpu_attention = tiles; });
     Out o{std::vector<float>(size_t(N * nh * dv)), std::vector<float>(size_t(N * nh)),
           std::vector<float>(q16.size()), std::vector<float>(k16.size()), std::vector<float>(v16.size())};
-    be->attention_forward(o.O.data(), o.lse.data(), q, k, v, B, S, nh, dqk, dv, 0.125f);
-    be->attention_backward(o.dQ.data(), o.dK.data(), o.dV.data(), dO.data(), {do16.data(), DType::kBF16}, q, k, v,
-                           o.O.data(), o.lse.data(), B, S, nh, dqk, dv, 0.125f);
+    be->attention_forward({o.O.data(), {B, S, nh, dv}}, {o.lse.data(), {B, nh, S}}, {q, {B, S, nh, dqk}},
+                          {k, {B, S, nh, dqk}}, {v, {B, S, nh, dv}}, 0.125f);
+    be->attention_backward({o.dQ.data(), {B, S, nh, dqk}}, {o.dK.data(), {B, S, nh, dqk}},
+                           {o.dV.data(), {B, S, nh, dv}}, {dO.data(), {B, S, nh, dv}},
+                           {do16.data(), DType::kBF16, {B, S, nh, dv}}, {q, {B, S, nh, dqk}}, {k, {B, S, nh, dqk}},
+                           {v, {B, S, nh, dv}}, {o.O.data(), {B, S, nh, dv}}, {o.lse.data(), {B, nh, S}}, 0.125f);
     return o;
   };
   const Out a = run("amx"), r = run("onednn");

@@ -29,18 +29,18 @@ TEST(OpTimes, EachOpCountsOnceUnderItsOwnNameAndNothingWhileOff) {
     float* a = static_cast<float*>(be->allocate(n * n * 4));
     float* b = static_cast<float*>(be->allocate(n * n * 4));
     float* c = static_cast<float*>(be->allocate(n * n * 4));
-    be->fill(a, 1.0f, n * n);
-    be->fill(b, 2.0f, n * n);
-    be->gemm(c, a, b, n, n, n, false, false, 1.0f, 0.0f);
+    be->fill({a, {n * n}}, 1.0f);
+    be->fill({b, {n * n}}, 2.0f);
+    be->gemm({c, {n, n}}, {a, {n, n}}, {b, {n, n}}, false, false, 1.0f, 0.0f);
     EXPECT_TRUE(be->take_op_times().empty()) << "timed while off";
     be->set_op_timing(true);
-    for (int i = 0; i < 3; ++i) be->gemm(c, a, b, n, n, n, false, false, 1.0f, 0.0f);
-    be->fill(c, 0.0f, n * n);
+    for (int i = 0; i < 3; ++i) be->gemm({c, {n, n}}, {a, {n, n}}, {b, {n, n}}, false, false, 1.0f, 0.0f);
+    be->fill({c, {n * n}}, 0.0f);
     // 16 problems on 2 threads: gemm_grouped runs gemm on its worker threads.
     std::vector<float*> C(16, c);
-    std::vector<const float*> A(16, a), B(16, b);
+    std::vector<const void*> A(16, a), B(16, b);
     std::vector<int64_t> M(16, 8), N(16, 8), K(16, n);
-    be->gemm_grouped(C.data(), A.data(), B.data(), M.data(), N.data(), K.data(), 16, false, false, 1.0f, 0.0f);
+    be->gemm_grouped(gemm_problems(C.data(), A.data(), B.data(), DType::kF32, M.data(), N.data(), K.data(), 16, false, false), false, false, 1.0f, 0.0f);
     const std::vector<OpTime> got = be->take_op_times();
     be->set_op_timing(false);
     const auto m = by_name(got);

@@ -152,7 +152,7 @@ TEST_P(Golden, TwoPipelineStagesMatchHuggingFace) {
     }
     EXPECT_EQ(split, !deferred[0].empty() && !deferred[1].empty());
     for (auto& d : deferred) d.run();
-    be->add(stores[0]->grad(embed), mirror_g.data(), n_embed);
+    be->add({stores[0]->grad(embed), {n_embed}}, {mirror_g.data(), {n_embed}});
 
     EXPECT_EQ(first.ce, 0.0);
     EXPECT_NEAR(last.ce, f.attr_double("ce_loss"), kTolerance * f.attr_double("ce_loss"));

@@ -38,7 +38,7 @@ struct Fixture {
     const int64_t n = l.out() * l.in();
     std::vector<float> w(static_cast<size_t>(n));
     if (l.weight().lp && cast)
-      be->convert(kernels::View{w.data(), kernels::DType::kF32}, {l.weight().lp, cast->dtype()}, n);
+      be->convert({kernels::View{w.data(), kernels::DType::kF32}, {n}}, {l.weight().lp, cast->dtype(), {n}});
     else
       std::copy(l.weight().w, l.weight().w + n, w.begin());
     return w;
@@ -47,8 +47,9 @@ struct Fixture {
     if (t == kernels::DType::kF32) return x;
     std::vector<uint16_t> h(x.size());
     std::vector<float> out(x.size());
-    be->convert({h.data(), t}, kernels::f32(x.data()), int64_t(x.size()));
-    be->convert(kernels::View{out.data(), kernels::DType::kF32}, {h.data(), t}, int64_t(x.size()));
+    be->convert({h.data(), t, {int64_t(x.size())}}, {kernels::f32(x.data()), {int64_t(x.size())}});
+    be->convert({kernels::View{out.data(), kernels::DType::kF32}, {int64_t(x.size())}},
+                {h.data(), t, {int64_t(x.size())}});
     return out;
   }
 
@@ -187,7 +188,7 @@ TEST_P(LinearPrecision, EveryFormOfAnInputAndADeferredWeightGradientGiveTheSameB
   EXPECT_EQ(y1, y2) << "pinned";
   std::vector<uint16_t> x16(size_t(R * I));
   if (t != kernels::DType::kF32) {
-    f.be->convert({x16.data(), t}, kernels::f32(x.data()), R * I);
+    f.be->convert({x16.data(), t, {R * I}}, {kernels::f32(x.data()), {R * I}});
     std::fill(y2.begin(), y2.end(), 0.0f);
     l.forward(env, y2.data(), GemmInput::rounded({x16.data(), t}), R);
     EXPECT_EQ(y1, y2) << "16-bit only";

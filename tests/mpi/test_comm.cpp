@@ -400,7 +400,7 @@ TEST(RoutingCommunicator, ABufferFreedBeforeItsReceiveCompletesIsNotReusedMeanwh
     }  // freed before the message came
     kernels::DeviceBuffer mine(*b, n * 4);
     EXPECT_NE(mine.data(), freed) << "the block of a pending receive was handed out again";
-    b->fill(mine.as<float>(), 1.0f, n);
+    b->fill({mine.as<float>(), {n}}, 1.0f);
     MPI_Barrier(MPI_COMM_WORLD);  // rank 0 sends only now
     rx->wait();
     std::vector<float> got(static_cast<size_t>(n));
@@ -414,7 +414,7 @@ TEST(RoutingCommunicator, ABufferFreedBeforeItsReceiveCompletesIsNotReusedMeanwh
     MPI_Barrier(MPI_COMM_WORLD);
     if (r == 0) {
       kernels::DeviceBuffer out(*b, n * 4);
-      b->fill(out.as<float>(), 7.0f, n);
+      b->fill({out.as<float>(), {n}}, 7.0f);
       c->send(out.as<float>(), n, 1)->wait();
     }
   }

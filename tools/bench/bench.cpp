@@ -133,15 +133,25 @@ void bench_gemm(kernels::Backend& be, kernels::GemmLibrary lib, const char* what
   // Interleaved rounds, best of each: the host's clock drifts, and both sides must see the same.
   double ours = 1e9, lib_s = 1e9;
   for (int round = 0; round < 5; ++round) {
-  ours = std::min(ours, time_it([&] { be.gemm(C.data(), A.data(), B.data(), M, N, K, ta, tb, 1.0f, 0.0f); }, 3));
-  lib_s = std::min(lib_s, time_it([&] {
-    if (lib == kernels::GemmLibrary::kOneDnn)
-      dnnl_sgemm(ta ? 'T' : 'N', tb ? 'T' : 'N', M, N, K, 1.0f, A.data(), ta ? M : K, B.data(),
-                 tb ? K : N, 0.0f, C.data(), N);
-    else
-      cblas_sgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans, M,
-                  N, K, 1.0f, A.data(), ta ? M : K, B.data(), tb ? K : N, 0.0f, C.data(), N);
-  }, 3));
+    ours = std::min(ours, time_it(
+                              [&] {
+                                be.gemm({C.data(), {M, N}},
+                                        {A.data(), ta ? dstrain::kernels::Dims{K, M} : dstrain::kernels::Dims{M, K}},
+                                        {B.data(), tb ? dstrain::kernels::Dims{N, K} : dstrain::kernels::Dims{K, N}},
+                                        ta, tb, 1.0f, 0.0f);
+                              },
+                              3));
+    lib_s = std::min(lib_s, time_it(
+                                [&] {
+                                  if (lib == kernels::GemmLibrary::kOneDnn)
+                                    dnnl_sgemm(ta ? 'T' : 'N', tb ? 'T' : 'N', M, N, K, 1.0f, A.data(), ta ? M : K,
+                                               B.data(), tb ? K : N, 0.0f, C.data(), N);
+                                  else
+                                    cblas_sgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans,
+                                                tb ? CblasTrans : CblasNoTrans, M, N, K, 1.0f, A.data(), ta ? M : K,
+                                                B.data(), tb ? K : N, 0.0f, C.data(), N);
+                                },
+                                3));
   }
   const double flops = 2.0 * M * N * K;
   std::printf("  %-9s %-28s %5ld x %5ld x %5ld %s%s  %7.1f GFLOP/s  (library alone %7.1f, %5.1f%%)\n",
@@ -169,8 +179,13 @@ int bench_kernels(int threads) {
   {
     const auto x = randn(N * H, 3), w = randn(H, 4);
     std::vector<float> y(N * H), rstd(N), dx(N * H), dw(H);
-    const double f = time_it([&] { be->rmsnorm_forward(y.data(), rstd.data(), x.data(), w.data(), N, H, 1e-6f); });
-    const double b = time_it([&] { be->rmsnorm_backward(dx.data(), dw.data(), y.data(), x.data(), w.data(), rstd.data(), N, H); });
+    const double f = time_it([&] {
+      be->rmsnorm_forward({y.data(), {N, H}}, {rstd.data(), {N}}, {x.data(), {N, H}}, {w.data(), {H}}, 1e-6f);
+    });
+    const double b = time_it([&] {
+      be->rmsnorm_backward({dx.data(), {N, H}}, {dw.data(), {H}}, {y.data(), {N, H}}, {x.data(), {N, H}},
+                           {w.data(), {H}}, {rstd.data(), {N}});
+    });
     std::printf("  rmsnorm      forward %6.1f GB/s  backward %6.1f GB/s\n", 2.0 * N * H * 4 / f / 1e9,
                 4.0 * N * H * 4 / b / 1e9);
   }
@@ -178,8 +193,10 @@ int bench_kernels(int threads) {
     const int64_t I = 768;
     const auto gu = randn(N * 2 * I, 5);
     std::vector<float> m(N * I), dgu(N * 2 * I);
-    const double f = time_it([&] { be->swiglu_forward(m.data(), gu.data(), N, I); });
-    const double b = time_it([&] { be->swiglu_backward(dgu.data(), m.data(), gu.data(), N, I); });
+    const double f = time_it([&] { be->swiglu_forward({m.data(), {N, I}}, {gu.data(), {N, 2 * I}}); });
+    const double b = time_it([&] {
+      be->swiglu_backward({dgu.data(), {N, 2 * I}}, {m.data(), {N, I}}, {gu.data(), {N, 2 * I}});
+    });
     std::printf("  swiglu       forward %6.1f GB/s  backward %6.1f GB/s\n", 3.0 * N * I * 4 / f / 1e9,
                 5.0 * N * I * 4 / b / 1e9);
   }
@@ -191,15 +208,17 @@ int bench_kernels(int threads) {
     std::vector<float> m(rows * I), xp(rows * Hm);
     std::vector<uint16_t> m16(m.size()), xp16(xp.size());
     const kernels::View M16{m16.data(), kernels::DType::kBF16}, X16{xp16.data(), kernels::DType::kBF16};
-    const double fused = time_it([&] { be->swiglu_forward(M16, gu.data(), rows, I); });
+    const double fused = time_it([&] { be->swiglu_forward({M16, {rows, I}}, {gu.data(), {rows, 2 * I}}); });
     const double staged = time_it([&] {
-      be->swiglu_forward(m.data(), gu.data(), rows, I);
-      be->convert(M16, kernels::f32(m.data()), rows * I);
+      be->swiglu_forward({m.data(), {rows, I}}, {gu.data(), {rows, 2 * I}});
+      be->convert({M16, {rows * I}}, {kernels::f32(m.data()), {rows * I}});
     });
-    const double gfused = time_it([&] { be->gather_rows(X16, x.data(), src.data(), rows, Hm); });
+    const double gfused = time_it([&] {
+      be->gather_rows({X16, {rows, Hm}}, {x.data(), {rows, Hm}}, {src.data(), {rows}});
+    });
     const double gstaged = time_it([&] {
-      be->gather_rows(xp.data(), x.data(), src.data(), rows, Hm);
-      be->convert(X16, kernels::f32(xp.data()), rows * Hm);
+      be->gather_rows({xp.data(), {rows, Hm}}, {x.data(), {rows, Hm}}, {src.data(), {rows}});
+      be->convert({X16, {rows * Hm}}, {kernels::f32(xp.data()), {rows * Hm}});
     });
     std::printf("  into bf16    swiglu %ldx%ld: %.2f ms, fp32 + convert %.2f ms; gather %ldx%ld: %.2f ms, fp32 + convert "
                 "%.2f ms\n",
@@ -212,16 +231,21 @@ int bench_kernels(int threads) {
     std::vector<float> dgu(rows * 2 * I), dy(rows * Hm), dw(rows);
     std::vector<uint16_t> dgu16(dgu.size()), dy16(dy.size());
     const kernels::View DGU16{dgu16.data(), kernels::DType::kBF16}, DY16{dy16.data(), kernels::DType::kBF16};
-    const double sb = time_it([&] { be->swiglu_backward(DGU16, dm.data(), gu.data(), rows, I); });
-    const double sbs = time_it([&] {
-      be->swiglu_backward(dgu.data(), dm.data(), gu.data(), rows, I);
-      be->convert(DGU16, kernels::f32(dgu.data()), rows * 2 * I);
+    const double sb = time_it([&] {
+      be->swiglu_backward({DGU16, {rows, 2 * I}}, {dm.data(), {rows, I}}, {gu.data(), {rows, 2 * I}});
     });
-    const double cb = time_it(
-        [&] { be->moe_combine_backward(DY16, dw.data(), dout.data(), xp.data(), w.data(), pos.data(), tokens, k, Hm); });
+    const double sbs = time_it([&] {
+      be->swiglu_backward({dgu.data(), {rows, 2 * I}}, {dm.data(), {rows, I}}, {gu.data(), {rows, 2 * I}});
+      be->convert({DGU16, {rows * 2 * I}}, {kernels::f32(dgu.data()), {rows * 2 * I}});
+    });
+    const double cb = time_it([&] {
+      be->moe_combine_backward({DY16, {tokens * k, Hm}}, {dw.data(), {tokens, k}}, {dout.data(), {tokens, Hm}},
+                               {xp.data(), {tokens * k, Hm}}, {w.data(), {tokens, k}}, {pos.data(), {tokens, k}});
+    });
     const double cbs = time_it([&] {
-      be->moe_combine_backward(dy.data(), dw.data(), dout.data(), xp.data(), w.data(), pos.data(), tokens, k, Hm);
-      be->convert(DY16, kernels::f32(dy.data()), rows * Hm);
+      be->moe_combine_backward({dy.data(), {tokens * k, Hm}}, {dw.data(), {tokens, k}}, {dout.data(), {tokens, Hm}},
+                               {xp.data(), {tokens * k, Hm}}, {w.data(), {tokens, k}}, {pos.data(), {tokens, k}});
+      be->convert({DY16, {rows * Hm}}, {kernels::f32(dy.data()), {rows * Hm}});
     });
     std::printf("  into bf16    swiglu backward %ldx%ld: %.2f ms, fp32 + convert %.2f ms; combine backward %ldx%ldx%ld: "
                 "%.2f ms, fp32 + convert %.2f ms\n",
@@ -233,8 +257,15 @@ int bench_kernels(int threads) {
     std::vector<float> O(B * S * nh * dv), lse(B * nh * S), dQ(Q.size()), dK(K.size()), dV(V.size());
     const double flops = 2.0 * B * nh * (dqk + dv) * S * S / 2;
     be->reserve_attention(S);
-    const double f = time_it([&] { be->attention_forward(O.data(), lse.data(), Q.data(), K.data(), V.data(), B, S, nh, dqk, dv, 0.1f); });
-    const double b = time_it([&] { be->attention_backward(dQ.data(), dK.data(), dV.data(), O.data(), Q.data(), K.data(), V.data(), O.data(), lse.data(), B, S, nh, dqk, dv, 0.1f); });
+    const double f = time_it([&] {
+      be->attention_forward({O.data(), {B, S, nh, dv}}, {lse.data(), {B, nh, S}}, {Q.data(), {B, S, nh, dqk}},
+                            {K.data(), {B, S, nh, dqk}}, {V.data(), {B, S, nh, dv}}, 0.1f);
+    });
+    const double b = time_it([&] {
+      be->attention_backward({dQ.data(), {B, S, nh, dqk}}, {dK.data(), {B, S, nh, dqk}}, {dV.data(), {B, S, nh, dv}},
+                             {O.data(), {B, S, nh, dv}}, {}, {Q.data(), {B, S, nh, dqk}}, {K.data(), {B, S, nh, dqk}},
+                             {V.data(), {B, S, nh, dv}}, {O.data(), {B, S, nh, dv}}, {lse.data(), {B, nh, S}}, 0.1f);
+    });
     std::printf("  attention    forward %6.1f GFLOP/s  backward %6.1f GFLOP/s (causal, S=256, 4 heads)\n",
                 flops / f / 1e9, 2.5 * flops / b / 1e9);
   }
@@ -245,7 +276,7 @@ int bench_kernels(int threads) {
     std::vector<int32_t> tgt(N, 3);
     const double t = time_it([&] {
       logits = logits0;
-      be->cross_entropy(loss.data(), logits.data(), tgt.data(), N, V, 1.0f / N);
+      be->cross_entropy({loss.data(), {N}}, {logits.data(), {N, V}}, {tgt.data(), {N}}, 1.0f / N);
     });
     std::printf("  cross-entropy %5.1f GB/s (incl. copy)\n", 3.0 * N * V * 4 / t / 1e9);
   }
@@ -254,7 +285,7 @@ int bench_kernels(int threads) {
     auto p = randn(n, 10), g = randn(n, 11);
     std::vector<float> m(n), v(n);
     kernels::AdamWParams a;
-    const double t = time_it([&] { be->adamw(p.data(), g.data(), m.data(), v.data(), n, a); });
+    const double t = time_it([&] { be->adamw({p.data(), {n}}, {g.data(), {n}}, {m.data(), {n}}, {v.data(), {n}}, a); });
     std::printf("  adamw        %6.1f GB/s (%ld parameters: %.1f ms)\n", 7.0 * n * 4 / t / 1e9, long(n), t * 1e3);
   }
   return 0;
@@ -488,8 +519,20 @@ int bench_lowp(int threads) {
   be->reserve_attention(S);
   const kernels::ConstView q16{Qb.data(), kernels::DType::kBF16}, k16{Kb.data(), kernels::DType::kBF16},
       v16{Vb.data(), kernels::DType::kBF16}, do16{dOb.data(), kernels::DType::kBF16};
-  const double f32 = time_it([&] { be->attention_forward(O.data(), lse.data(), Q.data(), K.data(), V.data(), B, S, nh, dqk, dv, scale); }, 3);
-  const double b32 = time_it([&] { be->attention_backward(dQ.data(), dK.data(), dV.data(), dO.data(), Q.data(), K.data(), V.data(), O.data(), lse.data(), B, S, nh, dqk, dv, scale); }, 3);
+  const double f32 = time_it(
+      [&] {
+        be->attention_forward({O.data(), {B, S, nh, dv}}, {lse.data(), {B, nh, S}}, {Q.data(), {B, S, nh, dqk}},
+                              {K.data(), {B, S, nh, dqk}}, {V.data(), {B, S, nh, dv}}, scale);
+      },
+      3);
+  const double b32 = time_it(
+      [&] {
+        be->attention_backward({dQ.data(), {B, S, nh, dqk}}, {dK.data(), {B, S, nh, dqk}}, {dV.data(), {B, S, nh, dv}},
+                               {dO.data(), {B, S, nh, dv}}, {}, {Q.data(), {B, S, nh, dqk}},
+                               {K.data(), {B, S, nh, dqk}}, {V.data(), {B, S, nh, dv}}, {O.data(), {B, S, nh, dv}},
+                               {lse.data(), {B, nh, S}}, scale);
+      },
+      3);
   const double flops = 2.0 * B * nh * (dqk + dv) * S * S / 2;  // causal: half the score matrix
   // The bf16 kernel on each tile engine this CPU has (kernels.cpu_attention; AMX by default);
   // none where oneDNN has no bf16 matmul (AVX2-only CPUs), where training runs the fp32 kernel on
@@ -504,8 +547,20 @@ int bench_lowp(int threads) {
     kernels::KernelOptions o = be->options();
     o.cpu_attention = tiles;
     be->set_options(o);
-    const double f16 = time_it([&] { be->attention_forward(O.data(), lse.data(), q16, k16, v16, B, S, nh, dqk, dv, scale); }, 3);
-    const double b16 = time_it([&] { be->attention_backward(dQ.data(), dK.data(), dV.data(), dO.data(), do16, q16, k16, v16, O.data(), lse.data(), B, S, nh, dqk, dv, scale); }, 3);
+    const double f16 = time_it(
+        [&] {
+          be->attention_forward({O.data(), {B, S, nh, dv}}, {lse.data(), {B, nh, S}}, {q16, {B, S, nh, dqk}},
+                                {k16, {B, S, nh, dqk}}, {v16, {B, S, nh, dv}}, scale);
+        },
+        3);
+    const double b16 = time_it(
+        [&] {
+          be->attention_backward({dQ.data(), {B, S, nh, dqk}}, {dK.data(), {B, S, nh, dqk}},
+                                 {dV.data(), {B, S, nh, dv}}, {dO.data(), {B, S, nh, dv}}, {do16, {B, S, nh, dv}},
+                                 {q16, {B, S, nh, dqk}}, {k16, {B, S, nh, dqk}}, {v16, {B, S, nh, dv}},
+                                 {O.data(), {B, S, nh, dv}}, {lse.data(), {B, nh, S}}, scale);
+        },
+        3);
     std::printf("attention (medium, S=%ld, %ld heads, causal): forward fp32 %.1f ms (%.0f GFLOP/s), bf16 on %s tiles "
                 "%.1f ms (%.0f GFLOP/s, %.2fx); backward fp32 %.1f ms, bf16 %.1f ms (%.2fx)\n",
                 long(S), long(nh), f32 * 1e3, flops / f32 / 1e9, tiles, f16 * 1e3, flops / f16 / 1e9, f32 / f16,
@@ -558,8 +613,7 @@ int bench_lowp(int threads) {
       std::printf("\n");
     };
     const std::vector<double> forward = per_engine([&] {
-      be->gemm_grouped(Cp.data(), Ap.data(), Bp.data(), kernels::DType::kBF16, Ms.data(), Ns.data(), Ks.data(), E,
-                       false, true, 1.0f, 0.0f);
+      be->gemm_grouped(gemm_problems(Cp.data(), Ap.data(), Bp.data(), kernels::DType::kBF16, Ms.data(), Ns.data(), Ks.data(), E, false, true), false, true, 1.0f, 0.0f);
     });
     const double grouped = *std::min_element(forward.begin(), forward.end());
     const double serial = time_it([&] {
@@ -583,8 +637,7 @@ int bench_lowp(int threads) {
       Bp[size_t(e)] = Xb.data() + r * K;
     }
     print_engines("expert gate+up weight gradients (bf16, grouped)", per_engine([&] {
-      be->gemm_grouped(Cp.data(), Ap.data(), Bp.data(), kernels::DType::kBF16, wM.data(), wN.data(), Ms.data(), E,
-                       true, false, 1.0f, 1.0f);
+      be->gemm_grouped(gemm_problems(Cp.data(), Ap.data(), Bp.data(), kernels::DType::kBF16, wM.data(), wN.data(), Ms.data(), E, true, false), true, false, 1.0f, 1.0f);
     }), f);
     // Their input gradients, dX[rows, K] = dGU W (W not transposed).
     std::vector<float> dX(size_t(rows * K));
@@ -594,8 +647,7 @@ int bench_lowp(int threads) {
       Bp[size_t(e)] = Wb.data() + e * N * K;
     }
     print_engines("expert gate+up input gradients (bf16, grouped)", per_engine([&] {
-      be->gemm_grouped(Cp.data(), Ap.data(), Bp.data(), kernels::DType::kBF16, Ms.data(), wN.data(), wM.data(), E,
-                       false, false, 1.0f, 0.0f);
+      be->gemm_grouped(gemm_problems(Cp.data(), Ap.data(), Bp.data(), kernels::DType::kBF16, Ms.data(), wN.data(), wM.data(), E, false, false), false, false, 1.0f, 0.0f);
     }), f);
   }
   return 0;

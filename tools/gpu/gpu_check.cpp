@@ -96,10 +96,11 @@ class Gpu {
 
 std::vector<uint16_t> round16(const FVec& x, Backend& cpu, DType t, FVec* back) {
   std::vector<uint16_t> out(x.size());
-  cpu.convert(View{out.data(), t}, f32(x.data()), int64_t(x.size()));
+  cpu.convert({View{out.data(), t}, {int64_t(x.size())}}, {f32(x.data()), {int64_t(x.size())}});
   if (back) {
     back->resize(x.size());
-    cpu.convert(View{back->data(), DType::kF32}, ConstView{out.data(), t}, int64_t(x.size()));
+    cpu.convert({View{back->data(), DType::kF32}, {int64_t(x.size())}},
+                {ConstView{out.data(), t}, {int64_t(x.size())}});
   }
   return out;
 }
@@ -127,12 +128,20 @@ void check_gemms(Backend& cpu, Backend& cuda) {
       FVec want = C0;
       float* C = g.put(C0);
       if (dt == DType::kF32) {
-        cpu.gemm(want.data(), A.data(), B.data(), M, N, K, ta, tb, 0.75f, 0.5f);
-        cuda.gemm(C, g.put(A), g.put(B), M, N, K, ta, tb, 0.75f, 0.5f);
+        cpu.gemm({want.data(), {M, N}}, {A.data(), ta ? dstrain::kernels::Dims{K, M} : dstrain::kernels::Dims{M, K}},
+                 {B.data(), tb ? dstrain::kernels::Dims{N, K} : dstrain::kernels::Dims{K, N}}, ta, tb, 0.75f, 0.5f);
+        cuda.gemm({C, {M, N}}, {g.put(A), ta ? dstrain::kernels::Dims{K, M} : dstrain::kernels::Dims{M, K}},
+                  {g.put(B), tb ? dstrain::kernels::Dims{N, K} : dstrain::kernels::Dims{K, N}}, ta, tb, 0.75f, 0.5f);
       } else {
         const auto a16 = round16(A, cpu, dt, nullptr), b16 = round16(B, cpu, dt, nullptr);
-        cpu.gemm(want.data(), ConstView{a16.data(), dt}, ConstView{b16.data(), dt}, M, N, K, ta, tb, 0.75f, 0.5f);
-        cuda.gemm(C, ConstView{g.put(a16), dt}, ConstView{g.put(b16), dt}, M, N, K, ta, tb, 0.75f, 0.5f);
+        cpu.gemm({want.data(), {M, N}},
+                 {ConstView{a16.data(), dt}, ta ? dstrain::kernels::Dims{K, M} : dstrain::kernels::Dims{M, K}},
+                 {ConstView{b16.data(), dt}, tb ? dstrain::kernels::Dims{N, K} : dstrain::kernels::Dims{K, N}}, ta, tb,
+                 0.75f, 0.5f);
+        cuda.gemm({C, {M, N}},
+                  {ConstView{g.put(a16), dt}, ta ? dstrain::kernels::Dims{K, M} : dstrain::kernels::Dims{M, K}},
+                  {ConstView{g.put(b16), dt}, tb ? dstrain::kernels::Dims{N, K} : dstrain::kernels::Dims{K, N}}, ta, tb,
+                  0.75f, 0.5f);
       }
       check(std::string("gemm ") + to_string(dt) + (ta ? " A^T" : " A") + (tb ? " B^T" : " B"),
             g.get(C, want.size()), want, dt == DType::kF32 ? 1e-5 : 2e-5);
@@ -143,8 +152,10 @@ void check_gemms(Backend& cpu, Backend& cuda) {
     const FVec C0 = randn(12, 4);
     FVec want = C0;
     float* C = g.put(C0);
-    cpu.gemm(want.data(), nullptr, nullptr, 3, 4, 0, false, false, 1.0f, 0.25f);
-    cuda.gemm(C, nullptr, nullptr, 3, 4, 0, false, false, 1.0f, 0.25f);
+    cpu.gemm({want.data(), {3, 4}}, {static_cast<const float*>(nullptr), {3, 0}},
+             {static_cast<const float*>(nullptr), {0, 4}}, false, false, 1.0f, 0.25f);
+    cuda.gemm({C, {3, 4}}, {static_cast<const float*>(nullptr), {3, 0}}, {static_cast<const float*>(nullptr), {0, 4}},
+              false, false, 1.0f, 0.25f);
     check("gemm K = 0 scales C by beta", g.get(C, 12), want, 0);
   }
   // Grouped, as the experts run them: row counts differ, one is empty.
@@ -176,8 +187,8 @@ void check_gemms(Backend& cpu, Backend& cuda) {
       Ah.push_back(A16[i].data()), Bh.push_back(B16[i].data());
       Ad.push_back(g.put(A16[i])), Bd.push_back(g.put(B16[i]));
     }
-    cpu.gemm_grouped(Ch.data(), Ah.data(), Bh.data(), dt, Ms, Ns, Ks, 4, false, true, 1.0f, 0.0f);
-    cuda.gemm_grouped(Cd.data(), Ad.data(), Bd.data(), dt, Ms, Ns, Ks, 4, false, true, 1.0f, 0.0f);
+    cpu.gemm_grouped(gemm_problems(Ch.data(), Ah.data(), Bh.data(), dt, Ms, Ns, Ks, 4, false, true), false, true, 1.0f, 0.0f);
+    cuda.gemm_grouped(gemm_problems(Cd.data(), Ad.data(), Bd.data(), dt, Ms, Ns, Ks, 4, false, true), false, true, 1.0f, 0.0f);
     FVec got, want;
     for (int i = 0; i < 4; ++i) {
       const FVec part = g.get(Cd[i], wants[i].size());
@@ -227,10 +238,8 @@ void check_grouped_modes(Backend& cpu, Backend& cuda) {
           Bh[size_t(i)] = dt == DType::kF32 ? static_cast<const void*>(keep32[b].data()) : keep16[b].data();
         }
         const float alpha = wgrad ? 0.5f : 1.0f, beta = wgrad ? 1.0f : 0.0f;
-        cpu.gemm_grouped(Ch.data(), Ah.data(), Bh.data(), dt, Ms.data(), Ns.data(), Ks.data(), n, wgrad, !wgrad, alpha,
-                         beta);
-        cuda.gemm_grouped(Cd.data(), Ad.data(), Bd.data(), dt, Ms.data(), Ns.data(), Ks.data(), n, wgrad, !wgrad,
-                          alpha, beta);
+        cpu.gemm_grouped(gemm_problems(Ch.data(), Ah.data(), Bh.data(), dt, Ms.data(), Ns.data(), Ks.data(), n, wgrad, !wgrad), wgrad, !wgrad, alpha, beta);
+        cuda.gemm_grouped(gemm_problems(Cd.data(), Ad.data(), Bd.data(), dt, Ms.data(), Ns.data(), Ks.data(), n, wgrad, !wgrad), wgrad, !wgrad, alpha, beta);
         FVec got, all;
         for (int64_t i = 0; i < n; ++i) {
           const FVec part = g.get(Cd[i], want[i].size());
@@ -252,14 +261,15 @@ void check_conversions(Backend& cpu, Backend& cuda) {
   for (DType dt : {DType::kBF16, DType::kF16}) {
     Gpu g(cuda);
     std::vector<uint16_t> want(x.size());
-    cpu.convert(View{want.data(), dt}, f32(x.data()), int64_t(x.size()));
+    cpu.convert({View{want.data(), dt}, {int64_t(x.size())}}, {f32(x.data()), {int64_t(x.size())}});
     auto* d16 = g.zeros<uint16_t>(x.size());
-    cuda.convert(View{d16, dt}, f32(g.put(x)), int64_t(x.size()));
+    cuda.convert({View{d16, dt}, {int64_t(x.size())}}, {f32(g.put(x)), {int64_t(x.size())}});
     check_equal(std::string("convert fp32 -> ") + to_string(dt), g.get(d16, x.size()), want);
     FVec back(x.size());
-    cpu.convert(View{back.data(), DType::kF32}, ConstView{want.data(), dt}, int64_t(x.size()));
+    cpu.convert({View{back.data(), DType::kF32}, {int64_t(x.size())}},
+                {ConstView{want.data(), dt}, {int64_t(x.size())}});
     float* d32 = g.zeros<float>(x.size());
-    cuda.convert(View{d32, DType::kF32}, ConstView{g.put(want), dt}, int64_t(x.size()));
+    cuda.convert({View{d32, DType::kF32}, {int64_t(x.size())}}, {ConstView{g.put(want), dt}, {int64_t(x.size())}});
     check_equal(std::string("convert ") + to_string(dt) + " -> fp32", g.get(d32, x.size()), back);
   }
 }
@@ -269,14 +279,15 @@ void check_norm_rope_swiglu(Backend& cpu, Backend& cuda) {
   const FVec x = randn(size_t(rows * C), 6), w = randn(size_t(C), 7), dy = randn(size_t(rows * C), 8),
              dw0 = randn(size_t(C), 9);
   FVec y(x.size()), rstd(static_cast<size_t>(rows)), dx(x.size()), dw = dw0;
-  cpu.rmsnorm_forward(y.data(), rstd.data(), x.data(), w.data(), rows, C, 1e-6f);
-  cpu.rmsnorm_backward(dx.data(), dw.data(), dy.data(), x.data(), w.data(), rstd.data(), rows, C);
+  cpu.rmsnorm_forward({y.data(), {rows, C}}, {rstd.data(), {rows}}, {x.data(), {rows, C}}, {w.data(), {C}}, 1e-6f);
+  cpu.rmsnorm_backward({dx.data(), {rows, C}}, {dw.data(), {C}}, {dy.data(), {rows, C}}, {x.data(), {rows, C}},
+                       {w.data(), {C}}, {rstd.data(), {rows}});
   Gpu g(cuda);
   float *gy = g.zeros<float>(y.size()), *gr = g.zeros<float>(static_cast<size_t>(rows)), *gdx = g.zeros<float>(x.size()),
         *gdw = g.put(dw0);
   const float *gx = g.put(x), *gw = g.put(w);
-  cuda.rmsnorm_forward(gy, gr, gx, gw, rows, C, 1e-6f);
-  cuda.rmsnorm_backward(gdx, gdw, g.put(dy), gx, gw, gr, rows, C);
+  cuda.rmsnorm_forward({gy, {rows, C}}, {gr, {rows}}, {gx, {rows, C}}, {gw, {C}}, 1e-6f);
+  cuda.rmsnorm_backward({gdx, {rows, C}}, {gdw, {C}}, {g.put(dy), {rows, C}}, {gx, {rows, C}}, {gw, {C}}, {gr, {rows}});
   check("rmsnorm forward y", g.get(gy, y.size()), y, 1e-5);
   check("rmsnorm forward rstd", g.get(gr, size_t(rows)), rstd, 1e-5);
   check("rmsnorm backward dx", g.get(gdx, dx.size()), dx, 1e-5);
@@ -284,8 +295,8 @@ void check_norm_rope_swiglu(Backend& cpu, Backend& cuda) {
   for (DType dt : {DType::kBF16, DType::kF16}) {  // into 16 bits: the device's fp32 y rounded by its convert
     uint16_t *y16 = g.zeros<uint16_t>(y.size()), *want16 = g.zeros<uint16_t>(y.size());
     float* r16 = g.zeros<float>(size_t(rows));
-    cuda.rmsnorm_forward(View{y16, dt}, r16, gx, gw, rows, C, 1e-6f);
-    cuda.convert(View{want16, dt}, f32(gy), rows * C);
+    cuda.rmsnorm_forward({View{y16, dt}, {rows, C}}, {r16, {rows}}, {gx, {rows, C}}, {gw, {C}}, 1e-6f);
+    cuda.convert({View{want16, dt}, {rows * C}}, {f32(gy), {rows * C}});
     check_equal(std::string("rmsnorm forward into ") + to_string(dt), g.get(y16, y.size()), g.get(want16, y.size()));
     check_equal(std::string("rmsnorm forward into ") + to_string(dt) + " rstd", g.get(r16, size_t(rows)),
                 g.get(gr, size_t(rows)));
@@ -298,20 +309,24 @@ void check_norm_rope_swiglu(Backend& cpu, Backend& cuda) {
     Gpu h(cuda);
     float *go = h.zeros<float>(out.size()), *gdin = h.put(din);
     const float *gc = h.put(cs), *gs = h.put(sn);
-    cpu.rope_forward(out.data(), out_ts, dr, in.data(), in_ts, in_hs, cs.data(), sn.data(), N, S, heads, dr, il);
-    cuda.rope_forward(go, out_ts, dr, h.put(in), in_ts, in_hs, gc, gs, N, S, heads, dr, il);
+    cpu.rope_forward({out.data(), {N, heads, dr}, {out_ts, dr, 1}}, {in.data(), {N, heads, dr}, {in_ts, in_hs, 1}},
+                     {cs.data(), {S, dr / 2}}, {sn.data(), {S, dr / 2}}, il);
+    cuda.rope_forward({go, {N, heads, dr}, {out_ts, dr, 1}}, {h.put(in), {N, heads, dr}, {in_ts, in_hs, 1}},
+                      {gc, {S, dr / 2}}, {gs, {S, dr / 2}}, il);
     check(std::string("rope forward") + (il ? " interleaved" : ""), h.get(go, out.size()), out, 1e-5);
-    cpu.rope_backward(din.data(), in_ts, in_hs, out.data(), out_ts, dr, cs.data(), sn.data(), N, S, heads, dr, il,
-                      true);
-    cuda.rope_backward(gdin, in_ts, in_hs, go, out_ts, dr, gc, gs, N, S, heads, dr, il, true);
+    cpu.rope_backward({din.data(), {N, heads, dr}, {in_ts, in_hs, 1}}, {out.data(), {N, heads, dr}, {out_ts, dr, 1}},
+                      {cs.data(), {S, dr / 2}}, {sn.data(), {S, dr / 2}}, il, true);
+    cuda.rope_backward({gdin, {N, heads, dr}, {in_ts, in_hs, 1}}, {go, {N, heads, dr}, {out_ts, dr, 1}},
+                       {gc, {S, dr / 2}}, {gs, {S, dr / 2}}, il, true);
     check(std::string("rope backward (accumulated)") + (il ? " interleaved" : ""), h.get(gdin, din.size()), din,
           1e-5);
     // in_hs = 0: every head's gradient into one row per token (MLA's rope key, mla.cpp), in order
     FVec shared = randn(size_t(N * in_ts), 14);
     float* gsh = h.put(shared);
-    cpu.rope_backward(shared.data(), in_ts, 0, out.data(), out_ts, dr, cs.data(), sn.data(), N, S, heads, dr, il,
-                      true);
-    cuda.rope_backward(gsh, in_ts, 0, go, out_ts, dr, gc, gs, N, S, heads, dr, il, true);
+    cpu.rope_backward({shared.data(), {N, heads, dr}, {in_ts, 0, 1}}, {out.data(), {N, heads, dr}, {out_ts, dr, 1}},
+                      {cs.data(), {S, dr / 2}}, {sn.data(), {S, dr / 2}}, il, true);
+    cuda.rope_backward({gsh, {N, heads, dr}, {in_ts, 0, 1}}, {go, {N, heads, dr}, {out_ts, dr, 1}}, {gc, {S, dr / 2}},
+                       {gs, {S, dr / 2}}, il, true);
     check(std::string("rope backward shared row") + (il ? " interleaved" : ""),
           h.get(gsh, shared.size()), shared, 1e-5);
   }
@@ -319,25 +334,25 @@ void check_norm_rope_swiglu(Backend& cpu, Backend& cuda) {
   const int64_t T = 33, I = 70;
   const FVec GU = randn(size_t(T * 2 * I), 14, 3.0f), dM = randn(size_t(T * I), 15);
   FVec M(size_t(T * I)), dGU(GU.size());
-  cpu.swiglu_forward(M.data(), GU.data(), T, I);
-  cpu.swiglu_backward(dGU.data(), dM.data(), GU.data(), T, I);
+  cpu.swiglu_forward({M.data(), {T, I}}, {GU.data(), {T, 2 * I}});
+  cpu.swiglu_backward({dGU.data(), {T, 2 * I}}, {dM.data(), {T, I}}, {GU.data(), {T, 2 * I}});
   Gpu k(cuda);
   float *gM = k.zeros<float>(M.size()), *gdGU = k.zeros<float>(dGU.size());
   const float* gGU = k.put(GU);
-  cuda.swiglu_forward(gM, gGU, T, I);
-  cuda.swiglu_backward(gdGU, k.put(dM), gGU, T, I);
+  cuda.swiglu_forward({gM, {T, I}}, {gGU, {T, 2 * I}});
+  cuda.swiglu_backward({gdGU, {T, 2 * I}}, {k.put(dM), {T, I}}, {gGU, {T, 2 * I}});
   check("swiglu forward", k.get(gM, M.size()), M, 1e-5);
   check("swiglu backward", k.get(gdGU, dGU.size()), dGU, 1e-5);
   // Into 16 bits (the experts' activations as their GEMMs read them): the device's own fp32
   // values rounded by its convert, bit for bit.
   for (DType dt : {DType::kBF16, DType::kF16}) {
     uint16_t *g16 = k.zeros<uint16_t>(M.size()), *want16 = k.zeros<uint16_t>(M.size());
-    cuda.swiglu_forward(View{g16, dt}, gGU, T, I);
-    cuda.convert(View{want16, dt}, f32(gM), T * I);
+    cuda.swiglu_forward({View{g16, dt}, {T, I}}, {gGU, {T, 2 * I}});
+    cuda.convert({View{want16, dt}, {T * I}}, {f32(gM), {T * I}});
     check_equal(std::string("swiglu forward into ") + to_string(dt), k.get(g16, M.size()), k.get(want16, M.size()));
     uint16_t *gd16 = k.zeros<uint16_t>(dGU.size()), *wantd16 = k.zeros<uint16_t>(dGU.size());
-    cuda.swiglu_backward(View{gd16, dt}, k.put(dM), gGU, T, I);
-    cuda.convert(View{wantd16, dt}, f32(gdGU), T * 2 * I);
+    cuda.swiglu_backward({View{gd16, dt}, {T, 2 * I}}, {k.put(dM), {T, I}}, {gGU, {T, 2 * I}});
+    cuda.convert({View{wantd16, dt}, {T * 2 * I}}, {f32(gdGU), {T * 2 * I}});
     check_equal(std::string("swiglu backward into ") + to_string(dt), k.get(gd16, dGU.size()),
                 k.get(wantd16, dGU.size()));
   }
@@ -367,9 +382,12 @@ void check_attention(Backend& cpu, Backend& cuda, const char* kernel) {
       do16 = round16(dO, cpu, dt, nullptr);
     }
     AttnOut want{FVec(nv), FVec(nl), FVec(nq), FVec(nq), FVec(nv)};
-    cpu.attention_forward(want.O.data(), want.lse.data(), Qr.data(), Kr.data(), Vr.data(), B, S, nh, dqk, dv, scale);
-    cpu.attention_backward(want.dQ.data(), want.dK.data(), want.dV.data(), dO.data(), Qr.data(), Kr.data(), Vr.data(),
-                           want.O.data(), want.lse.data(), B, S, nh, dqk, dv, scale);
+    cpu.attention_forward({want.O.data(), {B, S, nh, dv}}, {want.lse.data(), {B, nh, S}}, {Qr.data(), {B, S, nh, dqk}},
+                          {Kr.data(), {B, S, nh, dqk}}, {Vr.data(), {B, S, nh, dv}}, scale);
+    cpu.attention_backward({want.dQ.data(), {B, S, nh, dqk}}, {want.dK.data(), {B, S, nh, dqk}},
+                           {want.dV.data(), {B, S, nh, dv}}, {dO.data(), {B, S, nh, dv}}, {},
+                           {Qr.data(), {B, S, nh, dqk}}, {Kr.data(), {B, S, nh, dqk}}, {Vr.data(), {B, S, nh, dv}},
+                           {want.O.data(), {B, S, nh, dv}}, {want.lse.data(), {B, nh, S}}, scale);
     Gpu g(cuda);
     float *O = g.zeros<float>(nv), *lse = g.zeros<float>(nl), *dQ = g.zeros<float>(nq), *dK = g.zeros<float>(nq),
           *dV = g.zeros<float>(nv);
@@ -379,8 +397,11 @@ void check_attention(Backend& cpu, Backend& cuda, const char* kernel) {
     else if (!cuda.low_precision_attention(dt))  // (only --against-cpu: widened, as the model does)
       q = f32(g.put(Qr)), kk = f32(g.put(Kr)), v = f32(g.put(Vr)), dol = f32(gdO);
     else q = {g.put(q16), dt}, kk = {g.put(k16), dt}, v = {g.put(v16), dt}, dol = {g.put(do16), dt};
-    cuda.attention_forward(O, lse, q, kk, v, B, S, nh, dqk, dv, scale);
-    cuda.attention_backward(dQ, dK, dV, gdO, dol, q, kk, v, O, lse, B, S, nh, dqk, dv, scale);
+    cuda.attention_forward({O, {B, S, nh, dv}}, {lse, {B, nh, S}}, {q, {B, S, nh, dqk}}, {kk, {B, S, nh, dqk}},
+                           {v, {B, S, nh, dv}}, scale);
+    cuda.attention_backward({dQ, {B, S, nh, dqk}}, {dK, {B, S, nh, dqk}}, {dV, {B, S, nh, dv}}, {gdO, {B, S, nh, dv}},
+                            {dol, {B, S, nh, dv}}, {q, {B, S, nh, dqk}}, {kk, {B, S, nh, dqk}}, {v, {B, S, nh, dv}},
+                            {O, {B, S, nh, dv}}, {lse, {B, nh, S}}, scale);
     const double tol = dt == DType::kF32 ? 1e-5 : dt == DType::kBF16 ? 2e-2 : 3e-3;
     const std::string p = std::string("attention ") + to_string(dt) + (kernel ? std::string(" ") + kernel : "") + " ";
     check(p + "O", g.get(O, nv), want.O, tol);
@@ -389,7 +410,9 @@ void check_attention(Backend& cpu, Backend& cuda, const char* kernel) {
     check(p + "dQ", dQ1, want.dQ, tol);
     check(p + "dK", dK1, want.dK, tol);
     check(p + "dV", g.get(dV, nv), want.dV, tol);
-    cuda.attention_backward(dQ, dK, dV, gdO, dol, q, kk, v, O, lse, B, S, nh, dqk, dv, scale);
+    cuda.attention_backward({dQ, {B, S, nh, dqk}}, {dK, {B, S, nh, dqk}}, {dV, {B, S, nh, dv}}, {gdO, {B, S, nh, dv}},
+                            {dol, {B, S, nh, dv}}, {q, {B, S, nh, dqk}}, {kk, {B, S, nh, dqk}}, {v, {B, S, nh, dv}},
+                            {O, {B, S, nh, dv}}, {lse, {B, nh, S}}, scale);
     check_equal(p + "backward twice: same dQ", g.get(dQ, nq), dQ1);
     check_equal(p + "backward twice: same dK", g.get(dK, nq), dK1);
   }
@@ -427,15 +450,23 @@ void check_cudnn_attention(Backend& cpu, Backend& cuda) {
             *dV = g.zeros<float>(nv);
       const float* gdOr = g.put(dOr);
       const ConstView qr = f32(g.put(Qr)), kr = f32(g.put(Kr)), vr = f32(g.put(Vr));
-      cuda.attention_forward(O, lse, qr, kr, vr, B, S, nh, dqk, dv, scale);
-      cuda.attention_backward(dQ, dK, dV, gdOr, f32(gdOr), qr, kr, vr, O, lse, B, S, nh, dqk, dv, scale);
+      cuda.attention_forward({O, {B, S, nh, dv}}, {lse, {B, nh, S}}, {qr, {B, S, nh, dqk}}, {kr, {B, S, nh, dqk}},
+                             {vr, {B, S, nh, dv}}, scale);
+      cuda.attention_backward({dQ, {B, S, nh, dqk}}, {dK, {B, S, nh, dqk}}, {dV, {B, S, nh, dv}},
+                              {gdOr, {B, S, nh, dv}}, {f32(gdOr), {B, S, nh, dv}}, {qr, {B, S, nh, dqk}},
+                              {kr, {B, S, nh, dqk}}, {vr, {B, S, nh, dv}}, {O, {B, S, nh, dv}}, {lse, {B, nh, S}},
+                              scale);
       const AttnOut want{g.get(O, nv), g.get(lse, nl), g.get(dQ, nq), g.get(dK, nq), g.get(dV, nv)};
       set_attention(cuda, "cudnn");
       const ConstView q{g.put(q16), dt}, kk{g.put(k16), dt}, v{g.put(v16), dt}, dol{g.put(do16), dt};
       const auto t0 = std::chrono::steady_clock::now();
       try {
-        cuda.attention_forward(O, lse, q, kk, v, B, S, nh, dqk, dv, scale);
-        cuda.attention_backward(dQ, dK, dV, gdOr, dol, q, kk, v, O, lse, B, S, nh, dqk, dv, scale);
+        cuda.attention_forward({O, {B, S, nh, dv}}, {lse, {B, nh, S}}, {q, {B, S, nh, dqk}}, {kk, {B, S, nh, dqk}},
+                               {v, {B, S, nh, dv}}, scale);
+        cuda.attention_backward({dQ, {B, S, nh, dqk}}, {dK, {B, S, nh, dqk}}, {dV, {B, S, nh, dv}},
+                                {gdOr, {B, S, nh, dv}}, {dol, {B, S, nh, dv}}, {q, {B, S, nh, dqk}},
+                                {kk, {B, S, nh, dqk}}, {v, {B, S, nh, dv}}, {O, {B, S, nh, dv}}, {lse, {B, nh, S}},
+                                scale);
         cuda.synchronize();
       } catch (const std::exception& e) {
         // cuDNN is optional: its absence, or its refusal of a shape (a version's known limits, no
@@ -459,7 +490,10 @@ void check_cudnn_attention(Backend& cpu, Backend& cuda) {
       check(p + "dQ", dQ1, want.dQ, tol);
       check(p + "dK", dK1, want.dK, tol);
       check(p + "dV", dV1, want.dV, tol);
-      cuda.attention_backward(dQ, dK, dV, gdOr, dol, q, kk, v, O, lse, B, S, nh, dqk, dv, scale);
+      cuda.attention_backward({dQ, {B, S, nh, dqk}}, {dK, {B, S, nh, dqk}}, {dV, {B, S, nh, dv}},
+                              {gdOr, {B, S, nh, dv}}, {dol, {B, S, nh, dv}}, {q, {B, S, nh, dqk}},
+                              {kk, {B, S, nh, dqk}}, {v, {B, S, nh, dv}}, {O, {B, S, nh, dv}}, {lse, {B, nh, S}},
+                              scale);
       check_equal(p + "backward twice: same dQ", g.get(dQ, nq), dQ1);
       check_equal(p + "backward twice: same dK", g.get(dK, nq), dK1);
       check_equal(p + "backward twice: same dV", g.get(dV, nv), dV1);
@@ -482,13 +516,17 @@ void check_router_moe(Backend& cpu, Backend& cuda) {
     const bool use_bias = p.method == TopkMethod::kNoauxTc;
     IVec idx(size_t(N * k));
     FVec w(size_t(N * k)), s(size_t(N * E)), dl(s.size());
-    cpu.router_forward(idx.data(), w.data(), s.data(), logits.data(), use_bias ? bias.data() : nullptr, N, p);
-    cpu.router_backward(dl.data(), dw.data(), extra.data(), s.data(), idx.data(), N, p);
+    cpu.router_forward({idx.data(), {N, p.top_k}}, {w.data(), {N, p.top_k}}, {s.data(), {N, p.num_experts}},
+                       {logits.data(), {N, p.num_experts}}, {use_bias ? bias.data() : nullptr, {p.num_experts}}, p);
+    cpu.router_backward({dl.data(), {N, p.num_experts}}, {dw.data(), {N, p.top_k}}, {extra.data(), {N, p.num_experts}},
+                        {s.data(), {N, p.num_experts}}, {idx.data(), {N, p.top_k}}, p);
     Gpu g(cuda);
     int32_t* gi = g.zeros<int32_t>(idx.size());
     float *gw = g.zeros<float>(w.size()), *gs = g.zeros<float>(s.size()), *gdl = g.zeros<float>(dl.size());
-    cuda.router_forward(gi, gw, gs, g.put(logits), use_bias ? g.put(bias) : nullptr, N, p);
-    cuda.router_backward(gdl, g.put(dw), g.put(extra), gs, gi, N, p);
+    cuda.router_forward({gi, {N, p.top_k}}, {gw, {N, p.top_k}}, {gs, {N, p.num_experts}},
+                        {g.put(logits), {N, p.num_experts}}, {use_bias ? g.put(bias) : nullptr, {p.num_experts}}, p);
+    cuda.router_backward({gdl, {N, p.num_experts}}, {g.put(dw), {N, p.top_k}}, {g.put(extra), {N, p.num_experts}},
+                         {gs, {N, p.num_experts}}, {gi, {N, p.top_k}}, p);
     const std::string name = use_bias ? "router sigmoid noaux_tc " : "router softmax greedy ";
     check_equal(name + "selection", g.get(gi, idx.size()), idx);
     check(name + "scores", g.get(gs, s.size()), s, 1e-5);
@@ -497,20 +535,21 @@ void check_router_moe(Backend& cpu, Backend& cuda) {
     // The dispatch plan from this selection (CUB's radix sort on the GPU), and the balance loss
     // per sequence over a token part that starts mid-sequence.
     IVec pos(idx.size()), src(idx.size()), counts(static_cast<size_t>(E));
-    cpu.moe_plan(pos.data(), src.data(), counts.data(), idx.data(), N, k, E);
+    cpu.moe_plan({pos.data(), {N, k}}, {src.data(), {N * k}}, {counts.data(), {E}}, {idx.data(), {N, k}});
     int32_t *gp = g.zeros<int32_t>(pos.size()), *gsrc = g.zeros<int32_t>(src.size()), *gc = g.zeros<int32_t>(counts.size());
-    cuda.moe_plan(gp, gsrc, gc, gi, N, k, E);
+    cuda.moe_plan({gp, {N, k}}, {gsrc, {N * k}}, {gc, {E}}, {gi, {N, k}});
     check_equal(name + "moe_plan pos", g.get(gp, pos.size()), pos);
     check_equal(name + "moe_plan src", g.get(gsrc, src.size()), src);
     check_equal(name + "moe_plan counts", g.get(gc, counts.size()), counts);
     Backend::BalanceShape b;
     b.n = N, b.k = k, b.E = E, b.first = 70, b.group_len = 128, b.groups = 3, b.T = 128;
     FVec stats(size_t(2 * b.groups * E)), ds(s.size()), aux{0.5f};
-    cpu.moe_balance_stats(stats.data(), idx.data(), s.data(), b);
-    cpu.moe_balance_grad(ds.data(), aux.data(), stats.data(), s.data(), b, 0.01, 4.0);
+    cpu.moe_balance_stats({stats.data(), {2, b.groups, b.E}}, {idx.data(), {b.n, b.k}}, {s.data(), {b.n, b.E}}, b);
+    cpu.moe_balance_grad({ds.data(), {b.n, b.E}}, {aux.data(), {1}}, {stats.data(), {2, b.groups, b.E}},
+                         {s.data(), {b.n, b.E}}, b, 0.01, 4.0);
     float *gst = g.zeros<float>(stats.size()), *gds = g.zeros<float>(ds.size()), *gaux = g.put(FVec{0.5f});
-    cuda.moe_balance_stats(gst, gi, gs, b);
-    cuda.moe_balance_grad(gds, gaux, gst, gs, b, 0.01, 4.0);
+    cuda.moe_balance_stats({gst, {2, b.groups, b.E}}, {gi, {b.n, b.k}}, {gs, {b.n, b.E}}, b);
+    cuda.moe_balance_grad({gds, {b.n, b.E}}, {gaux, {1}}, {gst, {2, b.groups, b.E}}, {gs, {b.n, b.E}}, b, 0.01, 4.0);
     check(name + "balance statistics", g.get(gst, stats.size()), stats, 1e-6);
     check(name + "balance loss (accumulated)", g.get(gaux, 1), aux, 1e-6);
     check(name + "balance score gradient", g.get(gds, ds.size()), ds, 1e-5);
@@ -525,25 +564,27 @@ void check_router_moe(Backend& cpu, Backend& cuda) {
   const FVec x = randn(size_t(T * H), 25), Y = randn(size_t(rows * H), 26), w = randn(size_t(rows), 27),
              out0 = randn(size_t(T * H), 28), dout = randn(size_t(T * H), 29), dXp = randn(size_t(rows * H), 30);
   FVec Xp(size_t(rows * H)), out = out0, dY(size_t(rows * H)), dw(static_cast<size_t>(rows)), dx = out0;
-  cpu.gather_rows(Xp.data(), x.data(), src.data(), rows, H);
-  cpu.moe_combine(out.data(), Y.data(), w.data(), pos.data(), T, k, H);
-  cpu.moe_combine_backward(dY.data(), dw.data(), dout.data(), Y.data(), w.data(), pos.data(), T, k, H);
-  cpu.moe_dispatch_backward(dx.data(), dXp.data(), pos.data(), T, k, H);
+  cpu.gather_rows({Xp.data(), {rows, H}}, {x.data(), {T, H}}, {src.data(), {rows}});
+  cpu.moe_combine({out.data(), {T, H}}, {Y.data(), {T * k, H}}, {w.data(), {T, k}}, {pos.data(), {T, k}});
+  cpu.moe_combine_backward({dY.data(), {T * k, H}}, {dw.data(), {T, k}}, {dout.data(), {T, H}}, {Y.data(), {T * k, H}},
+                           {w.data(), {T, k}}, {pos.data(), {T, k}});
+  cpu.moe_dispatch_backward({dx.data(), {T, H}}, {dXp.data(), {T * k, H}}, {pos.data(), {T, k}});
   Gpu g(cuda);
   const int32_t* gpos = g.put(pos);
   const float *gY = g.put(Y), *gw = g.put(w);
   float *gXp = g.zeros<float>(Xp.size()), *gout = g.put(out0), *gdY = g.zeros<float>(dY.size()),
         *gdw = g.zeros<float>(dw.size()), *gdx = g.put(out0);
-  cuda.gather_rows(gXp, g.put(x), g.put(src), rows, H);
-  cuda.moe_combine(gout, gY, gw, gpos, T, k, H);
-  cuda.moe_combine_backward(gdY, gdw, g.put(dout), gY, gw, gpos, T, k, H);
-  cuda.moe_dispatch_backward(gdx, g.put(dXp), gpos, T, k, H);
+  cuda.gather_rows({gXp, {rows, H}}, {g.put(x), {T, H}}, {g.put(src), {rows}});
+  cuda.moe_combine({gout, {T, H}}, {gY, {T * k, H}}, {gw, {T, k}}, {gpos, {T, k}});
+  cuda.moe_combine_backward({gdY, {T * k, H}}, {gdw, {T, k}}, {g.put(dout), {T, H}}, {gY, {T * k, H}}, {gw, {T, k}},
+                            {gpos, {T, k}});
+  cuda.moe_dispatch_backward({gdx, {T, H}}, {g.put(dXp), {T * k, H}}, {gpos, {T, k}});
   check("gather_rows (dispatch)", g.get(gXp, Xp.size()), Xp, 0);
   for (DType dt : {DType::kBF16, DType::kF16}) {  // into 16 bits: the CPU's convert of the rows, bit for bit
     std::vector<uint16_t> want(Xp.size());
-    cpu.convert(View{want.data(), dt}, f32(Xp.data()), int64_t(Xp.size()));
+    cpu.convert({View{want.data(), dt}, {int64_t(Xp.size())}}, {f32(Xp.data()), {int64_t(Xp.size())}});
     uint16_t* g16 = g.zeros<uint16_t>(Xp.size());
-    cuda.gather_rows(View{g16, dt}, g.put(x), g.put(src), rows, H);
+    cuda.gather_rows({View{g16, dt}, {rows, H}}, {g.put(x), {T, H}}, {g.put(src), {rows}});
     check_equal(std::string("gather_rows into ") + to_string(dt), g.get(g16, Xp.size()), want);
   }
   check("moe_combine (accumulated)", g.get(gout, out.size()), out, 1e-5);
@@ -554,8 +595,9 @@ void check_router_moe(Backend& cpu, Backend& cuda) {
   for (DType dt : {DType::kBF16, DType::kF16}) {
     uint16_t *g16 = g.zeros<uint16_t>(dY.size()), *want16 = g.zeros<uint16_t>(dY.size());
     float* gdw16 = g.zeros<float>(dw.size());
-    cuda.moe_combine_backward(View{g16, dt}, gdw16, g.put(dout), gY, gw, gpos, T, k, H);
-    cuda.convert(View{want16, dt}, f32(gdY), int64_t(dY.size()));
+    cuda.moe_combine_backward({View{g16, dt}, {T * k, H}}, {gdw16, {T, k}}, {g.put(dout), {T, H}}, {gY, {T * k, H}},
+                              {gw, {T, k}}, {gpos, {T, k}});
+    cuda.convert({View{want16, dt}, {int64_t(dY.size())}}, {f32(gdY), {int64_t(dY.size())}});
     check_equal(std::string("moe_combine_backward dY into ") + to_string(dt), g.get(g16, dY.size()),
                 g.get(want16, dY.size()));
     check_equal(std::string("moe_combine_backward dw with a 16-bit dY, ") + to_string(dt), g.get(gdw16, dw.size()),
@@ -570,10 +612,10 @@ void check_loss_embedding_optimizer(Backend& cpu, Backend& cuda) {
   for (int64_t r = 0; r < rows; ++r) target[size_t(r)] = r % 7 == 3 ? -100 : int32_t((r * 37) % V);
   {
     FVec l = logits, loss(static_cast<size_t>(rows));
-    cpu.cross_entropy(loss.data(), l.data(), target.data(), rows, V, 0.125f);
+    cpu.cross_entropy({loss.data(), {rows}}, {l.data(), {rows, V}}, {target.data(), {rows}}, 0.125f);
     Gpu g(cuda);
     float *gl = g.put(logits), *gloss = g.zeros<float>(static_cast<size_t>(rows));
-    cuda.cross_entropy(gloss, gl, g.put(target), rows, V, 0.125f);
+    cuda.cross_entropy({gloss, {rows}}, {gl, {rows, V}}, {g.put(target), {rows}}, 0.125f);
     check("cross_entropy loss (ignored rows)", g.get(gloss, loss.size()), loss, 1e-5);
     check("cross_entropy gradient", g.get(gl, l.size()), l, 1e-5);
   }
@@ -583,16 +625,19 @@ void check_loss_embedding_optimizer(Backend& cpu, Backend& cuda) {
     for (int64_t r = 0; r < rows; ++r)
       std::copy(logits.begin() + r * V + v0, logits.begin() + r * V + v0 + Vs, shard.begin() + r * Vs);
     FVec mx(static_cast<size_t>(rows)), sums(size_t(2 * rows)), loss(static_cast<size_t>(rows)), l = shard;
-    cpu.cross_entropy_row_max(mx.data(), shard.data(), rows, Vs);
-    cpu.cross_entropy_row_sums(sums.data(), shard.data(), mx.data(), target.data(), v0, rows, Vs);
-    cpu.cross_entropy_finish(loss.data(), l.data(), mx.data(), sums.data(), target.data(), v0, rows, Vs, 0.5f);
+    cpu.cross_entropy_row_max({mx.data(), {rows}}, {shard.data(), {rows, Vs}});
+    cpu.cross_entropy_row_sums({sums.data(), {rows, 2}}, {shard.data(), {rows, Vs}}, {mx.data(), {rows}},
+                               {target.data(), {rows}}, v0);
+    cpu.cross_entropy_finish({loss.data(), {rows}}, {l.data(), {rows, Vs}}, {mx.data(), {rows}},
+                             {sums.data(), {rows, 2}}, {target.data(), {rows}}, v0, 0.5f);
     Gpu g(cuda);
     float *gl = g.put(shard), *gmx = g.zeros<float>(mx.size()), *gsums = g.zeros<float>(sums.size()),
           *gloss = g.zeros<float>(loss.size());
     const int32_t* gt = g.put(target);
-    cuda.cross_entropy_row_max(gmx, gl, rows, Vs);
-    cuda.cross_entropy_row_sums(gsums, gl, gmx, gt, v0, rows, Vs);
-    cuda.cross_entropy_finish(gloss, gl, gmx, gsums, gt, v0, rows, Vs, 0.5f);
+    cuda.cross_entropy_row_max({gmx, {rows}}, {gl, {rows, Vs}});
+    cuda.cross_entropy_row_sums({gsums, {rows, 2}}, {gl, {rows, Vs}}, {gmx, {rows}}, {gt, {rows}}, v0);
+    cuda.cross_entropy_finish({gloss, {rows}}, {gl, {rows, Vs}}, {gmx, {rows}}, {gsums, {rows, 2}}, {gt, {rows}}, v0,
+                              0.5f);
     check("vocab-parallel cross_entropy row max", g.get(gmx, mx.size()), mx, 1e-6);
     check("vocab-parallel cross_entropy row sums", g.get(gsums, sums.size()), sums, 1e-5);
     check("vocab-parallel cross_entropy loss", g.get(gloss, loss.size()), loss, 1e-5);
@@ -604,13 +649,13 @@ void check_loss_embedding_optimizer(Backend& cpu, Backend& cuda) {
     IVec ids(static_cast<size_t>(N));
     for (int64_t t = 0; t < N; ++t) ids[size_t(t)] = t % 9 == 4 ? -1 : int32_t((t * 7) % 5);
     FVec out(size_t(N * H)), dtable = dt0;
-    cpu.embedding_forward(out.data(), kernels::f32(table.data()), ids.data(), N, H);
-    cpu.embedding_backward(dtable.data(), dout.data(), ids.data(), N, H, Vt);
+    cpu.embedding_forward({out.data(), {N, H}}, {kernels::f32(table.data()), {Vt, H}}, {ids.data(), {N}});
+    cpu.embedding_backward({dtable.data(), {Vt, H}}, {dout.data(), {N, H}}, {ids.data(), {N}});
     Gpu g(cuda);
     const int32_t* gids = g.put(ids);
     float *gout = g.zeros<float>(out.size()), *gdt = g.put(dt0);
-    cuda.embedding_forward(gout, kernels::f32(g.put(table)), gids, N, H);
-    cuda.embedding_backward(gdt, g.put(dout), gids, N, H, Vt);
+    cuda.embedding_forward({gout, {N, H}}, {kernels::f32(g.put(table)), {Vt, H}}, {gids, {N}});
+    cuda.embedding_backward({gdt, {Vt, H}}, {g.put(dout), {N, H}}, {gids, {N}});
     check("embedding forward (foreign ids zero)", g.get(gout, out.size()), out, 0);
     check_equal("embedding backward (repeated ids, in token order)", g.get(gdt, dtable.size()), dtable);
   }
@@ -622,28 +667,28 @@ void check_loss_embedding_optimizer(Backend& cpu, Backend& cuda) {
     float *gp = g.put(p), *gm = g.put(m), *gv = g.put(v);
     AdamWParams a;
     a.lr = 3e-4f, a.weight_decay = 0.1f, a.step = 5, a.grad_scale = 0.7f;
-    cpu.adamw(p.data(), gr.data(), m.data(), v.data(), n, a);
-    cuda.adamw(gp, g.put(gr), gm, gv, n, a);
+    cpu.adamw({p.data(), {n}}, {gr.data(), {n}}, {m.data(), {n}}, {v.data(), {n}}, a);
+    cuda.adamw({gp, {n}}, {g.put(gr), {n}}, {gm, {n}}, {gv, {n}}, a);
     check("adamw param", g.get(gp, p.size()), p, 1e-6);
     check("adamw m", g.get(gm, m.size()), m, 1e-6);
     check("adamw v", g.get(gv, v.size()), v, 1e-6);
     FVec y = randn(size_t(n), 39), x = randn(size_t(n), 40);
     float* gy = g.put(y);
-    cpu.add(y.data(), x.data(), n);
-    cuda.add(gy, g.put(x), n);
+    cpu.add({y.data(), {n}}, {x.data(), {n}});
+    cuda.add({gy, {n}}, {g.put(x), {n}});
     check("add", g.get(gy, y.size()), y, 0);
-    cpu.fill(y.data(), 0.25f, 77);
-    cuda.fill(gy, 0.25f, 77);
+    cpu.fill({y.data(), {77}}, 0.25f);
+    cuda.fill({gy, {77}}, 0.25f);
     check("fill", g.get(gy, y.size()), y, 0);
     const int64_t r = 13, c = 21, ds = 40, ss = 33;
     FVec dst = randn(size_t(r * ds), 41), src = randn(size_t(r * ss), 42), dst2 = dst;
     float *gd = g.put(dst), *gd2 = g.put(dst2);
     const float* gsrc = g.put(src);
-    cpu.copy_strided(dst.data(), ds, src.data(), ss, r, c);
-    cuda.copy_strided(gd, ds, gsrc, ss, r, c);
+    cpu.copy_strided({dst.data(), {r, c}, {ds, 1}}, {src.data(), {r, c}, {ss, 1}});
+    cuda.copy_strided({gd, {r, c}, {ds, 1}}, {gsrc, {r, c}, {ss, 1}});
     check("copy_strided", g.get(gd, dst.size()), dst, 0);
-    cpu.add_strided(dst2.data(), ds, src.data(), ss, r, c);
-    cuda.add_strided(gd2, ds, gsrc, ss, r, c);
+    cpu.add_strided({dst2.data(), {r, c}, {ds, 1}}, {src.data(), {r, c}, {ss, 1}});
+    cuda.add_strided({gd2, {r, c}, {ds, 1}}, {gsrc, {r, c}, {ss, 1}});
     check("add_strided", g.get(gd2, dst2.size()), dst2, 0);
     float* gc = g.zeros<float>(src.size());
     cuda.copy(gc, gsrc, int64_t(src.size() * sizeof(float)));
@@ -651,16 +696,16 @@ void check_loss_embedding_optimizer(Backend& cpu, Backend& cuda) {
     // The gradient norm's pass: double sums, accumulated, an inf poisons it.
     std::vector<double> want(3), gotd(3);
     double* gs = g.zeros<double>(3);
-    cpu.sum_squares(&want[0], x.data(), n, false);
-    cpu.sum_squares(&want[0], y.data(), n, true);
-    cuda.sum_squares(gs, g.put(x), n, false);
-    cuda.sum_squares(gs, gy, n, true);
+    cpu.sum_squares({&want[0], {1}}, {x.data(), {n}}, false);
+    cpu.sum_squares({&want[0], {1}}, {y.data(), {n}}, true);
+    cuda.sum_squares({gs, {1}}, {g.put(x), {n}}, false);
+    cuda.sum_squares({gs, {1}}, {gy, {n}}, true);
     FVec inf = x;
     inf[n / 2] = INFINITY;
-    cpu.sum_squares(&want[1], inf.data(), n, false);
-    cuda.sum_squares(gs + 1, g.put(inf), n, false);
-    cpu.sum_squares(&want[2], x.data() + 1, n - 1, false);  // not 16-byte aligned: the kernel's scalar path
-    cuda.sum_squares(gs + 2, g.put(x) + 1, n - 1, false);
+    cpu.sum_squares({&want[1], {1}}, {inf.data(), {n}}, false);
+    cuda.sum_squares({gs + 1, {1}}, {g.put(inf), {n}}, false);
+    cpu.sum_squares({&want[2], {1}}, {x.data() + 1, {n - 1}}, false);  // not 16-byte aligned: the kernel's scalar path
+    cuda.sum_squares({gs + 2, {1}}, {g.put(x) + 1, {n - 1}}, false);
     gotd = g.get(gs, 3);
     const bool ok = std::fabs(gotd[0] - want[0]) <= 1e-12 * want[0] && std::isinf(gotd[1]) && std::isinf(want[1]) &&
                     std::fabs(gotd[2] - want[2]) <= 1e-12 * want[2];
@@ -702,14 +747,15 @@ void check_preset_ops(Backend& cpu, Backend& cuda, const PresetShape& P) {
     if (C == 0) continue;
     const FVec x = randn(size_t(T * C), ++seed), w = randn(size_t(C), ++seed), dy = randn(size_t(T * C), ++seed);
     FVec y(x.size()), rstd(static_cast<size_t>(T)), dx(x.size()), dw(static_cast<size_t>(C));
-    cpu.rmsnorm_forward(y.data(), rstd.data(), x.data(), w.data(), T, C, 1e-6f);
-    cpu.rmsnorm_backward(dx.data(), dw.data(), dy.data(), x.data(), w.data(), rstd.data(), T, C);
+    cpu.rmsnorm_forward({y.data(), {T, C}}, {rstd.data(), {T}}, {x.data(), {T, C}}, {w.data(), {C}}, 1e-6f);
+    cpu.rmsnorm_backward({dx.data(), {T, C}}, {dw.data(), {C}}, {dy.data(), {T, C}}, {x.data(), {T, C}},
+                         {w.data(), {C}}, {rstd.data(), {T}});
     Gpu g(cuda);
     float *gy = g.zeros<float>(y.size()), *gr = g.zeros<float>(size_t(T)), *gdx = g.zeros<float>(x.size()),
           *gdw = g.zeros<float>(size_t(C));
     const float *gx = g.put(x), *gw = g.put(w);
-    cuda.rmsnorm_forward(gy, gr, gx, gw, T, C, 1e-6f);
-    cuda.rmsnorm_backward(gdx, gdw, g.put(dy), gx, gw, gr, T, C);
+    cuda.rmsnorm_forward({gy, {T, C}}, {gr, {T}}, {gx, {T, C}}, {gw, {C}}, 1e-6f);
+    cuda.rmsnorm_backward({gdx, {T, C}}, {gdw, {C}}, {g.put(dy), {T, C}}, {gx, {T, C}}, {gw, {C}}, {gr, {T}});
     const std::string n = pre + "rmsnorm C " + std::to_string(C);
     check(n + " y", g.get(gy, y.size()), y, 1e-5);
     check(n + " dx", g.get(gdx, dx.size()), dx, 1e-5);
@@ -719,13 +765,13 @@ void check_preset_ops(Backend& cpu, Backend& cuda, const PresetShape& P) {
   for (const int64_t I : {P.I_moe, P.I}) {
     const FVec GU = randn(size_t(T * 2 * I), ++seed, 3.0f), dM = randn(size_t(T * I), ++seed);
     FVec M(size_t(T * I)), dGU(GU.size());
-    cpu.swiglu_forward(M.data(), GU.data(), T, I);
-    cpu.swiglu_backward(dGU.data(), dM.data(), GU.data(), T, I);
+    cpu.swiglu_forward({M.data(), {T, I}}, {GU.data(), {T, 2 * I}});
+    cpu.swiglu_backward({dGU.data(), {T, 2 * I}}, {dM.data(), {T, I}}, {GU.data(), {T, 2 * I}});
     Gpu g(cuda);
     float *gM = g.zeros<float>(M.size()), *gd = g.zeros<float>(dGU.size());
     const float* gGU = g.put(GU);
-    cuda.swiglu_forward(gM, gGU, T, I);
-    cuda.swiglu_backward(gd, g.put(dM), gGU, T, I);
+    cuda.swiglu_forward({gM, {T, I}}, {gGU, {T, 2 * I}});
+    cuda.swiglu_backward({gd, {T, 2 * I}}, {g.put(dM), {T, I}}, {gGU, {T, 2 * I}});
     check(pre + "swiglu I " + std::to_string(I) + " forward", g.get(gM, M.size()), M, 1e-5);
     check(pre + "swiglu I " + std::to_string(I) + " backward", g.get(gd, dGU.size()), dGU, 1e-5);
   }
@@ -735,13 +781,17 @@ void check_preset_ops(Backend& cpu, Backend& cuda, const PresetShape& P) {
     const FVec in = randn(size_t(T * ts), ++seed), cs = randn(size_t(T * P.dr / 2), ++seed),
                sn = randn(size_t(T * P.dr / 2), ++seed);
     FVec out(size_t(T * ts)), din(size_t(T * ts));
-    cpu.rope_forward(out.data(), ts, dqk, in.data() + P.dn, ts, dqk, cs.data(), sn.data(), T, T, P.nh, P.dr, false);
-    cpu.rope_backward(din.data(), ts, dqk, out.data(), ts, dqk, cs.data(), sn.data(), T, T, P.nh, P.dr, false, false);
+    cpu.rope_forward({out.data(), {T, P.nh, P.dr}, {ts, dqk, 1}}, {in.data() + P.dn, {T, P.nh, P.dr}, {ts, dqk, 1}},
+                     {cs.data(), {T, P.dr / 2}}, {sn.data(), {T, P.dr / 2}}, false);
+    cpu.rope_backward({din.data(), {T, P.nh, P.dr}, {ts, dqk, 1}}, {out.data(), {T, P.nh, P.dr}, {ts, dqk, 1}},
+                      {cs.data(), {T, P.dr / 2}}, {sn.data(), {T, P.dr / 2}}, false, false);
     Gpu g(cuda);
     float *go = g.zeros<float>(out.size()), *gdin = g.zeros<float>(din.size());
     const float *gc = g.put(cs), *gs = g.put(sn);
-    cuda.rope_forward(go, ts, dqk, g.put(in) + P.dn, ts, dqk, gc, gs, T, T, P.nh, P.dr, false);
-    cuda.rope_backward(gdin, ts, dqk, go, ts, dqk, gc, gs, T, T, P.nh, P.dr, false, false);
+    cuda.rope_forward({go, {T, P.nh, P.dr}, {ts, dqk, 1}}, {g.put(in) + P.dn, {T, P.nh, P.dr}, {ts, dqk, 1}},
+                      {gc, {T, P.dr / 2}}, {gs, {T, P.dr / 2}}, false);
+    cuda.rope_backward({gdin, {T, P.nh, P.dr}, {ts, dqk, 1}}, {go, {T, P.nh, P.dr}, {ts, dqk, 1}}, {gc, {T, P.dr / 2}},
+                       {gs, {T, P.dr / 2}}, false, false);
     check(pre + "rope " + std::to_string(P.nh) + " heads of " + std::to_string(P.dr) + " forward", g.get(go, out.size()),
           out, 1e-5);
     check(pre + "rope backward", g.get(gdin, din.size()), din, 1e-5);
@@ -760,16 +810,20 @@ void check_preset_ops(Backend& cpu, Backend& cuda, const PresetShape& P) {
     const float* bh = P.v2 ? nullptr : bias.data();
     IVec idx(static_cast<size_t>(T * k)), pos(idx.size()), src(idx.size()), counts(static_cast<size_t>(E));
     FVec w(size_t(T * k)), sc(size_t(T * E)), dl(sc.size());
-    cpu.router_forward(idx.data(), w.data(), sc.data(), logits.data(), bh, T, p);
-    cpu.router_backward(dl.data(), dw.data(), extra.data(), sc.data(), idx.data(), T, p);
-    cpu.moe_plan(pos.data(), src.data(), counts.data(), idx.data(), T, k, E);
+    cpu.router_forward({idx.data(), {T, p.top_k}}, {w.data(), {T, p.top_k}}, {sc.data(), {T, p.num_experts}},
+                       {logits.data(), {T, p.num_experts}}, {bh, {p.num_experts}}, p);
+    cpu.router_backward({dl.data(), {T, p.num_experts}}, {dw.data(), {T, p.top_k}}, {extra.data(), {T, p.num_experts}},
+                        {sc.data(), {T, p.num_experts}}, {idx.data(), {T, p.top_k}}, p);
+    cpu.moe_plan({pos.data(), {T, k}}, {src.data(), {T * k}}, {counts.data(), {E}}, {idx.data(), {T, k}});
     Gpu g(cuda);
     int32_t *gi = g.zeros<int32_t>(idx.size()), *gp = g.zeros<int32_t>(pos.size()),
             *gsrc = g.zeros<int32_t>(src.size()), *gcnt = g.zeros<int32_t>(counts.size());
     float *gw = g.zeros<float>(w.size()), *gsc = g.zeros<float>(sc.size()), *gdl = g.zeros<float>(dl.size());
-    cuda.router_forward(gi, gw, gsc, g.put(logits), P.v2 ? nullptr : g.put(bias), T, p);
-    cuda.router_backward(gdl, g.put(dw), g.put(extra), gsc, gi, T, p);
-    cuda.moe_plan(gp, gsrc, gcnt, gi, T, k, E);
+    cuda.router_forward({gi, {T, p.top_k}}, {gw, {T, p.top_k}}, {gsc, {T, p.num_experts}},
+                        {g.put(logits), {T, p.num_experts}}, {P.v2 ? nullptr : g.put(bias), {p.num_experts}}, p);
+    cuda.router_backward({gdl, {T, p.num_experts}}, {g.put(dw), {T, p.top_k}}, {g.put(extra), {T, p.num_experts}},
+                         {gsc, {T, p.num_experts}}, {gi, {T, p.top_k}}, p);
+    cuda.moe_plan({gp, {T, k}}, {gsrc, {T * k}}, {gcnt, {E}}, {gi, {T, k}});
     const std::string n = pre + "router E " + std::to_string(E) + " k " + std::to_string(k);
     check_equal(n + " selection", g.get(gi, idx.size()), idx);
     check(n + " weights", g.get(gw, w.size()), w, 1e-5);
@@ -784,10 +838,10 @@ void check_preset_ops(Backend& cpu, Backend& cuda, const PresetShape& P) {
     IVec target(static_cast<size_t>(rows));
     for (int64_t r = 0; r < rows; ++r) target[size_t(r)] = r == 3 ? -100 : int32_t((r * 7919) % P.V);
     FVec l = logits, loss(static_cast<size_t>(rows));
-    cpu.cross_entropy(loss.data(), l.data(), target.data(), rows, P.V, 0.125f);
+    cpu.cross_entropy({loss.data(), {rows}}, {l.data(), {rows, P.V}}, {target.data(), {rows}}, 0.125f);
     Gpu g(cuda);
     float *gl = g.put(logits), *gloss = g.zeros<float>(size_t(rows));
-    cuda.cross_entropy(gloss, gl, g.put(target), rows, P.V, 0.125f);
+    cuda.cross_entropy({gloss, {rows}}, {gl, {rows, P.V}}, {g.put(target), {rows}}, 0.125f);
     check(pre + "cross_entropy V " + std::to_string(P.V) + " loss", g.get(gloss, loss.size()), loss, 1e-5);
     check(pre + "cross_entropy gradient", g.get(gl, l.size()), l, 1e-5);
   }
@@ -805,12 +859,14 @@ void check_preset_ops(Backend& cpu, Backend& cuda, const PresetShape& P) {
         Gpu g(cuda);
         float* C = g.zeros<float>(want.size());
         if (dt == DType::kF32) {
-          cpu.gemm(want.data(), A.data(), B.data(), M, N, K, false, true, 1.0f, 0.0f);
-          cuda.gemm(C, g.put(A), g.put(B), M, N, K, false, true, 1.0f, 0.0f);
+          cpu.gemm({want.data(), {M, N}}, {A.data(), {M, K}}, {B.data(), {N, K}}, false, true, 1.0f, 0.0f);
+          cuda.gemm({C, {M, N}}, {g.put(A), {M, K}}, {g.put(B), {N, K}}, false, true, 1.0f, 0.0f);
         } else {
           const auto a16 = round16(A, cpu, dt, nullptr), b16 = round16(B, cpu, dt, nullptr);
-          cpu.gemm(want.data(), ConstView{a16.data(), dt}, ConstView{b16.data(), dt}, M, N, K, false, true, 1.0f, 0.0f);
-          cuda.gemm(C, ConstView{g.put(a16), dt}, ConstView{g.put(b16), dt}, M, N, K, false, true, 1.0f, 0.0f);
+          cpu.gemm({want.data(), {M, N}}, {ConstView{a16.data(), dt}, {M, K}}, {ConstView{b16.data(), dt}, {N, K}},
+                   false, true, 1.0f, 0.0f);
+          cuda.gemm({C, {M, N}}, {ConstView{g.put(a16), dt}, {M, K}}, {ConstView{g.put(b16), dt}, {N, K}}, false, true,
+                    1.0f, 0.0f);
         }
         check(pre + "gemm " + to_string(dt) + " " + std::to_string(M) + "x" + std::to_string(N) + "x" +
                   std::to_string(K),
@@ -835,10 +891,8 @@ void check_preset_ops(Backend& cpu, Backend& cuda, const PresetShape& P) {
       Ah.push_back(As[size_t(e)].data()), Bh.push_back(Bs[size_t(e)].data());
       Ad.push_back(g.put(As[size_t(e)])), Bd.push_back(g.put(Bs[size_t(e)]));
     }
-    cpu.gemm_grouped(Ch.data(), Ah.data(), Bh.data(), DType::kF32, Ms.data(), Ns.data(), Ks.data(), n, false, true, 1.0f,
-                     0.0f);
-    cuda.gemm_grouped(Cd.data(), Ad.data(), Bd.data(), DType::kF32, Ms.data(), Ns.data(), Ks.data(), n, false, true,
-                      1.0f, 0.0f);
+    cpu.gemm_grouped(gemm_problems(Ch.data(), Ah.data(), Bh.data(), DType::kF32, Ms.data(), Ns.data(), Ks.data(), n, false, true), false, true, 1.0f, 0.0f);
+    cuda.gemm_grouped(gemm_problems(Cd.data(), Ad.data(), Bd.data(), DType::kF32, Ms.data(), Ns.data(), Ks.data(), n, false, true), false, true, 1.0f, 0.0f);
     FVec got, want;
     for (int64_t e = 0; e < n; ++e) {
       const FVec part = g.get(Cd[size_t(e)], wants[size_t(e)].size());
@@ -866,13 +920,19 @@ void check_preset_attention(Backend& cpu, Backend& cuda, const PresetShape& P) {
         *dV = g.zeros<float>(nv);
   if (S <= 256) {  // fp32 (the rows kernels) against the CPU
     AttnOut want{FVec(nv), FVec(nl), FVec(nq), FVec(nq), FVec(nv)};
-    cpu.attention_forward(want.O.data(), want.lse.data(), Q.data(), K.data(), V.data(), B, S, nh, dqk, dv, scale);
-    cpu.attention_backward(want.dQ.data(), want.dK.data(), want.dV.data(), dO.data(), Q.data(), K.data(), V.data(),
-                           want.O.data(), want.lse.data(), B, S, nh, dqk, dv, scale);
+    cpu.attention_forward({want.O.data(), {B, S, nh, dv}}, {want.lse.data(), {B, nh, S}}, {Q.data(), {B, S, nh, dqk}},
+                          {K.data(), {B, S, nh, dqk}}, {V.data(), {B, S, nh, dv}}, scale);
+    cpu.attention_backward({want.dQ.data(), {B, S, nh, dqk}}, {want.dK.data(), {B, S, nh, dqk}},
+                           {want.dV.data(), {B, S, nh, dv}}, {dO.data(), {B, S, nh, dv}}, {},
+                           {Q.data(), {B, S, nh, dqk}}, {K.data(), {B, S, nh, dqk}}, {V.data(), {B, S, nh, dv}},
+                           {want.O.data(), {B, S, nh, dv}}, {want.lse.data(), {B, nh, S}}, scale);
     const float* gdO = g.put(dO);
     const ConstView q = f32(g.put(Q)), kk = f32(g.put(K)), v = f32(g.put(V));
-    cuda.attention_forward(O, lse, q, kk, v, B, S, nh, dqk, dv, scale);
-    cuda.attention_backward(dQ, dK, dV, gdO, f32(gdO), q, kk, v, O, lse, B, S, nh, dqk, dv, scale);
+    cuda.attention_forward({O, {B, S, nh, dv}}, {lse, {B, nh, S}}, {q, {B, S, nh, dqk}}, {kk, {B, S, nh, dqk}},
+                           {v, {B, S, nh, dv}}, scale);
+    cuda.attention_backward({dQ, {B, S, nh, dqk}}, {dK, {B, S, nh, dqk}}, {dV, {B, S, nh, dv}}, {gdO, {B, S, nh, dv}},
+                            {f32(gdO), {B, S, nh, dv}}, {q, {B, S, nh, dqk}}, {kk, {B, S, nh, dqk}},
+                            {v, {B, S, nh, dv}}, {O, {B, S, nh, dv}}, {lse, {B, nh, S}}, scale);
     const std::string p = std::string(shape) + " fp32 ";
     check(p + "O", g.get(O, nv), want.O, 1e-5);
     check(p + "dQ", g.get(dQ, nq), want.dQ, 1e-5);
@@ -888,14 +948,21 @@ void check_preset_attention(Backend& cpu, Backend& cuda, const PresetShape& P) {
     set_attention(cuda, "rows");
     const float* gdOr = g.put(dOr);
     const ConstView qr = f32(g.put(Qr)), kr = f32(g.put(Kr)), vr = f32(g.put(Vr));
-    cuda.attention_forward(O, lse, qr, kr, vr, B, S, nh, dqk, dv, scale);
-    cuda.attention_backward(dQ, dK, dV, gdOr, f32(gdOr), qr, kr, vr, O, lse, B, S, nh, dqk, dv, scale);
+    cuda.attention_forward({O, {B, S, nh, dv}}, {lse, {B, nh, S}}, {qr, {B, S, nh, dqk}}, {kr, {B, S, nh, dqk}},
+                           {vr, {B, S, nh, dv}}, scale);
+    cuda.attention_backward({dQ, {B, S, nh, dqk}}, {dK, {B, S, nh, dqk}}, {dV, {B, S, nh, dv}}, {gdOr, {B, S, nh, dv}},
+                            {f32(gdOr), {B, S, nh, dv}}, {qr, {B, S, nh, dqk}}, {kr, {B, S, nh, dqk}},
+                            {vr, {B, S, nh, dv}}, {O, {B, S, nh, dv}}, {lse, {B, nh, S}}, scale);
     const AttnOut want{g.get(O, nv), g.get(lse, nl), g.get(dQ, nq), g.get(dK, nq), g.get(dV, nv)};
     const ConstView q{g.put(q16), dt}, kk{g.put(k16), dt}, v{g.put(v16), dt}, dol{g.put(do16), dt};
     for (const char* kernel : {"tiled", "rows"}) {
       set_attention(cuda, kernel);
-      cuda.attention_forward(O, lse, q, kk, v, B, S, nh, dqk, dv, scale);
-      cuda.attention_backward(dQ, dK, dV, gdOr, dol, q, kk, v, O, lse, B, S, nh, dqk, dv, scale);
+      cuda.attention_forward({O, {B, S, nh, dv}}, {lse, {B, nh, S}}, {q, {B, S, nh, dqk}}, {kk, {B, S, nh, dqk}},
+                             {v, {B, S, nh, dv}}, scale);
+      cuda.attention_backward({dQ, {B, S, nh, dqk}}, {dK, {B, S, nh, dqk}}, {dV, {B, S, nh, dv}},
+                              {gdOr, {B, S, nh, dv}}, {dol, {B, S, nh, dv}}, {q, {B, S, nh, dqk}},
+                              {kk, {B, S, nh, dqk}}, {v, {B, S, nh, dv}}, {O, {B, S, nh, dv}}, {lse, {B, nh, S}},
+                              scale);
       const double tol = dt == DType::kBF16 ? 2e-2 : 3e-3;
       const std::string p = std::string(shape) + " " + to_string(dt) + " " + kernel + " ";
       check(p + "O", g.get(O, nv), want.O, tol);
@@ -915,8 +982,8 @@ void check_op_timing(Backend& cuda) {
   float *a = g.zeros<float>(size_t(n * n)), *b = g.zeros<float>(size_t(n * n)), *c = g.zeros<float>(size_t(n * n));
   cuda.take_op_times();
   cuda.set_op_timing(true);
-  for (int i = 0; i < 3; ++i) cuda.gemm(c, a, b, n, n, n, false, false, 1.0f, 0.0f);
-  cuda.fill(c, 1.0f, n * n);
+  for (int i = 0; i < 3; ++i) cuda.gemm({c, {n, n}}, {a, {n, n}}, {b, {n, n}}, false, false, 1.0f, 0.0f);
+  cuda.fill({c, {n * n}}, 1.0f);
   const std::vector<OpTime> t = cuda.take_op_times();
   cuda.set_op_timing(false);
   bool gemm = false, fill = false;
@@ -970,7 +1037,7 @@ void fill_uniform(Backend& be, void* dst, DType dt, int64_t n, uint32_t seed) {
   for (float& e : x) e = u(rng);
   DeviceBuffer tmp(be, n * 4);
   be.copy_from_host(tmp.data(), x.data(), n * 4);
-  be.convert(View{dst, dt}, f32(tmp.as<float>()), n);
+  be.convert({View{dst, dt}, {n}}, {f32(tmp.as<float>()), {n}});
   be.synchronize();
 }
 
@@ -982,7 +1049,11 @@ void bench(Backend& cuda) {
     fill_uniform(cuda, a.data(), dt, n * n, 1);
     fill_uniform(cuda, b.data(), dt, n * n, 2);
     const double s = seconds_of(
-        cuda, [&] { cuda.gemm(c.as<float>(), ConstView{a.data(), dt}, ConstView{b.data(), dt}, n, n, n, false, true, 1, 0); },
+        cuda,
+        [&] {
+          cuda.gemm({c.as<float>(), {n, n}}, {ConstView{a.data(), dt}, {n, n}}, {ConstView{b.data(), dt}, {n, n}},
+                    false, true, 1, 0);
+        },
         5);
     std::printf("gemm %s %ld^3: %.1f TFLOP/s\n", to_string(dt), long(n), 2.0 * n * n * n / s / 1e12);
   }
@@ -1005,8 +1076,7 @@ void bench(Backend& cuda) {
     for (int mode = 0; mode < 2; ++mode) {
       set_grouped(cuda, mode == 0 ? "grouped" : "loop");
       t[mode] = seconds_of(cuda, [&] {
-        cuda.gemm_grouped(C.data(), A.data(), B.data(), DType::kBF16, Ms.data(), Ns.data(), Ks.data(), E, false, true,
-                          1.0f, 0.0f);
+        cuda.gemm_grouped(gemm_problems(C.data(), A.data(), B.data(), DType::kBF16, Ms.data(), Ns.data(), Ks.data(), E, false, true), false, true, 1.0f, 0.0f);
       }, 5);
     }
     set_grouped(cuda, "grouped");
@@ -1038,19 +1108,30 @@ void bench(Backend& cuda) {
       const int64_t w = dtype_size(dt);
       DeviceBuffer q(cuda, nq * w), k(cuda, nq * w), v(cuda, nv * w), d16(cuda, nv * w), o(cuda, nv * 4),
           l(cuda, B * nh * S * 4), dq(cuda, nq * 4), dk(cuda, nq * 4), dvb(cuda, nv * 4);
-      cuda.convert(View{q.data(), dt}, f32(q32.as<float>()), nq);
-      cuda.convert(View{k.data(), dt}, f32(k32.as<float>()), nq);
-      cuda.convert(View{v.data(), dt}, f32(v32.as<float>()), nv);
-      cuda.convert(View{d16.data(), dt}, f32(dO.as<float>()), nv);
+      cuda.convert({View{q.data(), dt}, {nq}}, {f32(q32.as<float>()), {nq}});
+      cuda.convert({View{k.data(), dt}, {nq}}, {f32(k32.as<float>()), {nq}});
+      cuda.convert({View{v.data(), dt}, {nv}}, {f32(v32.as<float>()), {nv}});
+      cuda.convert({View{d16.data(), dt}, {nv}}, {f32(dO.as<float>()), {nv}});
       const ConstView Q{q.data(), dt}, K{k.data(), dt}, V{v.data(), dt}, DO{d16.data(), dt};
       double fwd = 0, bwd = 0;
       try {
         fwd = seconds_of(
-            cuda, [&] { cuda.attention_forward(o.as<float>(), l.as<float>(), Q, K, V, B, S, nh, dqk, dv, 0.07f); }, 3);
-        bwd = seconds_of(cuda, [&] {
-          cuda.attention_backward(dq.as<float>(), dk.as<float>(), dvb.as<float>(), dO.as<float>(), DO, Q, K, V,
-                                  o.as<float>(), l.as<float>(), B, S, nh, dqk, dv, 0.07f);
-        }, 3);
+            cuda,
+            [&] {
+              cuda.attention_forward({o.as<float>(), {B, S, nh, dv}}, {l.as<float>(), {B, nh, S}}, {Q, {B, S, nh, dqk}},
+                                     {K, {B, S, nh, dqk}}, {V, {B, S, nh, dv}}, 0.07f);
+            },
+            3);
+        bwd = seconds_of(
+            cuda,
+            [&] {
+              cuda.attention_backward({dq.as<float>(), {B, S, nh, dqk}}, {dk.as<float>(), {B, S, nh, dqk}},
+                                      {dvb.as<float>(), {B, S, nh, dv}}, {dO.as<float>(), {B, S, nh, dv}},
+                                      {DO, {B, S, nh, dv}}, {Q, {B, S, nh, dqk}}, {K, {B, S, nh, dqk}},
+                                      {V, {B, S, nh, dv}}, {o.as<float>(), {B, S, nh, dv}}, {l.as<float>(), {B, nh, S}},
+                                      0.07f);
+            },
+            3);
       } catch (const std::exception& e) {
         if (std::string(kernel) != "cudnn") throw;  // (cuDNN's is optional: its refusal is a skip)
         std::printf("skip attention %s %s B=%ld S=%ld dqk=%ld dv=%ld: %s\n", to_string(dt), kernel, long(B), long(S),

@@ -76,14 +76,14 @@ double gemm_peak(Backend& be, dstrain::kernels::DType dtype, int64_t n, int reps
   using dstrain::kernels::DeviceBuffer;
   const int64_t elem = int64_t(dstrain::kernels::dtype_size(dtype));
   const DeviceBuffer a32(be, n * n * 4), b32(be, n * n * 4), c(be, n * n * 4), a(be, n * n * elem), b(be, n * n * elem);
-  be.fill(a32.as<float>(), 0.5f, n * n), be.fill(b32.as<float>(), 0.25f, n * n);
-  be.convert({a.data(), dtype}, dstrain::kernels::f32(a32.as<float>()), n * n);
-  be.convert({b.data(), dtype}, dstrain::kernels::f32(b32.as<float>()), n * n);
+  be.fill({a32.as<float>(), {n * n}}, 0.5f), be.fill({b32.as<float>(), {n * n}}, 0.25f);
+  be.convert({a.data(), dtype, {n * n}}, {dstrain::kernels::f32(a32.as<float>()), {n * n}});
+  be.convert({b.data(), dtype, {n * n}}, {dstrain::kernels::f32(b32.as<float>()), {n * n}});
   double best = 0;
   for (int i = 0; i <= reps; ++i) {
     be.synchronize();
     const auto t = std::chrono::steady_clock::now();
-    be.gemm(c.as<float>(), {a.data(), dtype}, {b.data(), dtype}, n, n, n, false, false, 1.0f, 0.0f);
+    be.gemm({c.as<float>(), {n, n}}, {a.data(), dtype, {n, n}}, {b.data(), dtype, {n, n}}, false, false, 1.0f, 0.0f);
     be.synchronize();
     const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
     if (i > 0) best = std::max(best, 2.0 * double(n * n * n) / s);  // (the first run warms up)
