@@ -228,9 +228,18 @@ TEST(BackendSeam, ShapesAndTypesThatDisagreeAreRefusedNamingTheOperand) {
           be->adamw({out.f(), {64}}, {a.f(), {64}}, {out.f(), {64}}, {a.f(), {63}}, AdamWParams{});
         },
         "adamw: v is fp32 [63], expected [64]", tag);
+    // The MoE combine's backward names its own operands.
+    expect_refused([&] { be->moe_dispatch_backward({out.f(), {4, 8}}, {a.f(), {8, 6}}, {idx.data(), {4, 2}}); },
+                   "moe_dispatch_backward: dXp is fp32 [8, 6], expected [rows, 8]", tag);
+    // Element-wise ops read their size from the operand: a negative one is refused there too.
+    expect_refused([&] { be->fill({out.f(), {-2, -3}}, 1.0f); }, "fill: a negative size in y", tag);
     EXPECT_EQ(out.read(), y0) << tag;
     EXPECT_EQ(r.read(), FVec(8, 3.0f)) << tag;
   }
+  // Strides name every dimension of the shape.
+  float x = 0;
+  EXPECT_THROW(Tensor(&x, {2, 3, 4}, {12, 1}), std::invalid_argument);
+  EXPECT_EQ(Tensor().numel(), 0);  // an absent tensor has no elements
 }
 
 // Sizes are counts: a negative one, an odd rope width or tokens without positions are refused by

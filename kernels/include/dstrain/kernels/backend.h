@@ -480,7 +480,7 @@ class Backend {
   // pos int32 [N, k].
   void moe_combine(Tensor out, ConstTensor Y, ConstTensor w, ConstTensor pos) {
     const char* op = "moe_combine";
-    const auto [N, k, H] = combine_shape(op, out, pos, Y);
+    const auto [N, k, H] = combine_shape(op, out, pos, Y, {"out", "Y"});
     check(op, "w", w, DType::kF32, {N, k});
     if (N * H > 0)
       target_->moe_combine_impl(ptr<float>(op, out), k ? ptr<float>(op, Y) : Y.as<float>(), ptr<float>(op, w),
@@ -490,7 +490,7 @@ class Backend {
   // (the backends' moe_combine_impl with w null).
   void moe_dispatch_backward(Tensor dx, ConstTensor dXp, ConstTensor pos) {
     const char* op = "moe_dispatch_backward";
-    const auto [N, k, H] = combine_shape(op, dx, pos, dXp);
+    const auto [N, k, H] = combine_shape(op, dx, pos, dXp, {"dx", "dXp"});
     if (N * H > 0)
       target_->moe_combine_impl(ptr<float>(op, dx), k ? ptr<float>(op, dXp) : dXp.as<float>(), nullptr,
                                 ptr<int32_t>(op, pos), N, k, H);
@@ -500,7 +500,7 @@ class Backend {
   // 16-bit values are the fp32 ones rounded as convert() rounds them, bit for bit.
   void moe_combine_backward(Tensor dY, Tensor dw, ConstTensor dout, ConstTensor Y, ConstTensor w, ConstTensor pos) {
     const char* op = "moe_combine_backward";
-    const auto [N, k, H] = combine_shape(op, dout, pos, Y);
+    const auto [N, k, H] = combine_shape(op, dout, pos, Y, {"dout", "Y"});
     check_float_shape(op, "dY", dY, Y.shape);
     check(op, "dw", dw, DType::kF32, {N, k});
     check(op, "w", w, DType::kF32, {N, k});
@@ -862,6 +862,8 @@ class Backend {
   // The shape `shape`, no gaps.
   static void check_shape(const char* op, const char* name, const ConstTensor& t, const Dims& shape) {
     if (t.shape != shape) refuse(op, name, t, shape.str());
+    for (int i = 0; i < t.rank(); ++i)
+      if (t.size(i) < 0) throw std::invalid_argument(std::string(op) + ": a negative size in " + name + " " + t.str());
     if (!t.contiguous())
       throw std::invalid_argument(std::string(op) + ": " + name + " (" + t.str() + ") has strides " + t.strides.str() +
                                   ", expected none but the row-major ones");
@@ -942,15 +944,15 @@ class Backend {
     check_sizes(op, {p.top_k});
     return t.size(0);
   }
-  // out [N, H] (fp32), pos int32 [N, k], Y fp32 [rows, H].
-  static CombineShape combine_shape(const char* op, const ConstTensor& out, const ConstTensor& pos,
-                                    const ConstTensor& Y) {
+  // tokens [N, H] (fp32), pos int32 [N, k], rows fp32 [rows, H]; `names` are the op's for them.
+  static CombineShape combine_shape(const char* op, const ConstTensor& tokens, const ConstTensor& pos,
+                                    const ConstTensor& rows, const char* const (&names)[2]) {
     check_rank(op, "pos", pos, 2, DType::kI32);
-    check_rank(op, "out", out, 2, DType::kF32);
-    const CombineShape c{pos.size(0), pos.size(1), out.size(1)};
-    if (out.size(0) != c.N) refuse(op, "out", out, "[" + std::to_string(c.N) + ", H] (pos's rows)");
-    check_rank(op, "Y", Y, 2, DType::kF32);
-    if (Y.size(1) != c.H) refuse(op, "Y", Y, "[rows, " + std::to_string(c.H) + "]");
+    check_rank(op, names[0], tokens, 2, DType::kF32);
+    const CombineShape c{pos.size(0), pos.size(1), tokens.size(1)};
+    if (tokens.size(0) != c.N) refuse(op, names[0], tokens, "[" + std::to_string(c.N) + ", H] (pos's rows)");
+    check_rank(op, names[1], rows, 2, DType::kF32);
+    if (rows.size(1) != c.H) refuse(op, names[1], rows, "[rows, " + std::to_string(c.H) + "]");
     return c;
   }
   static Rows logits_shape(const char* op, const ConstTensor& logits) {

@@ -136,7 +136,10 @@ struct BasicTensor {
 
   BasicTensor() = default;
   BasicTensor(Ptr p, DType t, Dims s) : data(p), dtype(t), shape(s), strides(s.contiguous_strides()) {}
-  BasicTensor(Ptr p, DType t, Dims s, Dims st) : data(p), dtype(t), shape(s), strides(st) {}
+  BasicTensor(Ptr p, DType t, Dims s, Dims st) : data(p), dtype(t), shape(s), strides(st) {
+    if (st.size() != s.size())
+      throw std::invalid_argument("a tensor of shape " + s.str() + " given strides " + st.str());
+  }
   template <class T, class = std::enable_if_t<std::is_convertible_v<T*, Ptr>>,
             class = decltype(dtype_of<std::remove_const_t<T>>::value)>
   BasicTensor(T* p, Dims s) : BasicTensor(p, dtype_of<std::remove_const_t<T>>::value, s) {}
@@ -156,7 +159,7 @@ struct BasicTensor {
   int rank() const { return shape.size(); }
   int64_t size(int i) const { return shape[i]; }
   int64_t stride(int i) const { return strides[i]; }
-  int64_t numel() const { return shape.product(); }
+  int64_t numel() const { return rank() ? shape.product() : 0; }  // an absent tensor has none
   bool present() const { return data != nullptr; }
   bool contiguous() const { return strides == shape.contiguous_strides(); }
   template <class T>
