@@ -138,7 +138,7 @@ double gradient_square_sum(kernels::Backend& be, model::ParamStore& params, Rang
       const model::ParamView& v = params.view(name);
       if (v.buffer || v.expert || v.info->shard == plan::Shard::kReplicated) continue;
       const Range r = parallel::intersect({v.offset, v.offset + v.numel}, dense);
-      be.sum_squares({sum.data(), {1}}, {g + r.begin, {r.size()}}, true);
+      if (!r.empty()) be.sum_squares({sum.data(), {1}}, {g + r.begin, {r.size()}}, true);
     }
   }
   double host = 0;
